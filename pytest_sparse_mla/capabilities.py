@@ -1,0 +1,259 @@
+"""One lazy, cached probe of what this machine can run, and the evaluation of capability markers.
+
+Nothing here imports torch, triton or flashinfer at module import time, and nothing touches CUDA
+until :func:`probe` is first called (at collection time or later, never at plugin import). The
+probe runs once per process and is cached; under pytest-xdist each worker probes once, after the
+plugin has pinned that worker to its GPU (see ``xdist_gpu``).
+
+Versions are compared with :mod:`packaging` (``Version`` / ``SpecifierSet``), never as strings:
+comparing CUDA versions lexically ("12.10" < "12.3") is a known anti-pattern (sgl-project/sglang:
+sgl-kernel/tests/test_flashmla.py ``is_sm90_supported``).
+
+Markers (registered by the plugin in ``pytest_configure``):
+
+============================================  ===============================================
+``requires_cuda``                             a CUDA device is visible to torch
+``requires_sm(spec)``                         compute capability matches ``spec``: ``"12.0"``
+                                              (exact), ``"==12.*"`` (family), ``">=9.0"``
+``requires_cuda_version(spec)``               torch's CUDA toolkit version matches ``spec``
+``requires_torch(spec)``                      installed torch version matches ``spec``
+``requires_triton(spec="")``                  triton is installed (and matches ``spec``)
+``requires_flashinfer(spec="")``              flashinfer-python is installed (and matches)
+============================================  ===============================================
+
+FlashInfer's own gate for the SM120 sparse-MLA kernels is compute capability 12.x with CUDA >= 12.8
+(flashinfer-ai/flashinfer: flashinfer/utils.py ``is_sm120a_supported`` / ``is_sm12x_supported``),
+so an SM120 test is typically marked ``requires_sm("==12.*")`` and ``requires_cuda_version(">=12.8")``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "Capabilities",
+    "MARKERS",
+    "probe",
+    "evaluate_marker",
+    "is_gpu_marker",
+    "parse_sm_spec",
+]
+
+#: marker name -> one-line description (registered with ``config.addinivalue_line``).
+MARKERS: dict[str, str] = {
+    "requires_cuda": "requires_cuda: skip unless torch sees a CUDA device",
+    "requires_sm": "requires_sm(spec): skip unless the GPU compute capability matches spec, "
+    "e.g. '12.0' (exact), '==12.*' (SM12x family), '>=9.0'",
+    "requires_cuda_version": "requires_cuda_version(spec): skip unless torch's CUDA toolkit "
+    "version matches spec, e.g. '>=12.8'",
+    "requires_torch": "requires_torch(spec): skip unless the torch version matches spec",
+    "requires_triton": "requires_triton(spec=''): skip unless triton is installed (and matches)",
+    "requires_flashinfer": "requires_flashinfer(spec=''): skip unless flashinfer-python is "
+    "installed (and its version matches spec, e.g. '>=0.6.18')",
+    "sparse_mla_needs": "sparse_mla_needs(*capabilities): skip unless the implementation under "
+    "test provides every named capability (pack, page_split, sparse_mla_forward, ...)",
+    "benchmark_suite": "benchmark_suite: a pytest-benchmark measurement; excluded from the "
+    "default run (--benchmark-skip), run with --benchmark-only",
+}
+
+#: markers whose miss means "no usable GPU" (turned into errors by --sparse-mla-require-gpu).
+_GPU_MARKERS = frozenset({"requires_cuda", "requires_sm", "requires_cuda_version"})
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What the probe found. Every version is a string as the package reports it, or ``None``.
+
+    Attributes:
+        torch_version: ``torch.__version__`` (e.g. ``"2.13.0+cpu"``), ``None`` if torch is absent.
+        cuda_version: ``torch.version.cuda`` (toolkit torch was built with), ``None`` on CPU builds.
+        cuda_available: ``torch.cuda.is_available()``.
+        device_count: ``torch.cuda.device_count()`` (0 without CUDA).
+        device_name: name of the current CUDA device (after xdist pinning), or ``None``.
+        compute_capability: ``(major, minor)`` of the current device, or ``None``.
+        triton_version: distribution version of ``triton`` (read from metadata, not imported).
+        flashinfer_version: distribution version of ``flashinfer-python`` (metadata only).
+    """
+
+    torch_version: str | None = None
+    cuda_version: str | None = None
+    cuda_available: bool = False
+    device_count: int = 0
+    device_name: str | None = None
+    compute_capability: tuple[int, int] | None = None
+    triton_version: str | None = None
+    flashinfer_version: str | None = None
+    errors: tuple[str, ...] = field(default=())
+
+    @property
+    def sm(self) -> str | None:
+        """Compute capability as ``"major.minor"`` (``"9.0"`` on H200, ``"12.0"`` on SM120)."""
+        if self.compute_capability is None:
+            return None
+        return f"{self.compute_capability[0]}.{self.compute_capability[1]}"
+
+    def summary(self) -> str:
+        """One line for the pytest report header."""
+        flashinfer = self.flashinfer_version or "not installed"
+        triton = self.triton_version or "not installed"
+        if self.cuda_available:
+            gpu = f"{self.device_name} (sm {self.sm}), {self.device_count} visible"
+        else:
+            gpu = "no CUDA device"
+        return (
+            f"torch {self.torch_version or 'not installed'} (CUDA {self.cuda_version or 'none'}), "
+            f"triton {triton}, flashinfer {flashinfer}; {gpu}"
+        )
+
+
+def _dist_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+@functools.lru_cache(maxsize=1)
+def probe() -> Capabilities:
+    """Probe torch, CUDA, Triton and FlashInfer once per process (cached).
+
+    Imports torch (never triton or flashinfer: their versions come from package metadata, so a
+    FlashInfer wheel that needs a GPU toolchain to import cannot break collection on CPU).
+
+    Returns:
+        A frozen :class:`Capabilities`. Probe failures are recorded in ``errors``, never raised.
+    """
+    errors: list[str] = []
+    kwargs: dict[str, Any] = {
+        "triton_version": _dist_version("triton"),
+        "flashinfer_version": _dist_version("flashinfer-python"),
+    }
+    try:
+        import torch
+    except ImportError as exc:  # pragma: no cover - torch is a hard dependency
+        errors.append(f"torch import failed: {exc}")
+        return Capabilities(errors=tuple(errors), **kwargs)
+    kwargs["torch_version"] = str(torch.__version__)
+    kwargs["cuda_version"] = torch.version.cuda
+    try:
+        available = bool(torch.cuda.is_available())
+    except Exception as exc:  # pragma: no cover - broken driver
+        errors.append(f"torch.cuda.is_available() raised: {exc}")
+        available = False
+    kwargs["cuda_available"] = available
+    if available:
+        try:
+            kwargs["device_count"] = int(torch.cuda.device_count())
+            index = torch.cuda.current_device()
+            kwargs["device_name"] = torch.cuda.get_device_name(index)
+            kwargs["compute_capability"] = tuple(torch.cuda.get_device_capability(index))
+        except Exception as exc:  # pragma: no cover - broken driver
+            errors.append(f"CUDA device query raised: {exc}")
+    return Capabilities(errors=tuple(errors), **kwargs)
+
+
+def parse_sm_spec(spec: str | float | int | tuple[int, int]) -> str:
+    """Normalise a compute-capability spec into a ``packaging`` specifier string.
+
+    ``"12.0"``, ``12.0`` and ``(12, 0)`` mean exactly 12.0 (``"==12.0"``); ``"12"`` means the
+    whole family (``"==12.*"``); strings with an operator (``">=9.0"``, ``"==12.*"``) pass through.
+
+    Raises:
+        ValueError: ``spec`` is not a version, a ``(major, minor)`` tuple or a valid specifier.
+    """
+    from packaging.specifiers import InvalidSpecifier, SpecifierSet
+
+    if isinstance(spec, tuple):
+        if len(spec) != 2 or not all(isinstance(v, int) for v in spec):
+            raise ValueError(f"requires_sm: spec={spec!r}; expected a (major, minor) tuple of ints")
+        text = f"=={spec[0]}.{spec[1]}"
+    else:
+        text = str(spec).strip()
+        if text and text[0].isdigit():
+            text = f"=={text}.*" if "." not in text else f"=={text}"
+    try:
+        SpecifierSet(text)
+    except InvalidSpecifier as exc:
+        raise ValueError(
+            f"requires_sm: spec={spec!r} is not a compute-capability specifier; "
+            "expected e.g. '12.0', '==12.*' or '>=9.0'"
+        ) from exc
+    return text
+
+
+def _matches(found: str, spec: str) -> bool:
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    # Local build tags ("+cpu", "+cu130") must not make "2.13.0+cpu" fail ">=2.4".
+    return Version(Version(found).base_version) in SpecifierSet(spec, prereleases=True)
+
+
+def _spec_arg(mark: Any, default: str = "") -> str:
+    if mark.args:
+        return str(mark.args[0])
+    return str(mark.kwargs.get("spec", default))
+
+
+def evaluate_marker(name: str, mark: Any, caps: Capabilities) -> str | None:
+    """Return the skip reason for capability marker ``mark`` on ``caps``, or ``None`` if it runs.
+
+    Reasons say what is required and what was found, e.g.
+    ``"requires compute capability ==12.0; found 9.0 (NVIDIA H200)"``.
+
+    Raises:
+        ValueError: the marker's spec is malformed (reported as a usage error by the plugin).
+    """
+    from packaging.specifiers import InvalidSpecifier, SpecifierSet
+
+    def check_spec(spec: str) -> None:
+        try:
+            SpecifierSet(spec)
+        except InvalidSpecifier as exc:
+            raise ValueError(f"{name}: spec={spec!r} is not a version specifier") from exc
+
+    if name == "requires_cuda":
+        if not caps.cuda_available:
+            return f"requires a CUDA device; found none (torch {caps.torch_version}, " \
+                f"CUDA build {caps.cuda_version or 'none'})"
+        return None
+    if name == "requires_sm":
+        if not mark.args and "spec" not in mark.kwargs:
+            raise ValueError("requires_sm: missing spec; expected e.g. requires_sm('12.0')")
+        spec = parse_sm_spec(mark.args[0] if mark.args else mark.kwargs["spec"])
+        if caps.sm is None:
+            return f"requires compute capability {spec}; found no CUDA device"
+        if not _matches(caps.sm, spec):
+            return f"requires compute capability {spec}; found {caps.sm} ({caps.device_name})"
+        return None
+    if name == "requires_cuda_version":
+        spec = _spec_arg(mark)
+        check_spec(spec)
+        if caps.cuda_version is None:
+            return f"requires CUDA toolkit {spec}; torch {caps.torch_version} has no CUDA"
+        if not _matches(caps.cuda_version, spec):
+            return f"requires CUDA toolkit {spec}; found {caps.cuda_version}"
+        return None
+    packages = {
+        "requires_torch": ("torch", caps.torch_version),
+        "requires_triton": ("triton", caps.triton_version),
+        "requires_flashinfer": ("flashinfer-python", caps.flashinfer_version),
+    }
+    if name in packages:
+        package, found = packages[name]
+        spec = _spec_arg(mark)
+        check_spec(spec)
+        if found is None:
+            return f"requires {package}{spec}; not installed"
+        if spec and not _matches(found, spec):
+            return f"requires {package}{spec}; found {found}"
+        return None
+    return None
+
+
+def is_gpu_marker(name: str) -> bool:
+    """True for markers whose miss means "no usable GPU" (see ``--sparse-mla-require-gpu``)."""
+    return name in _GPU_MARKERS

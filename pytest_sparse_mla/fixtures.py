@@ -1,0 +1,128 @@
+"""Fixtures of pytest-sparse-mla, registered by the plugin (``pytest --fixtures -p sparse_mla`` lists them).
+
+Downstream suites use them by name; no import is needed once the plugin is loaded. This module
+imports torch lazily (inside fixture bodies), so loading the plugin stays light.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from pytest_sparse_mla import capabilities, options
+
+if TYPE_CHECKING:
+    import torch
+
+    from pytest_sparse_mla.data import PackedKVCache
+
+
+@pytest.fixture(scope="session")
+def sparse_mla_options(pytestconfig: pytest.Config) -> options.SparseMlaOptions:
+    """The parsed ``--sparse-mla-*`` options of this session (:class:`options.SparseMlaOptions`)."""
+    return options.get_options(pytestconfig)
+
+
+@pytest.fixture(scope="session")
+def sparse_mla_capabilities() -> capabilities.Capabilities:
+    """What this machine offers: torch/CUDA/triton/flashinfer versions, GPU name and compute
+    capability (:class:`capabilities.Capabilities`; probed once per process, cached)."""
+    return capabilities.probe()
+
+
+@pytest.fixture(scope="session")
+def sparse_mla_device(
+    sparse_mla_options: options.SparseMlaOptions,
+    sparse_mla_capabilities: capabilities.Capabilities,
+) -> torch.device:
+    """The ``torch.device`` the suites run on, from ``--sparse-mla-device``.
+
+    ``auto`` is ``cuda`` when torch sees a CUDA device, else ``cpu``. ``cuda`` without a device
+    skips the test (fails under ``--sparse-mla-require-gpu``). Under pytest-xdist each worker sees
+    only the GPU it was pinned to, so ``cuda`` means that GPU.
+    """
+    import torch
+
+    wanted = sparse_mla_options.device
+    if wanted == "cpu" or (wanted == "auto" and not sparse_mla_capabilities.cuda_available):
+        if sparse_mla_options.require_gpu:
+            pytest.fail(
+                f"--sparse-mla-require-gpu: the suites would run on the CPU "
+                f"(--sparse-mla-device={wanted}, CUDA available: "
+                f"{sparse_mla_capabilities.cuda_available})",
+                pytrace=False,
+            )
+        return torch.device("cpu")
+    if not sparse_mla_capabilities.cuda_available:
+        message = f"--sparse-mla-device=cuda: no CUDA device ({sparse_mla_capabilities.summary()})"
+        if sparse_mla_options.require_gpu:
+            pytest.fail(f"--sparse-mla-require-gpu: {message}", pytrace=False)
+        pytest.skip(message)
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+@pytest.fixture
+def sparse_mla_seed(request: pytest.FixtureRequest, sparse_mla_options: options.SparseMlaOptions) -> int:
+    """A per-test seed (int in ``[0, 2**31)``): ``--sparse-mla-seed`` mixed with the test's node id
+    by CRC-32, so every test draws different data, reproducibly, on any xdist worker."""
+    node = zlib.crc32(request.node.nodeid.encode())
+    return (sparse_mla_options.seed * 1_000_003 + node) % (2**31)
+
+
+@pytest.fixture
+def sparse_mla_generator(sparse_mla_seed: int) -> torch.Generator:
+    """A CPU ``torch.Generator`` seeded with :func:`sparse_mla_seed`.
+
+    Draw on the CPU and move to the device: the same seed then gives bit-identical inputs on CPU
+    and CUDA (see ``pytest_sparse_mla.data``).
+    """
+    import torch
+
+    return torch.Generator(device="cpu").manual_seed(sparse_mla_seed)
+
+
+@pytest.fixture
+def packed_kv_cache_factory(
+    sparse_mla_seed: int, sparse_mla_device: torch.device
+) -> Callable[..., PackedKVCache]:
+    """Factory for packed FP8 KV caches with their BF16 source and dequantized values.
+
+    Call it as ``packed_kv_cache_factory(fmt="dsv4", num_pages=4, page_block_size=64,
+    page_stride="padded", form="nhd", distribution="flashinfer", scale_rule="flashmla",
+    seed=None, device=None)``:
+
+    * ``fmt``: ``"dsv4"`` (584 B/token, footer scales) or ``"dsv3_2"`` (656 B/token, inline);
+    * ``page_block_size``: tokens per page (DeepSeek-V4 pools: 256 SWA, 64 C4, 2 C128);
+    * ``page_stride``: ``"tight"`` (``ps*B``), ``"padded"`` (FlashMLA/SGLang: 37,440 B at ps=64)
+      or a byte count (a multiple of 16, ``>= ps*B``);
+    * ``form``: ``"2d"`` ``[P, ps*B]``, ``"3d"`` ``[P, ps, B]``, ``"hnd"`` ``[P, 1, ps, B]``,
+      ``"nhd"`` ``[P, ps, 1, B]``;
+    * ``distribution``: ``"flashinfer"``, ``"uniform"`` or ``"wide"`` (``pytest_sparse_mla.data``);
+    * ``seed``: overrides the per-test seed; each call without one draws fresh data;
+    * ``device``: overrides :func:`sparse_mla_device`.
+
+    Returns a :class:`pytest_sparse_mla.data.PackedKVCache` (``packed`` uint8 tensor, ``source``
+    BF16 ``[P, ps, d_qk]``, ``dequantized`` fp32 ``[P, ps, d_qk]``, ``layout``).
+
+    Raises ``TypeError`` / ``ValueError`` for bad arguments (see ``formats.quantize_pack``).
+    """
+    import torch
+
+    from pytest_sparse_mla import data
+
+    calls = 0
+
+    def make(*, seed: int | None = None, device: Any = None, **kwargs: Any) -> PackedKVCache:
+        nonlocal calls
+        calls += 1
+        generator = torch.Generator().manual_seed(
+            seed if seed is not None else (sparse_mla_seed + 7919 * calls) % (2**31)
+        )
+        return data.make_packed_cache(
+            generator, device=sparse_mla_device if device is None else device, **kwargs
+        )
+
+    return make

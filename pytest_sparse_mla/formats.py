@@ -1,0 +1,613 @@
+"""Packed FP8 paged KV-cache formats: byte geometry, quantize + pack, unpack + dequantize, tensor forms.
+
+Two formats (facts from ``shared/reference/dsv4-format-and-math.md`` section 1):
+
+**DSV4** (DeepSeek-V4, FlashInfer model type 1), 584 bytes/token, *footer* layout. A page of
+``ps`` tokens (``ps`` = ``page_block_size``) holds:
+
+* bytes ``[0, ps*576)``: token data; slot ``t`` owns ``[t*576, t*576+576)`` = 448 E4M3 NoPE codes,
+  then 64 little-endian BF16 RoPE values (128 bytes);
+* bytes ``[ps*576, ps*584)``: scale footer; slot ``t`` owns the 8 bytes at ``ps*576 + t*8``: 7 UE8M0
+  exponent bytes (one per group of 64 NoPE values), then 1 pad byte that nothing reads;
+* bytes ``[ps*584, page_stride)``: optional page padding, never read.
+
+Sources: flashinfer-ai/flashinfer ``include/flashinfer/attention/sparse_mla_sm120/model/kv_cache_traits.cuh``
+(DSV4 comment block; ``BYTES_PER_TOKEN == 584``) and ``common/kv_cache_io.cuh``
+(``io_bulk_gather_tile`` / ``io_gather_scales``). The ``[.., ps, 584]`` shape is cosmetic: row ``t``
+of that view is *not* token ``t``'s record.
+
+**DSV3.2**, 656 bytes/token, *inline* layout: each token's record is contiguous: 512 E4M3 NoPE codes,
+4 little-endian fp32 power-of-two scales (groups of 128), 64 BF16 RoPE values
+(deepseek-ai/FlashMLA README and ``flash_mla/flash_mla_interface.py`` docstring).
+
+Scale rule (writer side): per token and NoPE group, ``s = 2**ceil(log2(max(amax/448, 1e-4)))``
+(``scale_rule="flashmla"``: deepseek-ai/FlashMLA ``tests/quant.py``; FlashInfer
+``tests/attention/sparse_mla_test_utils.py`` ``quantize_kv_dsv4``) or SGLang's
+``s = 2**ceil(log2(max(amax, 1e-8)/448))`` (``scale_rule="sglang"``: sgl-project/sglang
+``python/sglang/kernels/ops/attention/dsv4/quant_k_cache.py``). The ceiling is computed exactly
+from the fp32 value of ``amax/448`` with ``frexp`` (no floating ``log2``), so values just above a
+power of two get the next exponent. Codes are ``float8_e4m3fn(clamp(x/s, -448, 448))``, rounded to
+nearest even by torch's cast. The UE8M0 byte is ``127 + log2(s)``.
+
+Page strides: ``"tight"`` = ``ps * bytes_per_token``; ``"padded"`` = the FlashMLA/SGLang convention,
+for DSV4 ``ceil(ps*584/576)*576`` (37,440 B at ps=64, 74,880 at 128, 149,760 at 256; FlashMLA
+``tests/quant.py`` MODEL1 branch, SGLang ``deepseek_v4_memory_pool.py``), for DSV3.2 one extra 656-byte
+row, ``(ps+1)*656`` (FlashMLA ``tests/quant.py`` V32 branch); or an explicit byte count.
+
+Tensor forms (FlashInfer ``csrc/sparse_mla_sm120/attention_validation.h`` ``parse_paged_kv_layout``):
+``"2d"`` ``[P, ps*B]``, ``"3d"`` ``[P, ps, B]``, ``"hnd"`` ``[P, 1, ps, B]``, ``"nhd"`` ``[P, ps, 1, B]``
+(B = bytes per token). Rules: dtype uint8; last dim contiguous; token-axis stride exactly B (DSV4
+footer rows "must stay tightly packed"; DSV3.2 rows may be padded to a 16-byte multiple >= B); page
+stride (``stride(0)``) ``>= ps*B`` and a multiple of 16; data pointer 16-byte aligned. A flat token
+index is ``page * ps + slot``.
+
+Non-finite inputs: :func:`quantize_pack` rejects NaN/inf in the BF16 source with ``ValueError``
+(the FP8 code of a non-finite value is not specified by the FlashMLA/FlashInfer writers, so a
+golden built from it would freeze undefined behaviour). :func:`unpack_dequantize` decodes whatever
+bytes it is given (a 0xFF scale byte decodes to +inf, as in the kernels).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Union
+
+import torch
+
+__all__ = [
+    "PackedFormat",
+    "DSV4",
+    "DSV3_2",
+    "FORMATS",
+    "FORMS",
+    "E4M3_MAX",
+    "CacheLayout",
+    "get_format",
+    "page_stride_bytes",
+    "parse_cache",
+    "page_bytes_view",
+    "allocate_pages",
+    "as_form",
+    "scale_exponents",
+    "quantize_pack",
+    "unpack_dequantize",
+    "unpack_fields",
+    "flat_token_index",
+]
+
+E4M3_MAX = 448.0
+Form = Literal["2d", "3d", "hnd", "nhd"]
+FORMS: tuple[str, ...] = ("2d", "3d", "hnd", "nhd")
+StrideSpec = Union[Literal["tight", "padded"], int]
+ScaleRule = Literal["flashmla", "sglang"]
+
+
+@dataclass(frozen=True)
+class PackedFormat:
+    """Byte geometry of one packed FP8 KV-cache format (all sizes in bytes unless named ``d_*``).
+
+    Attributes:
+        name: ``"dsv4"`` or ``"dsv3_2"``.
+        bytes_per_token: 584 (DSV4) or 656 (DSV3.2).
+        d_qk: query/key width: 512 (DSV4: 448 NoPE + 64 RoPE) or 576 (DSV3.2: 512 + 64).
+        d_v: value width, 512 for both (DSV4: the whole latent row; DSV3.2: the NoPE part).
+        d_nope: FP8-quantized elements per token: 448 or 512.
+        d_rope: BF16 elements per token: 64.
+        group_size: NoPE elements per scale: 64 (UE8M0, DSV4) or 128 (fp32, DSV3.2).
+        layout: ``"footer"`` (scales after all token data of a page) or ``"inline"``.
+        pad_row_alignment: the padded page stride is rounded up to a multiple of this (DSV4: 576,
+            FlashMLA's TMA row; DSV3.2: not used, one extra row is added instead).
+    """
+
+    name: str
+    bytes_per_token: int
+    d_qk: int
+    d_v: int
+    d_nope: int
+    d_rope: int
+    group_size: int
+    layout: str
+
+    @property
+    def num_scales(self) -> int:
+        """Scales per token: 7 (DSV4) or 4 (DSV3.2)."""
+        return self.d_nope // self.group_size
+
+    @property
+    def data_bytes_per_token(self) -> int:
+        """Token data bytes (codes + RoPE): 576 for DSV4; 656 (the whole row) for DSV3.2."""
+        if self.layout == "footer":
+            return self.d_nope + 2 * self.d_rope
+        return self.bytes_per_token
+
+    @property
+    def scale_bytes_per_token(self) -> int:
+        """Scale bytes per token: 8 for DSV4 (7 UE8M0 + 1 pad), 16 for DSV3.2 (4 fp32)."""
+        if self.layout == "footer":
+            return self.bytes_per_token - self.data_bytes_per_token
+        return 4 * self.num_scales
+
+
+DSV4 = PackedFormat("dsv4", 584, 512, 512, 448, 64, 64, "footer")
+DSV3_2 = PackedFormat("dsv3_2", 656, 576, 512, 512, 64, 128, "inline")
+FORMATS: dict[str, PackedFormat] = {DSV4.name: DSV4, DSV3_2.name: DSV3_2}
+
+
+def get_format(fmt: PackedFormat | str) -> PackedFormat:
+    """Resolve ``"dsv4"`` / ``"dsv3_2"`` (or a :class:`PackedFormat`) to a format.
+
+    Raises:
+        ValueError: unknown name.
+    """
+    if isinstance(fmt, PackedFormat):
+        return fmt
+    try:
+        return FORMATS[fmt]
+    except KeyError:
+        raise ValueError(f"fmt={fmt!r}: expected one of {sorted(FORMATS)}") from None
+
+
+def _check_page_block_size(page_block_size: object, name: str = "page_block_size") -> int:
+    if isinstance(page_block_size, bool) or not isinstance(page_block_size, int):
+        raise TypeError(f"{name}={page_block_size!r}: expected a positive int (tokens per page)")
+    if page_block_size <= 0:
+        raise ValueError(f"{name}={page_block_size}: expected a positive number of tokens per page")
+    return page_block_size
+
+
+def page_stride_bytes(fmt: PackedFormat | str, page_block_size: int, stride: StrideSpec = "tight") -> int:
+    """Page stride in bytes for ``stride`` = ``"tight"``, ``"padded"`` or an explicit byte count.
+
+    DSV4 padded: ``ceil(ps*584/576)*576`` (1,728 / 37,440 / 74,880 / 149,760 bytes for ps 2 / 64 /
+    128 / 256). DSV3.2 padded: ``(ps+1)*656``. Sources in the module docstring.
+
+    Raises:
+        ValueError: an explicit stride smaller than ``ps*bytes_per_token`` or not a multiple of 16,
+            or an unknown stride name.
+    """
+    f = get_format(fmt)
+    ps = _check_page_block_size(page_block_size)
+    logical = ps * f.bytes_per_token
+    if stride == "tight":
+        return logical
+    if stride == "padded":
+        if f.layout == "footer":
+            row = f.data_bytes_per_token
+            return -(-logical // row) * row
+        return (ps + 1) * f.bytes_per_token
+    if isinstance(stride, bool) or not isinstance(stride, int):
+        raise ValueError(f"page_stride={stride!r}: expected 'tight', 'padded' or a byte count")
+    if stride < logical or stride % 16:
+        raise ValueError(
+            f"page_stride={stride}: expected a multiple of 16 bytes that is >= "
+            f"page_block_size*{f.bytes_per_token} = {logical}"
+        )
+    return stride
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """Geometry of a packed cache tensor, as parsed by :func:`parse_cache`.
+
+    Attributes:
+        fmt: the packed format.
+        form: ``"2d"``, ``"3d"``, ``"hnd"`` or ``"nhd"``.
+        num_pages: number of pages (``shape[0]``).
+        page_block_size: tokens per page.
+        page_stride: ``stride(0)`` in bytes.
+        token_stride: bytes between consecutive token rows (``bytes_per_token`` except for padded
+            DSV3.2 rows; 2-D tensors report ``bytes_per_token``).
+    """
+
+    fmt: PackedFormat
+    form: str
+    num_pages: int
+    page_block_size: int
+    page_stride: int
+    token_stride: int
+
+    @property
+    def num_tokens(self) -> int:
+        """``num_pages * page_block_size``: the number of flat token indices."""
+        return self.num_pages * self.page_block_size
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of a page that hold data: ``page_block_size * token_stride``."""
+        return self.page_block_size * self.token_stride
+
+
+def parse_cache(
+    cache: torch.Tensor,
+    fmt: PackedFormat | str = DSV4,
+    *,
+    page_block_size: int | None = None,
+    name: str = "kv_cache",
+) -> CacheLayout:
+    """Validate a packed cache tensor and return its :class:`CacheLayout`.
+
+    Args:
+        cache: uint8 tensor in one of the forms ``[P, ps*B]``, ``[P, ps, B]``, ``[P, 1, ps, B]``
+            (HND) or ``[P, ps, 1, B]`` (NHD).
+        fmt: the packed format.
+        page_block_size: for 2-D tensors, the tokens per page if the caller knows it (it must
+            agree with ``shape[1] / B``); for other forms, if given, it must equal the shape's.
+        name: argument name used in error messages (``"kv_cache"``, ``"extra_kv_cache"``).
+
+    Raises:
+        TypeError: not a tensor, or dtype is not ``torch.uint8`` (view FP8 caches with
+            ``.view(torch.uint8)`` first).
+        ValueError: ndim not in 2..4; last dim not contiguous; wrong last dim; token-axis stride
+            not exactly B (DSV4); page stride smaller than ``ps*B`` or not a multiple of 16; data
+            pointer not 16-byte aligned; 4-D without a singleton head axis; zero pages or tokens;
+            ``page_block_size`` disagreeing with the shape.
+    """
+    f = get_format(fmt)
+    bpt = f.bytes_per_token
+    if not isinstance(cache, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(cache).__name__}")
+    if cache.dtype != torch.uint8:
+        raise TypeError(
+            f"{name}.dtype={cache.dtype}: expected torch.uint8 (a packed {f.name} byte cache; "
+            "view FP8 tensors with .view(torch.uint8))"
+        )
+    if cache.dim() not in (2, 3, 4):
+        raise ValueError(
+            f"{name}.ndim={cache.dim()} (shape {tuple(cache.shape)}): expected a 2-D, 3-D or 4-D "
+            "packed cache ([P, ps*B], [P, ps, B], [P, 1, ps, B] HND or [P, ps, 1, B] NHD)"
+        )
+    if cache.shape[-1] > 0 and cache.stride(-1) != 1:
+        raise ValueError(f"{name}.stride(-1)={cache.stride(-1)}: the last dim must be contiguous")
+    num_pages = int(cache.shape[0])
+    if num_pages == 0:
+        raise ValueError(f"{name}.shape={tuple(cache.shape)}: expected at least one page")
+    if cache.dim() == 2:
+        width = int(cache.shape[1])
+        if width == 0 or width % bpt:
+            raise ValueError(
+                f"{name}.shape[1]={width}: a 2-D {f.name} cache must be [num_pages, ps*{bpt}] with "
+                f"a whole number of {bpt}-byte tokens per page (slice padded pages to [:, :ps*{bpt}])"
+            )
+        ps = width // bpt
+        form = "2d"
+        token_stride = bpt
+    else:
+        if cache.shape[-1] != bpt:
+            raise ValueError(
+                f"{name}.shape[-1]={cache.shape[-1]}: expected {bpt} bytes per {f.name} token"
+            )
+        if cache.dim() == 3:
+            ps, token_axis, form = int(cache.shape[1]), 1, "3d"
+        elif cache.shape[1] == 1:
+            ps, token_axis, form = int(cache.shape[2]), 2, "hnd"
+        elif cache.shape[2] == 1:
+            ps, token_axis, form = int(cache.shape[1]), 1, "nhd"
+        else:
+            raise ValueError(
+                f"{name}.shape={tuple(cache.shape)}: a 4-D cache needs a singleton KV-head axis "
+                f"([P, 1, ps, {bpt}] HND or [P, ps, 1, {bpt}] NHD)"
+            )
+        if ps == 0:
+            raise ValueError(f"{name}.shape={tuple(cache.shape)}: page capacity must be positive")
+        token_stride = int(cache.stride(token_axis)) if ps > 1 else bpt
+        if f.layout == "footer" and token_stride != bpt:
+            raise ValueError(
+                f"{name}.stride({token_axis})={token_stride}: footer-scale {f.name} rows must stay "
+                f"tightly packed; expected a token-axis stride of exactly {bpt} bytes"
+            )
+        if f.layout == "inline" and (token_stride < bpt or token_stride % 16):
+            raise ValueError(
+                f"{name}.stride({token_axis})={token_stride}: expected a token-axis stride >= {bpt} "
+                "bytes and a multiple of 16"
+            )
+    if page_block_size is not None:
+        _check_page_block_size(page_block_size)
+        if page_block_size != ps:
+            raise ValueError(
+                f"page_block_size={page_block_size} disagrees with {name}.shape={tuple(cache.shape)}, "
+                f"which holds {ps} tokens per page"
+            )
+    page_stride = int(cache.stride(0))
+    if page_stride < ps * token_stride:
+        raise ValueError(
+            f"{name}.stride(0)={page_stride}: the page stride must be >= page_block_size*"
+            f"{token_stride} = {ps * token_stride} bytes"
+        )
+    if page_stride % 16:
+        raise ValueError(
+            f"{name}.stride(0)={page_stride}: the page stride must be a multiple of 16 bytes"
+        )
+    if cache.data_ptr() % 16:
+        raise ValueError(
+            f"{name}.data_ptr()={cache.data_ptr():#x}: the data pointer must be 16-byte aligned"
+        )
+    return CacheLayout(f, form, num_pages, ps, page_stride, token_stride)
+
+
+def page_bytes_view(cache: torch.Tensor, layout: CacheLayout) -> torch.Tensor:
+    """A ``[num_pages, page_bytes]`` uint8 view of the bytes of each page that hold data.
+
+    The view shares storage with ``cache`` and keeps its page stride, so it is the one "raw page"
+    accessor both unpacking and the page split use. Padding past ``page_bytes`` is not included.
+    """
+    return torch.as_strided(
+        cache,
+        (layout.num_pages, layout.page_bytes),
+        (layout.page_stride, 1),
+        cache.storage_offset(),
+    )
+
+
+def allocate_pages(
+    num_pages: int,
+    page_stride: int,
+    *,
+    device: torch.device | str = "cpu",
+    fill: int = 0,
+) -> torch.Tensor:
+    """Allocate a ``[num_pages, page_stride]`` uint8 page buffer filled with ``fill`` (bytes).
+
+    Raises:
+        ValueError: ``num_pages`` < 1, ``page_stride`` < 1 or ``fill`` outside 0..255.
+    """
+    if num_pages < 1 or page_stride < 1:
+        raise ValueError(f"num_pages={num_pages}, page_stride={page_stride}: expected positive ints")
+    if not 0 <= fill <= 255:
+        raise ValueError(f"fill={fill}: expected a byte value 0..255")
+    return torch.full((num_pages, page_stride), fill, dtype=torch.uint8, device=device)
+
+
+def as_form(
+    buffer: torch.Tensor,
+    fmt: PackedFormat | str,
+    page_block_size: int,
+    form: str = "nhd",
+) -> torch.Tensor:
+    """View a ``[num_pages, page_stride]`` uint8 page buffer as a packed cache of ``form``.
+
+    The returned view keeps the buffer's page stride. The 2-D form is ``[P, ps*B]`` (a padded
+    buffer stays padded through ``stride(0)``), the others follow the module docstring; a
+    contiguous HND view has a head-axis stride of ``ps*B`` as in FlashInfer's tests
+    (``kv_packed.transpose(1, 2).contiguous()``).
+
+    Raises:
+        ValueError: unknown ``form``, a non-2-D or non-uint8 buffer, or a buffer whose rows are
+            shorter than ``ps*B``.
+    """
+    f = get_format(fmt)
+    ps = _check_page_block_size(page_block_size)
+    bpt = f.bytes_per_token
+    if buffer.dtype != torch.uint8 or buffer.dim() != 2:
+        raise ValueError(
+            f"buffer: expected a 2-D uint8 page buffer, got {buffer.dtype} {tuple(buffer.shape)}"
+        )
+    if buffer.shape[1] < ps * bpt:
+        raise ValueError(f"buffer.shape[1]={buffer.shape[1]}: expected >= ps*{bpt} = {ps * bpt}")
+    p, s0, off = int(buffer.shape[0]), int(buffer.stride(0)), buffer.storage_offset()
+    if form == "2d":
+        return torch.as_strided(buffer, (p, ps * bpt), (s0, 1), off)
+    if form == "3d":
+        return torch.as_strided(buffer, (p, ps, bpt), (s0, bpt, 1), off)
+    if form == "nhd":
+        return torch.as_strided(buffer, (p, ps, 1, bpt), (s0, bpt, bpt, 1), off)
+    if form == "hnd":
+        return torch.as_strided(buffer, (p, 1, ps, bpt), (s0, ps * bpt, bpt, 1), off)
+    raise ValueError(f"form={form!r}: expected one of {FORMS}")
+
+
+def _pow2_exponent_ceil(x: torch.Tensor) -> torch.Tensor:
+    """Exact ``ceil(log2(x))`` for positive finite fp32 ``x`` (int32), via ``frexp``."""
+    mantissa, exponent = torch.frexp(x)
+    # x = m * 2**e with m in [0.5, 1): x is a power of two iff m == 0.5, then log2(x) = e - 1.
+    return torch.where(mantissa == 0.5, exponent - 1, exponent).to(torch.int32)
+
+
+def scale_exponents(amax: torch.Tensor, rule: ScaleRule = "flashmla") -> torch.Tensor:
+    """Power-of-two scale exponents ``e`` (scale ``s = 2**e``) for group maxima ``amax``.
+
+    Args:
+        amax: fp32 tensor of non-negative group maxima ``max |x|``.
+        rule: ``"flashmla"``: ``e = ceil(log2(max(amax/448, 1e-4)))`` (smallest ``e`` is -13, UE8M0
+            byte 114); ``"sglang"``: ``e = ceil(log2(max(amax, 1e-8)/448))``. Sources in the module
+            docstring. ``amax/448`` and the floors are evaluated in fp32, as the writers do.
+
+    Returns:
+        int32 tensor of exponents, same shape; the UE8M0 byte is ``127 + e``.
+
+    Raises:
+        ValueError: unknown rule.
+    """
+    a = amax.to(torch.float32)
+    if rule == "flashmla":
+        x = torch.clamp(a / E4M3_MAX, min=1e-4)
+    elif rule == "sglang":
+        x = torch.clamp(a, min=1e-8) / E4M3_MAX
+    else:
+        raise ValueError(f"scale_rule={rule!r}: expected 'flashmla' or 'sglang'")
+    return _pow2_exponent_ceil(x)
+
+
+def _check_source(source: torch.Tensor, f: PackedFormat) -> None:
+    if not isinstance(source, torch.Tensor):
+        raise TypeError(f"source: expected a torch.Tensor, got {type(source).__name__}")
+    if source.dtype != torch.bfloat16:
+        raise TypeError(f"source.dtype={source.dtype}: expected torch.bfloat16 latent rows")
+    if source.dim() != 3 or source.shape[-1] != f.d_qk:
+        raise ValueError(
+            f"source.shape={tuple(source.shape)}: expected [num_pages, page_block_size, {f.d_qk}] "
+            f"for {f.name}"
+        )
+    if source.shape[0] < 1 or source.shape[1] < 1:
+        raise ValueError(f"source.shape={tuple(source.shape)}: expected at least one page and token")
+    finite = torch.isfinite(source)
+    if not bool(finite.all()):
+        bad = (~finite).nonzero()[0].tolist()
+        count = int((~finite).sum())
+        raise ValueError(
+            f"source holds {count} non-finite value(s) (first at [page, slot, dim] = {bad}); "
+            "NaN/inf have no specified FP8 encoding, so packing refuses them"
+        )
+
+
+def _quantize_groups(
+    nope: torch.Tensor, group_size: int, rule: ScaleRule
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``[..., n]`` fp32 NoPE values in groups: (E4M3 code bytes, int32 exponents)."""
+    shape = nope.shape
+    groups = nope.reshape(*shape[:-1], shape[-1] // group_size, group_size)
+    exponents = scale_exponents(groups.abs().amax(dim=-1), rule)
+    scaled = torch.ldexp(groups, (-exponents).unsqueeze(-1).to(groups.dtype))
+    codes = scaled.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+    return codes.reshape(shape), exponents
+
+
+def quantize_pack(
+    source: torch.Tensor,
+    fmt: PackedFormat | str = DSV4,
+    *,
+    page_stride: StrideSpec = "tight",
+    form: str = "nhd",
+    scale_rule: ScaleRule = "flashmla",
+    pad_fill: int = 0,
+) -> torch.Tensor:
+    """Quantize BF16 latent rows and pack them into a paged FP8 cache.
+
+    Args:
+        source: ``[num_pages, page_block_size, d_qk]`` BF16 (d_qk 512 for DSV4, 576 for DSV3.2),
+            finite, on any device; the cache is built on the same device.
+        fmt: ``DSV4`` / ``"dsv4"`` or ``DSV3_2`` / ``"dsv3_2"``.
+        page_stride: ``"tight"``, ``"padded"`` or an explicit byte count (see :func:`page_stride_bytes`).
+        form: tensor form of the result: ``"2d"``, ``"3d"``, ``"hnd"`` or ``"nhd"``.
+        scale_rule: ``"flashmla"`` (default) or ``"sglang"``; see :func:`scale_exponents`.
+        pad_fill: byte written to the DSV4 scale pad byte and to page padding (0 like FlashInfer's
+            and SGLang's writers; tests use other values to prove nothing reads them).
+
+    Returns:
+        A uint8 view in ``form`` over a ``[num_pages, page_stride]`` buffer.
+
+    Raises:
+        TypeError: ``source`` is not a BF16 tensor.
+        ValueError: wrong shape, non-finite values, bad stride, form or scale rule.
+    """
+    f = get_format(fmt)
+    _check_source(source, f)
+    num_pages, ps, _ = (int(v) for v in source.shape)
+    stride = page_stride_bytes(f, ps, page_stride)
+    buffer = allocate_pages(num_pages, stride, device=source.device, fill=pad_fill)
+    x = source.to(torch.float32)
+    codes, exponents = _quantize_groups(x[..., : f.d_nope], f.group_size, scale_rule)
+    rope = source[..., f.d_nope :].contiguous().view(torch.uint8)  # [P, ps, 128]
+    if f.layout == "footer":
+        data = torch.cat([codes, rope], dim=-1).reshape(num_pages, ps * f.data_bytes_per_token)
+        scales = torch.full(
+            (num_pages, ps, f.scale_bytes_per_token), pad_fill, dtype=torch.uint8, device=x.device
+        )
+        scales[..., : f.num_scales] = (exponents + 127).to(torch.uint8)
+        buffer[:, : data.shape[1]] = data
+        buffer[:, data.shape[1] : data.shape[1] + ps * f.scale_bytes_per_token] = scales.reshape(
+            num_pages, -1
+        )
+    else:
+        scale_values = torch.ldexp(torch.ones_like(exponents, dtype=torch.float32), exponents)
+        scale_bytes = scale_values.contiguous().view(torch.uint8)  # [P, ps, 16] little-endian fp32
+        rows = torch.cat([codes, scale_bytes, rope], dim=-1).reshape(num_pages, -1)
+        buffer[:, : rows.shape[1]] = rows
+    return as_form(buffer, f, ps, form)
+
+
+@dataclass(frozen=True)
+class PackedFields:
+    """Raw fields of every token of a packed cache (see :func:`unpack_fields`).
+
+    Attributes:
+        codes: ``[P, ps, d_nope]`` uint8 E4M3 code bytes.
+        scale_bytes: DSV4: ``[P, ps, 8]`` uint8 footer records (7 UE8M0 bytes + pad);
+            DSV3.2: ``[P, ps, 16]`` uint8 (4 little-endian fp32 scales).
+        rope: ``[P, ps, 64]`` BF16 RoPE values.
+    """
+
+    codes: torch.Tensor
+    scale_bytes: torch.Tensor
+    rope: torch.Tensor
+
+
+def unpack_fields(
+    cache: torch.Tensor,
+    fmt: PackedFormat | str = DSV4,
+    *,
+    page_block_size: int | None = None,
+) -> PackedFields:
+    """Split a packed cache into its raw fields by page and slot (never by 584-byte rows).
+
+    Raises:
+        TypeError, ValueError: as :func:`parse_cache`.
+    """
+    f = get_format(fmt)
+    layout = parse_cache(cache, f, page_block_size=page_block_size)
+    pages = page_bytes_view(cache, layout)
+    p, ps = layout.num_pages, layout.page_block_size
+    if f.layout == "footer":
+        data = pages[:, : ps * f.data_bytes_per_token].reshape(p, ps, f.data_bytes_per_token)
+        footer_start = ps * f.data_bytes_per_token
+        scale_bytes = pages[:, footer_start : footer_start + ps * f.scale_bytes_per_token]
+        scale_bytes = scale_bytes.reshape(p, ps, f.scale_bytes_per_token)
+        codes = data[..., : f.d_nope]
+        rope_bytes = data[..., f.d_nope :]
+    else:
+        rows = pages.reshape(p, ps, layout.token_stride)[..., : f.bytes_per_token]
+        codes = rows[..., : f.d_nope]
+        scale_bytes = rows[..., f.d_nope : f.d_nope + f.scale_bytes_per_token]
+        rope_bytes = rows[..., f.d_nope + f.scale_bytes_per_token :]
+    rope = rope_bytes.contiguous().view(torch.bfloat16)
+    return PackedFields(codes.contiguous(), scale_bytes.contiguous(), rope)
+
+
+def unpack_dequantize(
+    cache: torch.Tensor,
+    fmt: PackedFormat | str = DSV4,
+    *,
+    page_block_size: int | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Dequantize a packed cache to ``[num_pages, page_block_size, d_qk]`` latent rows.
+
+    NoPE element ``i`` of a token is ``e4m3(code[i]) * 2**(byte[i // 64] - 127)`` for DSV4 (the
+    pad byte is never read) and ``e4m3(code[i]) * scale[i // 128]`` for DSV3.2; RoPE values are the
+    stored BF16 bits (FlashInfer ``tests/attention/sparse_mla_test_utils.py``
+    ``_dequantize_kv_footer``; FlashMLA ``tests/quant.py`` ``dequantize_k_cache``). The products
+    are exact in fp32 and BF16.
+
+    Args:
+        cache: packed uint8 cache in any accepted form.
+        fmt: the packed format.
+        page_block_size: see :func:`parse_cache`.
+        dtype: result dtype (``torch.float32``, ``torch.bfloat16`` or ``torch.float64``).
+
+    Raises:
+        TypeError, ValueError: as :func:`parse_cache`.
+    """
+    f = get_format(fmt)
+    fields = unpack_fields(cache, f, page_block_size=page_block_size)
+    p, ps, _ = fields.codes.shape
+    values = fields.codes.view(torch.float8_e4m3fn).to(torch.float32)
+    groups = values.reshape(p, ps, f.num_scales, f.group_size)
+    if f.layout == "footer":
+        exponents = fields.scale_bytes[..., : f.num_scales].to(torch.int32) - 127
+        scale = torch.ldexp(torch.ones_like(exponents, dtype=torch.float32), exponents)
+    else:
+        scale = fields.scale_bytes.view(torch.float32)
+    nope = (groups * scale.unsqueeze(-1)).reshape(p, ps, f.d_nope)
+    out = torch.cat([nope, fields.rope.to(torch.float32)], dim=-1)
+    return out.to(dtype)
+
+
+def flat_token_index(page: int, slot: int, page_block_size: int) -> int:
+    """Flat token index ``page * page_block_size + slot`` (FlashInfer ``kv_cache_io.cuh`` ``page_divmod``).
+
+    Raises:
+        ValueError: negative page, or slot outside ``[0, page_block_size)``.
+    """
+    ps = _check_page_block_size(page_block_size)
+    if page < 0 or not 0 <= slot < ps:
+        raise ValueError(f"page={page}, slot={slot}: expected page >= 0 and 0 <= slot < {ps}")
+    return page * ps + slot
