@@ -50,7 +50,7 @@ bytes it is given (a 0xFF scale byte decodes to +inf, as in the kernels).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Union
+from typing import Literal
 
 import torch
 
@@ -78,7 +78,7 @@ __all__ = [
 E4M3_MAX = 448.0
 Form = Literal["2d", "3d", "hnd", "nhd"]
 FORMS: tuple[str, ...] = ("2d", "3d", "hnd", "nhd")
-StrideSpec = Union[Literal["tight", "padded"], int]
+StrideSpec = Literal["tight", "padded"] | int
 ScaleRule = Literal["flashmla", "sglang"]
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import os
+
 import pytest
 
 from pytest_sparse_mla import capabilities, options

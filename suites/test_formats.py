@@ -1,0 +1,332 @@
+"""Specification of the packed FP8 KV-cache formats (DSV4 584 B/token footer, DSV3.2 656 B/token inline).
+
+Every expected byte offset and byte value below is computed by hand in this file from the layout
+in flashinfer-ai/flashinfer ``include/flashinfer/attention/sparse_mla_sm120/model/kv_cache_traits.cuh``
+(DSV4 comment block) and the FlashMLA README (DSV3.2), never read back from the packer.
+DeepSeek-V4 geometry: page sizes 256 (SWA pool), 64 (C4), 2 (C128) and 128 (extra caches of
+DeepSeek-V4.1 pools).
+"""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+import torch
+
+from pytest_sparse_mla import data, formats
+
+DSV4_PAGE_SIZES = [2, 64, 128, 256]
+
+# E4M3 (float8_e4m3fn) bit patterns, by hand: sign | 4 exponent bits (bias 7) | 3 mantissa bits.
+E4M3_BITS = {
+    448.0: 0b0_1111_110,  # 1.75 * 2**8
+    1.0: 0b0_0111_000,
+    -2.0: 0b1_1000_000,
+    0.5: 0b0_0110_000,
+    0.0: 0b0_0000_000,
+    -0.375: 0b1_0101_100,  # -1.5 * 2**-2
+    2**-9: 0b0_0000_001,  # smallest subnormal
+}
+# BF16 bit patterns of RoPE values, by hand.
+BF16_BITS = {1.0: 0x3F80, -2.5: 0xC020, 0.15625: 0x3E20, 0.0: 0x0000}
+
+
+def _raw_pages(packed: torch.Tensor) -> torch.Tensor:
+    """The full page buffer ``[P, stride(0)]`` behind ``packed`` (test-side, no package code)."""
+    stride = packed.stride(0)
+    return torch.as_strided(packed, (packed.shape[0], stride), (stride, 1), packed.storage_offset())
+
+
+def _known_source(num_pages: int, ps: int) -> tuple[torch.Tensor, list[int]]:
+    """DSV4 rows whose group g of token (p, t) is ``pattern * 2**k`` with amax exactly ``448 * 2**k``.
+
+    Returns the BF16 source and, per token, the list of exponents k for the 7 groups.
+    """
+    pattern = torch.tensor(list(E4M3_BITS)).repeat(10)[:64]  # 448 first: amax of every group
+    src = torch.zeros(num_pages, ps, 512)
+    exps = []
+    for p in range(num_pages):
+        for t in range(ps):
+            token_exps = [((p * 7 + t * 3 + g) % 11) - 5 for g in range(7)]  # -5 .. 5
+            for g, k in enumerate(token_exps):
+                src[p, t, 64 * g : 64 * g + 64] = pattern * 2.0**k
+            src[p, t, 448:] = torch.tensor(list(BF16_BITS)).repeat(16)
+            exps.append(token_exps)
+    return src.to(torch.bfloat16), exps
+
+
+@pytest.mark.parametrize("ps, expected", [(2, 1728), (64, 37440), (128, 74880), (256, 149760)])
+def test_dsv4_padded_page_stride_matches_flashmla_and_sglang(ps: int, expected: int) -> None:
+    """``ceil(ps*584/576)*576``: the published strides (FlashMLA tests/quant.py MODEL1 branch)."""
+    assert formats.page_stride_bytes("dsv4", ps, "padded") == expected
+    assert formats.page_stride_bytes("dsv4", ps, "tight") == ps * 584
+
+
+def test_dsv3_2_padded_page_stride_adds_one_row() -> None:
+    assert formats.page_stride_bytes("dsv3_2", 64, "padded") == 65 * 656
+    assert formats.page_stride_bytes("dsv3_2", 64, "tight") == 64 * 656
+
+
+@pytest.mark.parametrize("stride", ["tight", "padded"])
+@pytest.mark.parametrize("ps", DSV4_PAGE_SIZES)
+def test_dsv4_known_vector_lands_on_hand_computed_bytes(
+    ps: int, stride: str, sparse_mla_device: torch.device
+) -> None:
+    """Data, RoPE and scale bytes of every token sit where the footer layout puts them."""
+    num_pages = 3 if ps <= 64 else 2
+    src, exps = _known_source(num_pages, ps)
+    packed = formats.quantize_pack(src.to(sparse_mla_device), "dsv4", page_stride=stride, form="nhd")
+    raw = _raw_pages(packed).cpu()
+    page_stride = ps * 584 if stride == "tight" else -(-ps * 584 // 576) * 576
+    assert packed.stride(0) == page_stride
+    flat = raw.reshape(-1)
+    code_bits = torch.tensor(list(E4M3_BITS.values()), dtype=torch.uint8).repeat(10)[:64]
+    rope_bytes = torch.tensor(
+        [b for v in BF16_BITS.values() for b in (v & 0xFF, v >> 8)], dtype=torch.uint8
+    ).repeat(16)
+    slots = [(p, t) for p in range(num_pages) for t in range(ps)]
+    for (p, t), token_exps in zip(slots, exps, strict=True):
+        data_at = p * page_stride + t * 576
+        scale_at = p * page_stride + ps * 576 + t * 8
+        for g in range(7):
+            assert torch.equal(flat[data_at + 64 * g : data_at + 64 * g + 64], code_bits), (p, t, g)
+        assert torch.equal(flat[data_at + 448 : data_at + 576], rope_bytes), (p, t)
+        expected_scales = [127 + k for k in token_exps]
+        assert flat[scale_at : scale_at + 7].tolist() == expected_scales, (p, t)
+        assert flat[scale_at + 7].item() == 0  # pad byte, zero as FlashInfer's and SGLang's writers
+
+
+def _amax_group(amax: float) -> torch.Tensor:
+    row = torch.zeros(1, 1, 512)
+    row[0, 0, 0] = amax
+    row[0, 0, 1:64] = amax / 4
+    return row.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    "amax, rule, byte",
+    [
+        (0.0, "flashmla", 114),  # floor 1e-4 -> 2**-13
+        (448.0, "flashmla", 127),  # scale exactly 1
+        (448.0 * 8 * (1 + 2**-7), "flashmla", 131),  # just above 2**3 * 448 -> 2**4
+        (448.0 * 8 * (1 - 2**-8), "flashmla", 130),  # just below -> 2**3
+        (448.0 * 8, "flashmla", 130),  # exactly a power of two times 448
+        (448.0 * 2**-13, "flashmla", 114),  # exactly the floor
+        (1e-6, "flashmla", 114),
+        (1e-6, "sglang", 99),  # sglang eps 1e-8: 2**ceil(log2(1e-6/448)) = 2**-28
+        (448.0, "sglang", 127),
+        (0.0, "sglang", 127 - 35),  # 1e-8/448 -> 2**-35
+    ],
+)
+def test_scale_byte_for_known_amax(amax: float, rule: str, byte: int) -> None:
+    packed = formats.quantize_pack(_amax_group(amax), "dsv4", scale_rule=rule, form="2d")
+    assert packed.reshape(-1)[576].item() == byte
+
+
+def _e4m3_half_step_bound(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Round-to-nearest error bound of E4M3 at ``x`` with group scale ``scale`` (both fp64).
+
+    Normal E4M3 numbers have 3 mantissa bits, so the spacing in the binade of ``|x/s|`` is
+    ``2**(floor(log2|x/s|) - 3)`` and half of it is at most ``|x/s| * 2**-4``; subnormals are spaced
+    ``2**-9`` apart (half: ``2**-10``).
+    """
+    return torch.maximum(x.abs() * 2.0**-4, scale * 2.0**-10)
+
+
+@pytest.mark.parametrize("distribution", data.DISTRIBUTIONS)
+@pytest.mark.parametrize("ps", DSV4_PAGE_SIZES)
+def test_dsv4_round_trip_error_within_one_half_e4m3_step(
+    ps: int, distribution: str, sparse_mla_generator: torch.Generator, sparse_mla_device: torch.device
+) -> None:
+    num_pages = 4 if ps <= 64 else 2
+    src = data.latent((num_pages, ps, 512), sparse_mla_generator, distribution=distribution)
+    packed = formats.quantize_pack(src.to(sparse_mla_device), "dsv4", page_stride="padded")
+    out = formats.unpack_dequantize(packed, "dsv4").cpu().double()
+    x = src.double()
+    groups = x[..., :448].reshape(num_pages, ps, 7, 64)
+    amax = groups.abs().amax(-1, keepdim=True)
+    # The scale rule, evaluated independently in float64: smallest power of two >= max(amax/448, 1e-4).
+    scale = torch.exp2(torch.ceil(torch.log2(torch.clamp(amax / 448, min=1e-4))))
+    err = (out[..., :448].reshape(num_pages, ps, 7, 64) - groups).abs()
+    assert bool((err <= _e4m3_half_step_bound(groups, scale)).all())
+    assert torch.equal(out[..., 448:], x[..., 448:])  # RoPE is stored exactly
+
+
+@pytest.mark.parametrize("stride", ["tight", "padded", 37376 + 64 * 16])
+def test_all_tensor_forms_hold_the_same_bytes_and_values(
+    stride: object, sparse_mla_generator: torch.Generator
+) -> None:
+    src = data.latent((3, 64, 512), sparse_mla_generator)
+    forms = {form: formats.quantize_pack(src, "dsv4", page_stride=stride, form=form) for form in formats.FORMS}
+    expected_shapes = {
+        "2d": (3, 64 * 584),
+        "3d": (3, 64, 584),
+        "hnd": (3, 1, 64, 584),
+        "nhd": (3, 64, 1, 584),
+    }
+    reference = formats.unpack_dequantize(forms["3d"], "dsv4")
+    for form, packed in forms.items():
+        assert tuple(packed.shape) == expected_shapes[form]
+        assert torch.equal(_raw_pages(packed), _raw_pages(forms["3d"])), form
+        assert torch.equal(formats.unpack_dequantize(packed, "dsv4", page_block_size=64), reference)
+
+
+def test_pad_byte_and_page_padding_are_never_read(sparse_mla_generator: torch.Generator) -> None:
+    src = data.latent((2, 64, 512), sparse_mla_generator, distribution="wide")
+    clean = formats.quantize_pack(src, "dsv4", page_stride="padded", pad_fill=0)
+    dirty = formats.quantize_pack(src, "dsv4", page_stride="padded", pad_fill=0xFF)
+    raw = _raw_pages(dirty)
+    for t in range(64):
+        assert raw[0, 64 * 576 + t * 8 + 7].item() == 0xFF  # the pad byte really is 0xFF
+    assert raw[:, 37376:].eq(0xFF).all()  # and so is the page padding
+    assert torch.equal(formats.unpack_dequantize(clean), formats.unpack_dequantize(dirty))
+
+
+def test_flat_token_index_is_page_times_page_size_plus_slot() -> None:
+    assert formats.flat_token_index(3, 5, 64) == 197
+    assert formats.flat_token_index(0, 255, 256) == 255
+    with pytest.raises(ValueError, match="slot=64"):
+        formats.flat_token_index(1, 64, 64)
+
+
+@pytest.mark.parametrize("stride", ["tight", "padded"])
+def test_dsv3_2_inline_bytes_and_round_trip(stride: str, sparse_mla_generator: torch.Generator) -> None:
+    ps = 64
+    src = torch.zeros(2, ps, 576)
+    src[..., :512] = torch.tensor(list(E4M3_BITS)).repeat(80)[:512]  # amax 448 per 128-group
+    src[1, 3, 128:256] *= 2.0**-6
+    src[..., 512:] = torch.tensor(list(BF16_BITS)).repeat(16)
+    packed = formats.quantize_pack(src.to(torch.bfloat16), "dsv3_2", page_stride=stride, form="3d")
+    row_stride = 656
+    page_stride = ps * 656 if stride == "tight" else (ps + 1) * 656
+    assert packed.stride() == (page_stride, row_stride, 1)
+    flat = _raw_pages(packed).reshape(-1)
+    at = 1 * page_stride + 3 * row_stride  # page 1, slot 3
+    scales = struct.unpack("<4f", bytes(flat[at + 512 : at + 528].tolist()))
+    assert scales == (1.0, 2.0**-6, 1.0, 1.0)
+    assert flat[at].item() == E4M3_BITS[448.0]
+    rope = struct.unpack("<64H", bytes(flat[at + 528 : at + 656].tolist()))
+    assert list(rope[:4]) == list(BF16_BITS.values())
+    assert torch.equal(formats.unpack_dequantize(packed, "dsv3_2"), src.to(torch.bfloat16).float())
+    # random data round trip, bound as for DSV4 with 128-wide groups
+    rnd = data.latent((2, ps, 576), sparse_mla_generator)
+    out = formats.unpack_dequantize(formats.quantize_pack(rnd, "dsv3_2", page_stride=stride), "dsv3_2")
+    groups = rnd.double()[..., :512].reshape(2, ps, 4, 128)
+    scale = torch.exp2(torch.ceil(torch.log2(torch.clamp(groups.abs().amax(-1, keepdim=True) / 448, min=1e-4))))
+    err = (out.double()[..., :512].reshape(2, ps, 4, 128) - groups).abs()
+    assert bool((err <= _e4m3_half_step_bound(groups, scale)).all())
+
+
+# --- bad input: every error names the argument, the value and what was expected -------------------
+
+
+def _buffer(num_pages: int = 2, stride: int = 37440) -> torch.Tensor:
+    return torch.zeros(num_pages, stride, dtype=torch.uint8)
+
+
+@pytest.mark.parametrize(
+    "make, error, match",
+    [
+        (lambda: _buffer().view(torch.int8), TypeError, r"kv_cache\.dtype=torch\.int8: expected torch\.uint8"),
+        (lambda: torch.zeros(2, 64, 1, 584, dtype=torch.bfloat16), TypeError, "expected torch.uint8"),
+        (lambda: torch.zeros(37376, dtype=torch.uint8), ValueError, r"kv_cache\.ndim=1"),
+        (lambda: torch.zeros(2, 1, 64, 1, 584, dtype=torch.uint8), ValueError, r"kv_cache\.ndim=5"),
+        (lambda: torch.zeros(2, 64, 576, dtype=torch.uint8), ValueError, r"shape\[-1\]=576: expected 584"),
+        (lambda: torch.zeros(2, 37440, dtype=torch.uint8), ValueError, r"shape\[1\]=37440"),
+        (
+            lambda: torch.as_strided(_buffer(2, 64 * 592), (2, 64, 584), (64 * 592, 592, 1)),
+            ValueError,
+            r"stride\(1\)=592: footer-scale dsv4 rows must stay tightly packed",
+        ),
+        (
+            lambda: torch.as_strided(_buffer(2, 37392), (2, 64, 584), (37384, 584, 1)),
+            ValueError,
+            r"stride\(0\)=37384: the page stride must be a multiple of 16",
+        ),
+        (
+            lambda: torch.as_strided(_buffer(2, 37440), (2, 64, 584), (37360, 584, 1)),
+            ValueError,
+            r"stride\(0\)=37360: the page stride must be >= page_block_size\*584 = 37376",
+        ),
+        (
+            lambda: torch.as_strided(_buffer(3), (2, 64, 584), (37440, 584, 1), 1),
+            ValueError,
+            "must be 16-byte aligned",
+        ),
+        (lambda: torch.zeros(2, 8, 8, 584, dtype=torch.uint8), ValueError, "singleton KV-head axis"),
+        (
+            lambda: torch.as_strided(_buffer(2, 2 * 64 * 584), (2, 64, 584), (64 * 584, 584, 2)),
+            ValueError,
+            r"stride\(-1\)=2: the last dim must be contiguous",
+        ),
+    ],
+    ids=[
+        "int8-cache", "bf16-cache", "1-d", "5-d", "last-dim-576", "2d-width-37440",
+        "token-stride-592", "page-stride-not-16", "page-stride-too-small", "misaligned-pointer",
+        "4d-no-singleton-head", "last-dim-not-contiguous",
+    ],
+)
+def test_bad_cache_is_rejected_with_a_clear_error(make, error, match) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(error, match=match):
+        formats.parse_cache(make(), "dsv4")
+
+
+def test_page_block_size_disagreeing_with_shape_is_rejected() -> None:
+    with pytest.raises(ValueError, match="page_block_size=128 disagrees"):
+        formats.parse_cache(torch.zeros(2, 64, 584, dtype=torch.uint8), "dsv4", page_block_size=128)
+
+
+@pytest.mark.parametrize("ps", [0, -64])
+def test_non_positive_page_size_is_rejected(ps: int) -> None:
+    with pytest.raises(ValueError, match=f"page_block_size={ps}: expected a positive"):
+        formats.page_stride_bytes("dsv4", ps, "padded")
+
+
+@pytest.mark.parametrize("stride", [37376 + 8, 37360])
+def test_bad_explicit_stride_is_rejected(stride: int) -> None:
+    with pytest.raises(ValueError, match=f"page_stride={stride}: expected a multiple of 16"):
+        formats.page_stride_bytes("dsv4", 64, stride)
+
+
+def test_non_bf16_source_is_rejected() -> None:
+    with pytest.raises(TypeError, match=r"source\.dtype=torch\.float32: expected torch\.bfloat16"):
+        formats.quantize_pack(torch.zeros(1, 64, 512), "dsv4")
+
+
+def test_wrong_source_width_is_rejected() -> None:
+    with pytest.raises(ValueError, match=r"expected \[num_pages, page_block_size, 576\] for dsv3_2"):
+        formats.quantize_pack(torch.zeros(1, 64, 512, dtype=torch.bfloat16), "dsv3_2")
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_source_is_rejected(bad: float) -> None:
+    src = torch.zeros(2, 64, 512, dtype=torch.bfloat16)
+    src[1, 5, 7] = bad
+    with pytest.raises(ValueError, match=r"1 non-finite value\(s\) \(first at \[page, slot, dim\] = \[1, 5, 7\]\)"):
+        formats.quantize_pack(src, "dsv4")
+
+
+def test_unknown_form_and_rule_are_rejected() -> None:
+    src = torch.zeros(1, 64, 512, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="form='row'"):
+        formats.quantize_pack(src, "dsv4", form="row")
+    with pytest.raises(ValueError, match="scale_rule='ocp'"):
+        formats.quantize_pack(src, "dsv4", scale_rule="ocp")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="fmt='dsv5'"):
+        formats.quantize_pack(src, "dsv5")
+
+
+def test_scale_is_the_smallest_power_of_two_covering_amax_over_448() -> None:
+    """Property: ``2**(e-1) < max(amax/448, 1e-4) <= 2**e`` for every finite fp32 amax (hypothesis)."""
+    hypothesis = pytest.importorskip("hypothesis")
+    st = hypothesis.strategies
+
+    @hypothesis.given(st.floats(min_value=0.0, max_value=3.0000000054977558e38, allow_nan=False, width=32))
+    def check(amax: float) -> None:
+        a = torch.tensor([amax], dtype=torch.float32)
+        x = max((a / 448).item(), torch.tensor(1e-4, dtype=torch.float32).item())
+        e = int(formats.scale_exponents(a, "flashmla").item())
+        assert 2.0 ** (e - 1) < x <= 2.0**e
+
+    check()
