@@ -21,6 +21,7 @@ from pytest_sparse_mla import capabilities, options
 #: Modules whose fixtures and hooks the plugin registers in ``pytest_configure``.
 _PLUGIN_MODULES = (
     "pytest_sparse_mla.fixtures",
+    "pytest_sparse_mla.xdist_gpu",
 )
 
 
@@ -82,6 +83,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         action="store_true",
         default=False,
         help="Do not pin each xdist worker to one visible GPU",
+    )
+    group.addoption(
+        "--sparse-mla-report-json",
+        default=None,
+        metavar="PATH",
+        help="Write versions, device, options and the GPU of every xdist worker to PATH as JSON",
     )
     parser.addini("sparse_mla_golden_dir", "Root directory of golden snapshots", default="")
     parser.addini("sparse_mla_impl", "Default implementation under test", default="")

@@ -1,0 +1,163 @@
+"""One GPU per pytest-xdist worker, and the record of which worker ran on which GPU.
+
+The controller decides and the worker applies (the pytest-randomly ``workerinput`` pattern,
+pytest-dev/pytest-randomly; NVIDIA/cuml PR #7948):
+
+* controller, ``pytest_configure_node``: worker ``gwN`` gets entry ``N mod len(visible)`` of the
+  caller's visible GPUs, i.e. of ``CUDA_VISIBLE_DEVICES`` when it is set (indices or UUIDs, kept
+  as written), else ``0 .. device_count-1``. Indexing into the caller's list, not physical ids, is
+  the fix of triton-lang/triton PR #11831 (workers landed on physical GPU 0 when the caller had
+  already narrowed ``CUDA_VISIBLE_DEVICES``);
+* worker, ``pytest_configure`` (tryfirst, before any test or fixture can initialise CUDA):
+  ``CUDA_VISIBLE_DEVICES`` is set to that one entry, so ``cuda:0`` inside the worker is its GPU.
+
+Workers report the device they really saw (``workeroutput``); the controller prints one line per
+worker in the terminal summary and adds it to ``--sparse-mla-report-json``.
+
+Nothing here imports torch at module import; the controller counts GPUs lazily, and only when
+xdist distributes to more than zero workers and no ``CUDA_VISIBLE_DEVICES`` list is given.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pytest_sparse_mla import options
+
+__all__ = ["visible_gpus", "assign_gpu", "worker_gpu", "WORKER_KEY"]
+
+WORKER_KEY = "sparse_mla_gpu"
+_RECORDS = pytest.StashKey[dict[str, dict[str, Any]]]()
+
+
+def visible_gpus(environ: dict[str, str] | None = None, count: int | None = None) -> list[str]:
+    """The caller's visible GPUs as ``CUDA_VISIBLE_DEVICES`` entries.
+
+    Args:
+        environ: environment to read (default ``os.environ``).
+        count: number of CUDA devices if already known; otherwise torch is asked lazily.
+
+    Returns:
+        The comma-separated entries of ``CUDA_VISIBLE_DEVICES`` when it is set (an empty list when
+        it is set to ``""``, which hides every GPU), else ``["0", ..., str(count-1)]``.
+    """
+    env = os.environ if environ is None else environ
+    if "CUDA_VISIBLE_DEVICES" in env:
+        return [part.strip() for part in env["CUDA_VISIBLE_DEVICES"].split(",") if part.strip()]
+    if count is None:
+        try:
+            import torch
+
+            count = int(torch.cuda.device_count())
+        except Exception:  # pragma: no cover - no torch / broken driver: nothing to pin
+            count = 0
+    return [str(i) for i in range(count)]
+
+
+def assign_gpu(worker_id: str, gpus: list[str]) -> str | None:
+    """Round-robin: worker ``gwN`` gets ``gpus[N % len(gpus)]``; ``None`` without GPUs.
+
+    Raises:
+        ValueError: ``worker_id`` is not of the form ``gw<N>``.
+    """
+    if not gpus:
+        return None
+    if not worker_id.startswith("gw") or not worker_id[2:].isdigit():
+        raise ValueError(f"worker_id={worker_id!r}: expected an xdist worker id like 'gw0'")
+    return gpus[int(worker_id[2:]) % len(gpus)]
+
+
+def worker_gpu(config: pytest.Config) -> str | None:
+    """The ``CUDA_VISIBLE_DEVICES`` entry this xdist worker was pinned to (``None`` if not pinned)."""
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is None:
+        return None
+    value = workerinput.get(WORKER_KEY)
+    return str(value) if value is not None else None
+
+
+class _ControllerHooks:
+    """Registered on the controller only when pytest-xdist is active."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+        self.gpus: list[str] | None = None
+
+    def pytest_configure_node(self, node: Any) -> None:
+        if not options.get_options(self.config).gpu_per_worker:
+            return
+        if self.gpus is None:
+            self.gpus = visible_gpus()
+        gpu = assign_gpu(node.workerinput["workerid"], self.gpus)
+        if gpu is not None:
+            node.workerinput[WORKER_KEY] = gpu
+
+    def pytest_testnodedown(self, node: Any, error: Any) -> None:
+        record = getattr(node, "workeroutput", {}).get(WORKER_KEY)
+        if record is not None:
+            self.config.stash.setdefault(_RECORDS, {})[node.workerinput["workerid"]] = record
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    """Worker: apply the pinning before CUDA initialises. Controller: register the node hooks."""
+    gpu = worker_gpu(config)
+    if gpu is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpu
+    if getattr(config, "workerinput", None) is None and config.pluginmanager.hasplugin("xdist"):
+        if getattr(config.option, "numprocesses", None) or getattr(config.option, "tx", None):
+            config.pluginmanager.register(_ControllerHooks(config), "sparse_mla:xdist-controller")
+
+
+def _device_record(config: pytest.Config) -> dict[str, Any]:
+    from pytest_sparse_mla import capabilities
+
+    caps = capabilities.probe()
+    return {
+        "worker": getattr(config, "workerinput", {}).get("workerid", "controller"),
+        "pid": os.getpid(),
+        "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "device_name": caps.device_name,
+        "compute_capability": caps.sm,
+        "device_count": caps.device_count,
+    }
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Worker: send the device it saw to the controller. Controller: write the JSON report."""
+    config = session.config
+    workeroutput = getattr(config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput[WORKER_KEY] = _device_record(config)
+        return
+    path = config.getoption("sparse_mla_report_json", None)
+    if path:
+        from pytest_sparse_mla import capabilities
+
+        records = config.stash.get(_RECORDS, {}) or {"controller": _device_record(config)}
+        opts = options.get_options(config)
+        report = {
+            "capabilities": capabilities.probe().__dict__ | {"errors": list(capabilities.probe().errors)},
+            "options": {"device": opts.device, "seed": opts.seed, "impl": opts.impl, "grid": opts.grid},
+            "workers": records,
+        }
+        Path(path).write_text(json.dumps(report, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    """Controller: one line per worker saying which GPU it ran on."""
+    records = config.stash.get(_RECORDS, {})
+    if not records:
+        return
+    terminalreporter.section("sparse-mla devices per worker", sep="-")
+    for worker in sorted(records, key=lambda w: int(w[2:]) if w[2:].isdigit() else -1):
+        r = records[worker]
+        terminalreporter.write_line(
+            f"{worker}: CUDA_VISIBLE_DEVICES={r['CUDA_VISIBLE_DEVICES']} -> "
+            f"{r['device_name'] or 'no CUDA device'} (sm {r['compute_capability']}), pid {r['pid']}"
+        )
