@@ -126,3 +126,59 @@ def packed_kv_cache_factory(
         )
 
     return make
+
+
+# --- page split (pytest_sparse_mla.page_split) ----------------------------------------------------
+
+
+@pytest.fixture
+def split_buffer_registry() -> Any:
+    """A fresh, empty :class:`pytest_sparse_mla.page_split.BufferRegistry` for this test only.
+
+    Pass it as ``page_split(..., registry=split_buffer_registry)``: the persistent split and mask
+    buffers (keys ``flash_mla_sm120_split{key_suffix}:{device}`` /
+    ``flash_mla_sm120_mask{key_suffix}:{device}``, grow-only, zero-filled, allocated outside
+    inference mode) then never leak between tests or xdist workers, and a test can inspect or
+    poison them with ``lookup`` / ``install``. Buffers are dropped when the test ends.
+    Convention source: sgl-project/sglang ``python/sglang/kernels/ops/attention/flash_mla_sm120.py``
+    (``flash_mla_sm120_split:{dev}`` registry keys); key_suffix isolation: see
+    ``pytest_sparse_mla.page_split.buffers``.
+    """
+    from pytest_sparse_mla.page_split import BufferRegistry
+
+    registry = BufferRegistry()
+    yield registry
+    registry.clear()
+
+
+@pytest.fixture(params=("torch", "triton"))
+def page_split_backend(request: pytest.FixtureRequest, sparse_mla_device: torch.device) -> str:
+    """Parametrises a test over the page-split backends: ``"torch"`` (reference) and ``"triton"``.
+
+    ``"triton"`` is skipped when triton is not installed, or when the device is the CPU but the
+    Triton kernels were already decorated as compiled (``TRITON_INTERPRET`` unset while CUDA is
+    visible); on a CPU-only machine they run interpreted (``TRITON_INTERPRET=1``).
+    """
+    backend: str = request.param
+    if backend == "triton":
+        from pytest_sparse_mla.page_split import triton_unavailable_reason
+
+        reason = triton_unavailable_reason(sparse_mla_device)
+        if reason is not None:
+            pytest.skip(f"backend 'triton': {reason}")
+    return backend
+
+
+@pytest.fixture
+def split_pages(split_buffer_registry: Any, page_split_backend: str) -> Callable[..., torch.Tensor]:
+    """``page_split`` bound to this test's registry and backend: ``split_pages(kv_cache, **kw)``.
+
+    Keyword arguments are those of :func:`pytest_sparse_mla.page_split.page_split`
+    (``src_page_block_size``, ``touched_indices``, ``key_suffix``, ``dst_page_stride``); the
+    result is the ``[P*ratio, 64, 1, 584]`` uint8 view (or the input itself for 64-token pages).
+    """
+    from functools import partial
+
+    from pytest_sparse_mla.page_split import page_split
+
+    return partial(page_split, registry=split_buffer_registry, backend=page_split_backend)
