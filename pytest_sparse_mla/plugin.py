@@ -22,6 +22,8 @@ from pytest_sparse_mla import capabilities, options
 _PLUGIN_MODULES = (
     "pytest_sparse_mla.fixtures",
     "pytest_sparse_mla.xdist_gpu",
+    "pytest_sparse_mla.snapshot_plugin",
+    "pytest_sparse_mla.dispatch.pytest_hooks",
 )
 
 

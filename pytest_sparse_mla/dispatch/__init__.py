@@ -1,0 +1,58 @@
+"""FlashInfer SM120 sparse-MLA dispatch grids, per release, testable without SM120 hardware.
+
+Public API (pure Python; nothing here imports torch or flashinfer)::
+
+    from pytest_sparse_mla.dispatch import SparseMlaConfig, supports, enforce_grid
+
+    verdict = supports(SparseMlaConfig("DSV4", num_tokens=65, num_heads=8, topk=128,
+                                       page_block_size=64), "0.6.17")
+    verdict.supported, verdict.route, verdict.compute_mode, verdict.reason
+    verdict.error_type, verdict.error_message          # exact upstream type and text
+
+    enforce_grid("0.6.17", model="DSV4", num_tokens=65, num_heads=8, topk=128,
+                 page_block_size=64)                   # raises InternalError (a RuntimeError)
+
+Modules: ``grid`` (config, verdicts, the per-release control flow over ``grids.json``),
+``errors`` (mirrored exception types and the exact texts per release), ``introspect`` (compare
+an installed FlashInfer with the bundled grids; CPU only), ``report`` (DeepSeek-V4 deployment
+coverage; console script ``sparse-mla-deployments``), ``pytest_hooks``
+(``--sparse-mla-deployment-report``).
+"""
+
+from pytest_sparse_mla.dispatch.errors import (
+    InternalError,
+    SparseMlaGridError,
+    UncheckedPageSizeWarning,
+    UnsupportedReleaseError,
+    UnsupportedShapeError,
+)
+from pytest_sparse_mla.dispatch.grid import (
+    COMPUTE_MODES,
+    ROUTES,
+    GridFamily,
+    SparseMlaConfig,
+    Verdict,
+    enforce_grid,
+    families,
+    parse_release,
+    release_family,
+    supports,
+)
+
+__all__ = [
+    "COMPUTE_MODES",
+    "ROUTES",
+    "GridFamily",
+    "InternalError",
+    "SparseMlaConfig",
+    "SparseMlaGridError",
+    "UncheckedPageSizeWarning",
+    "UnsupportedReleaseError",
+    "UnsupportedShapeError",
+    "Verdict",
+    "enforce_grid",
+    "families",
+    "parse_release",
+    "release_family",
+    "supports",
+]
