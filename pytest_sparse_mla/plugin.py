@@ -24,6 +24,10 @@ _PLUGIN_MODULES = (
     "pytest_sparse_mla.xdist_gpu",
     "pytest_sparse_mla.snapshot_plugin",
     "pytest_sparse_mla.dispatch.pytest_hooks",
+    "pytest_sparse_mla.selection",
+    "pytest_sparse_mla.entry_points",
+    "pytest_sparse_mla.implementations",
+    "pytest_sparse_mla.tolerances",
 )
 
 
