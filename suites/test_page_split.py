@@ -22,9 +22,12 @@ from pytest_sparse_mla import formats
 from pytest_sparse_mla.page_split import (
     MASK_BUFFER_NAME,
     SPLIT_BUFFER_NAME,
+    WORKLIST_BUFFER_NAME,
     BufferRegistry,
+    mask_buffer_key,
     merge_pages,
     page_split,
+    split_buffer_key,
     split_offsets,
     touched_page_mask,
     triton_backend,
@@ -490,6 +493,114 @@ def test_split_is_sync_free_and_graph_capturable(page_split_backend, packed_kv_c
     rows = formats.unpack_dequantize(out, page_block_size=64).reshape(-1, 512)
     assert torch.equal(rows[256:512], second.flat_dequantized()[256:512])
     assert bool((split_buffer(registry, device)[:4] == CANARY).all())
+
+
+# --- Triton touched split: worklist scratch and graph replay -------------------------------------
+
+
+def expected_touched_split(pool: torch.Tensor, geo: Geometry, pages, fill: int = CANARY) -> torch.Tensor:
+    """[P*ratio, DST_STRIDE] bytes a touched split must leave in a ``fill``-poisoned destination,
+    built from the hand layout: for each touched page p and sub-page s, data
+    ``[s*36864, +36864)`` -> row ``p*ratio + s`` bytes ``[0, 36864)``, footer
+    ``[footer + s*512, +512)`` -> bytes ``[36864, 37376)``."""
+    out = torch.full((pool.shape[0] * geo.ratio, DST_STRIDE), fill, dtype=torch.uint8, device=pool.device)
+    for p in sorted(set(pages)):
+        rows = slice(p * geo.ratio, (p + 1) * geo.ratio)
+        out[rows, :DATA] = pool[p, : geo.ratio * DATA].view(geo.ratio, DATA)
+        out[rows, DATA:TAIL_START] = pool[p, geo.footer : geo.footer + geo.ratio * SCALE].view(geo.ratio, SCALE)
+    return out
+
+
+def test_triton_touched_split_leaves_its_scratch_clean(sparse_mla_generator, sparse_mla_device):
+    """Calls with changing page sets (none, some, all; the pool shrinking to a prefix and growing
+    back) on one registry: each copies exactly its pages, rewrites the int8 mask, and leaves the
+    worklist scratch's counters and claims (backend_scratch, outside keys()) at zero. Interpreted on CPU, the copy grid
+    is 3 programs for 6 destination pages, so the worklist loop runs."""
+    reason = triton_unavailable_reason(sparse_mla_device)
+    if reason is not None:
+        pytest.skip(reason)
+    geo = EXTRA_128  # 3 pages of 128 tokens -> 6 destination pages
+    pool = random_pool(geo, sparse_mla_generator, sparse_mla_device)
+    dev = pool.device
+    registry = BufferRegistry()
+    steps = [  # (source pages used, indices, touched pages)
+        (3, [[5, 2 * 128 + 7]], [0, 2]),
+        (3, [[-1, -5]], []),
+        (3, [[130, 131, 383, 0, 384, -1]], [0, 1, 2]),
+        (2, [[200, 255, 256]], [1]),  # 256 is past a 2-page pool
+        (3, [[256, 256, 256]], [2]),
+    ]
+    for i, (num_pages, idx, touched) in enumerate(steps):
+        sub_pool = pool[:num_pages]
+        num_dst = num_pages * geo.ratio
+        registry.install(
+            SPLIT_BUFFER_NAME, dev, torch.full((num_dst, DST_STRIDE), CANARY, dtype=torch.uint8, device=dev)
+        )
+        indices = torch.tensor(idx, dtype=torch.int32 if i % 2 else torch.int64, device=dev)
+        with torch.inference_mode(i == 0):
+            page_split(
+                formats.as_form(sub_pool, "dsv4", geo.ps, "nhd"),
+                touched_indices=indices,
+                registry=registry,
+                backend="triton",
+            )
+        dst = registry.lookup(SPLIT_BUFFER_NAME, dev)
+        assert torch.equal(dst, expected_touched_split(sub_pool, geo, touched)), f"step {i}"
+        mask = registry.lookup(MASK_BUFFER_NAME, dev)[:num_pages]
+        assert mask.tolist() == [int(p in touched) for p in range(num_pages)], f"step {i}"
+        scratch = registry.backend_scratch.lookup(WORKLIST_BUFFER_NAME, dev)
+        assert scratch.dtype == torch.int32 and tuple(scratch.shape) == (4, 2)  # [P + 1, 2], grow-only
+        assert not scratch.is_inference()
+        # Counter, done counter and claims are back to 0; column 1 below row 0 holds stale worklist
+        # slots, which are never read past the counter.
+        assert scratch[0].tolist() == [0, 0] and bool((scratch[:, 0] == 0).all()), f"step {i}: {scratch.tolist()}"
+    assert registry.keys() == sorted([mask_buffer_key(dev), split_buffer_key(dev)])
+    assert registry.backend_scratch.keys() == [f"{WORKLIST_BUFFER_NAME}:{dev}"]
+
+
+@pytest.mark.requires_cuda
+def test_triton_touched_split_graph_replays_with_changing_indices():
+    """One captured touched split of a 100-page pool (400 destination pages: more than the copy
+    grid, so programs loop), replayed with new index values: none, one, a few, all pages, repeats,
+    out-of-range and negative entries. Each replay copies exactly the touched pages, rewrites the
+    mask and leaves the scratch's counters and claims at zero."""
+    if triton_backend().INTERPRETED:
+        pytest.skip("needs compiled Triton kernels (TRITON_INTERPRET=1 is set)")
+    device = torch.device("cuda", torch.cuda.current_device())
+    geo = Geometry("graph", 256, 149_760, 147_456, 4, 100)
+    gen = torch.Generator().manual_seed(32_320)
+    pool = random_pool(geo, gen, device)
+    registry = BufferRegistry()
+    indices = torch.full((8, 64), -1, dtype=torch.int32, device=device)
+
+    def run() -> torch.Tensor:
+        return page_split(pool, src_page_block_size=256, touched_indices=indices, registry=registry, backend="triton")
+
+    run()  # allocate, compile
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    page_sets = [[], [99], [0, 1, 2, 50], list(range(100)), [7] * 3, [98, 3, 64, 12, 12, 90, 31]]
+    page_sets += [torch.randperm(100, generator=gen)[:k].tolist() for k in (10, 37, 80)]
+    for pages in page_sets:
+        flat = torch.full((8 * 64,), -1, dtype=torch.int64)
+        for j, p in enumerate(pages):
+            flat[j] = p * 256 + (j * 37) % 256
+        flat[len(pages) : len(pages) + 3] = torch.tensor([100 * 256, 2**31 - 1, -7])[: 512 - len(pages)]
+        indices.copy_(flat.view(8, 64))
+        dst = registry.lookup(SPLIT_BUFFER_NAME, device)
+        dst.fill_(CANARY)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(dst, expected_touched_split(pool, geo, pages)), pages
+        assert registry.lookup(MASK_BUFFER_NAME, device).tolist() == [int(p in pages) for p in range(100)]
+        scratch = registry.backend_scratch.lookup(WORKLIST_BUFFER_NAME, device)
+        assert scratch[0].tolist() == [0, 0] and bool((scratch[:, 0] == 0).all())
 
 
 # --- bad input ------------------------------------------------------------------------------------

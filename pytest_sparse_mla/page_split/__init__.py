@@ -20,10 +20,11 @@ no remapping (SGLang PR #27455). The result is a ``[P*ratio, 64, 1, 584]`` NHD v
 view is not token ``t``'s record). ``ps == 64`` returns the input object and allocates nothing.
 
 Touched-page mask (SGLang PR #32320). With ``touched_indices`` (int32/int64, any shape, non-empty),
-the mask (int8, one byte per source page) is zeroed, every index ``0 <= t < P*ps`` sets
-``mask[t // ps]``, negative indices mark nothing, and only marked pages are copied; other
-destination pages keep their bytes. ``None`` or an empty tensor means a full split. Grids depend
-on shapes only and nothing syncs to the host, so the Triton path can be graph-captured.
+the mask (int8, one byte per source page) is rewritten on every call: every index
+``0 <= t < P*ps`` sets ``mask[t // ps]``, negative indices mark nothing, all other bytes are 0,
+and only marked pages are copied; other destination pages keep their bytes. ``None`` or an empty
+tensor means a full split. Grids depend on shapes only and nothing syncs to the host, so the
+Triton path can be graph-captured and replayed with new index values.
 
 Buffers. Destination and mask live in a :class:`BufferRegistry` (grow-only, per device, zero-
 filled on (re)allocation because FlashInfer gathers slot 0 for masked candidates, SGLang PR
@@ -34,17 +35,32 @@ historic keys), the suffix placed before the colon like the downstream ``buf_tag
 own suffix, or it overwrites the first split's pages (the aliasing bug).
 
 Backends. ``"torch"`` (:mod:`._torch`): readable strided-view copies. ``"triton"``
-(:mod:`._triton`): one launch, one program per destination sub-page, int64 offsets, 8-byte lanes,
-fixed grid; interpreted (``TRITON_INTERPRET=1``) on machines without CUDA. Both are byte-identical
-(``suites/test_page_split.py``).
+(:mod:`._triton`), interpreted (``TRITON_INTERPRET=1``) on machines without CUDA:
+
+* full split: one launch, one program per destination sub-page, int64 offsets, 8-byte lanes;
+  97% of a device-to-device copy on an H200 (1.07 GB pool);
+* touched split: a worklist instead of a program per sub-page, two launches, no memset. The mark
+  kernel claims each touched page with an int32 atomic exchange and appends first claims to a
+  device-side worklist (one atomic add per mark program on a device counter); the copy kernel runs
+  a fixed grid (``min(P*ratio, programs_per_sm * SMs)``, ``_triton.WORKLIST_CONFIG``), reads the
+  counter on the device and loops over the (page, sub-page) items, then rewrites the int8 mask
+  from the claims and resets the scratch. Why: with one program per sub-page, 28,672 programs
+  that mostly exit cost 18.9 us on an H200, and a 1% split took 5.2x its ideal time. Measured on
+  an H200 (2026-11-29, ``docs/benchmarks.md``): 1% of pages 2.5-2.6x ideal (target 3x met), 10%
+  1.27-1.28x (target 1.2x missed: the persistent copy loop moves bytes at ~1.15x the copy time),
+  100% 1.14-1.15x (the old grid: 1.05x; a full split: 1.03x). The scratch (int32
+  ``[P + 1, 2]``) is ``registry.backend_scratch``'s ``flash_mla_sm120_worklist{key_suffix}:{dev}``;
+  the registry's int8 mask stays the public artefact.
+
+Both backends are byte-identical (``suites/test_page_split.py``).
 
 Public API
 ==========
 
 ``page_split``, ``merge_pages``, ``touched_page_mask``, ``split_offsets`` / ``SplitOffsets``,
-``parse_split_source`` / ``SplitSource``, ``BufferRegistry``, ``default_registry``,
+``parse_split_source`` / ``SplitSource``, ``BufferRegistry`` (``backend_scratch``), ``default_registry``,
 ``split_buffer_key``, ``mask_buffer_key``, ``triton_backend``, ``triton_unavailable_reason``,
-constants ``DST_PAGE_BLOCK_SIZE``
+constants ``SPLIT_BUFFER_NAME``, ``MASK_BUFFER_NAME``, ``WORKLIST_BUFFER_NAME``, ``DST_PAGE_BLOCK_SIZE``
 (64), ``DST_PAGE_STRIDE`` (37,440), ``DST_PAGE_BYTES`` (37,376), ``SUB_PAGE_DATA_BYTES`` (36,864),
 ``SUB_PAGE_SCALE_BYTES`` (512), ``BACKENDS``.
 """
@@ -61,6 +77,7 @@ from pytest_sparse_mla.page_split import _torch
 from pytest_sparse_mla.page_split.buffers import (
     MASK_BUFFER_NAME,
     SPLIT_BUFFER_NAME,
+    WORKLIST_BUFFER_NAME,
     BufferRegistry,
     buffer_key,
     default_registry,
@@ -90,6 +107,7 @@ __all__ = [
     "SUB_PAGE_SCALE_BYTES",
     "SPLIT_BUFFER_NAME",
     "MASK_BUFFER_NAME",
+    "WORKLIST_BUFFER_NAME",
     "BufferRegistry",
     "SplitOffsets",
     "SplitSource",
@@ -233,8 +251,9 @@ def page_split(
         touched_indices: optional int32/int64 flat token indices (any shape) on the cache's device;
             only source pages they reference are copied. ``None`` or empty: full split.
         key_suffix: selects the scratch buffers ``flash_mla_sm120_split{key_suffix}:{dev}`` and
-            ``flash_mla_sm120_mask{key_suffix}:{dev}``; use a distinct suffix for a second split
-            whose result must coexist with the first.
+            ``flash_mla_sm120_mask{key_suffix}:{dev}`` (and, for a touched Triton split,
+            ``registry.backend_scratch``'s ``flash_mla_sm120_worklist{key_suffix}:{dev}``); use a
+            distinct suffix for a second split whose result must coexist with the first.
         registry: buffer registry; ``None`` uses :func:`default_registry`.
         backend: ``"torch"`` (reference) or ``"triton"`` (kernel).
         dst_page_stride: destination page stride in bytes (default 37,440; >= 37,376, multiple of 16).
@@ -269,8 +288,9 @@ def page_split(
         torch.uint8,
         key_suffix=key_suffix,
     )
-    mask = None
-    if indices is not None:
+    if indices is None:
+        module.copy_sub_pages(source, dst, None)
+    else:
         mask = reg.get(
             MASK_BUFFER_NAME,
             source.device,
@@ -278,8 +298,18 @@ def page_split(
             torch.int8,
             key_suffix=key_suffix,
         )
-        module.mark_touched_pages(indices, mask, source.src_page_block_size)
-    module.copy_sub_pages(source, dst, mask)
+        if module is _torch:
+            _torch.mark_touched_pages(indices, mask, source.src_page_block_size)
+            _torch.copy_sub_pages(source, dst, mask)
+        else:
+            scratch = reg.backend_scratch.get(
+                WORKLIST_BUFFER_NAME,
+                source.device,
+                module.worklist_scratch_shape(source.num_src_pages),
+                torch.int32,
+                key_suffix=key_suffix,
+            )
+            module.split_touched_pages(source, dst, indices, mask, scratch)
     bpt = formats.DSV4.bytes_per_token
     return torch.as_strided(
         dst,

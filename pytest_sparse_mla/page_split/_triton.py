@@ -1,25 +1,72 @@
-"""Triton kernels of the page split: touched-page mark and the sub-page copy (one launch each).
+"""Triton kernels of the page split: the full copy, the touched split (mark + worklist copy).
 
 Import this module through ``pytest_sparse_mla.page_split`` (``backend="triton"``), which sets
 ``TRITON_INTERPRET=1`` first when no CUDA device exists; Triton decides at decoration time whether
 a kernel is compiled or interpreted (triton ``runtime/jit.py`` ``jit``; ``knobs.runtime.interpret``).
 
-Copy kernel (grid = ``(num_dst_pages,)``, one program per destination sub-page, like SGLang's
-``_page_split_kernel``, PR #27455): program ``pid`` copies source page ``pid // ratio``, sub-page
-``pid % ratio``. Bytes move as 8-byte lanes (int64 views of the uint8 buffers, SGLang PR #29927):
-4,608 data lanes in 9 unrolled blocks of 512 and 64 footer lanes. All offsets are int64: ``pid`` is
-widened before any multiplication (SGLang issue #34025, PR #34027: with int32 byte offsets the
-destination wraps at page 57,359; with int32 lane offsets at source page 114,717). Page strides
-are passed in 16-byte units and doubled in the kernel, which tells the compiler every page start
-is 16-byte aligned, so lanes move as 128-bit vectors. With ``HAS_MASK`` a program reads one mask
-byte and returns when its source page is unmarked; the grid never depends on index values and
-nothing reads device memory on the host, so both launches can be captured in a CUDA graph.
+Full split (:func:`copy_sub_pages` without a mask; grid = ``(num_dst_pages,)``, one program per
+destination sub-page, like SGLang's ``_page_split_kernel``, PR #27455): program ``pid`` copies
+source page ``pid // ratio``, sub-page ``pid % ratio``. Bytes move as 8-byte lanes (int64 views of
+the uint8 buffers, SGLang PR #29927): 4,608 data lanes in unrolled blocks of ``CopyConfig.block``
+lanes (plus a 512-lane remainder) and 64 footer lanes; the footer and remainder loads are issued
+before the first store. All offsets are int64: ``pid`` is widened before any multiplication
+(SGLang issue #34025, PR #34027: with int32 byte offsets the destination wraps at page 57,359;
+with int32 lane offsets at source page 114,717). Page strides are passed in 16-byte units and
+doubled in the kernel, which tells the compiler every page start is 16-byte aligned, so lanes move
+as 128-bit vectors. Tuned on an H200 (``benchmarks/tune_split.py``, ``docs/benchmarks.md``):
+:data:`FULL_CONFIG` (one 4,096-lane block, 32 warps) runs a 1.07 GB pool at 97% of a
+device-to-device copy, against 91% for the original 9 x 512 lanes and 4 warps.
+
+Touched split (:func:`split_touched_pages`, two launches, no memset). The first design launched
+the copy grid above with a mask byte per program: 28,672 programs that mostly read one byte and
+exit cost 18.9 us on an H200 even with nothing marked, and the mask zero + mark cost 7.3 us, so a
+1%-touched split took 5.19x its ideal time (target 3x) and a 10% split 1.31x (target 1.2x). Now:
+
+1. Mark (grid ``ceil(numel / mark_block)``): every index ``0 <= t < P*ps`` claims page
+   ``t // ps`` with an int32 atomic exchange on a private scratch. The lane that turns a claim
+   from 0 to 1 is the page's only first marker; a program counts its first markers, reserves that
+   many worklist slots with one atomic add on a device-side counter and writes the pages there
+   (slot = base + exclusive prefix sum). Each touched page enters the worklist exactly once, in
+   arbitrary order.
+2. Copy (fixed grid ``G = min(P*ratio, programs_per_sm * SMs)``; interpreted: 3): program ``g``
+   reads the counter ``n`` on the device and copies the items ``g, g+G, g+2G, ... < n*ratio``
+   (item ``i`` = page ``worklist[i // ratio]``, sub-page ``i % ratio``) with the full split's
+   sub-page copy (same lanes, offsets and int64 widening), prefetching the next item's page. Then
+   it writes its share of the public int8 mask (``mask[p] = claim[p] != 0`` for all ``P`` pages,
+   so the mask is rewritten every call) and resets those claims to 0. The last program to finish
+   (an acq_rel atomic "done" counter reaches ``G - 1``) resets the counter and itself, so the
+   counters and claims are clean for the next call without a memset (the worklist slots keep
+   stale page numbers, never read past the counter).
+
+The grids depend on shapes only (``numel``, ``P``, the SM count), nothing reads device memory on
+the host and the scratch address is stable (registry), so a touched split can be captured in a
+CUDA graph and replayed with other index values. The scratch is the registry's
+``backend_scratch`` buffer ``flash_mla_sm120_worklist{key_suffix}:{dev}``, int32 ``[P + 1, 2]``:
+row 0 = (counter, done); row ``1 + p`` = (claim of page ``p``, worklist slot ``p``). Claims and
+slots share a row so that a prefix of a grown buffer keeps every claim of every ``P`` at zero.
+Should the copy launch raise (e.g. a compile error) after the mark ran, the scratch is zeroed
+before the error propagates. The kernels of the first design remain as
+:func:`mark_touched_pages` (the ``touched_page_mask`` API) and :func:`copy_sub_pages` with a mask
+(the tuning script's baseline).
+
+Measured (H200, 2026-11-29, torch 2.11, Triton 3.6; 7,168 source pages of 256 tokens, [64, 512]
+int32 indices, CUDA graph of 8 splits, per split; ``docs/benchmarks.md``): with
+:data:`WORKLIST_CONFIG` 4.2-4.5 us with nothing touched (was 21 us), 13.1-13.2 us = 2.5-2.6x ideal
+at 1% (was 26 us, 5.0-5.2x: target met), 65.6-65.8 us = 1.27-1.28x at 10% (was 65-66 us, 1.27x:
+target 1.2x missed) and 590-593 us = 1.14-1.15x at 100% (was 537-540 us, 1.04-1.05x). The fixed
+cost is gone; what is left at 10% is the copy loop's bandwidth: a fixed grid of persistent
+programs moves the touched bytes at about 1.15x the copy time, against 1.04x for one short
+program per sub-page, and neither 1-4 programs per SM, 8-32 warps, cache hints, contiguous
+instead of strided items, a page-ordered worklist (an extra scan launch), sorted indices nor
+double buffering (item ``i + G`` loaded before item ``i`` is stored) moved it past run-to-run
+noise. A caller that touches most pages should split without indices (1.03x).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -32,7 +79,19 @@ from pytest_sparse_mla.page_split.geometry import (
     SplitSource,
 )
 
-__all__ = ["INTERPRETED", "mark_touched_pages", "copy_sub_pages", "probe_offsets"]
+__all__ = [
+    "INTERPRETED",
+    "CopyConfig",
+    "FULL_CONFIG",
+    "MASKED_CONFIG",
+    "WorklistConfig",
+    "WORKLIST_CONFIG",
+    "mark_touched_pages",
+    "copy_sub_pages",
+    "split_touched_pages",
+    "worklist_scratch_shape",
+    "probe_offsets",
+]
 
 #: True when this module's kernels were decorated under ``TRITON_INTERPRET=1`` (CPU tensors).
 INTERPRETED: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -40,9 +99,80 @@ INTERPRETED: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _LANE = 8  # bytes per int64 lane
 _DATA_LANES = SUB_PAGE_DATA_BYTES // _LANE  # 4,608
 _SCALE_LANES = SUB_PAGE_SCALE_BYTES // _LANE  # 64
-_COPY_BLOCK = 512  # lanes per unrolled step; 4,608 = 9 * 512, so no masked lanes
 _MARK_BLOCK = 1024  # indices per mark program (SGLang FM-c blocked mark kernel)
 _NUM_WARPS = 4
+_MASK_BLOCK = 512  # pages per step of the worklist copy's mask pass
+_INTERPRETED_PROGRAMS = 3  # worklist copy grid when interpreted (small, but loops run)
+
+
+@dataclass(frozen=True)
+class CopyConfig:
+    """Launch parameters of the copy kernel (performance only: every config is byte-identical).
+
+    Attributes:
+        block: int64 lanes per unrolled step, one of 512, 1024, 2048, 4096 (4,608 data lanes =
+            ``k * block`` plus a 512-lane remainder when ``block`` does not divide 4,608).
+        num_warps: warps per program (1, 2, 4, 8, 16 or 32).
+        evict: stream the bytes: loads with ``eviction_policy="evict_first"``, stores with the
+            ``.cs`` (streaming) cache modifier, so a split does not flush the L2 for its reader.
+    """
+
+    block: int = 512
+    num_warps: int = 4
+    evict: bool = False
+
+    def __post_init__(self) -> None:
+        if self.block not in (512, 1024, 2048, 4096):
+            raise ValueError(f"block={self.block}: expected 512, 1024, 2048 or 4096 lanes")
+        if self.num_warps not in (1, 2, 4, 8, 16, 32):
+            raise ValueError(f"num_warps={self.num_warps}: expected 1, 2, 4, 8, 16 or 32")
+
+    def kernel_args(self) -> dict[str, object]:
+        """The constexpr and launch keyword arguments of ``_page_split_kernel``."""
+        steps = _DATA_LANES // self.block
+        return {
+            "BLOCK": self.block,
+            "STEPS": steps,
+            "REM": _DATA_LANES - steps * self.block,
+            "LOAD_EVICT": "evict_first" if self.evict else "",
+            "STORE_CACHE": ".cs" if self.evict else "",
+            "num_warps": self.num_warps,
+        }
+
+
+#: Config of full splits (no mask) and of the mask-per-program copy; tuned on an H200, see docs/benchmarks.md.
+FULL_CONFIG = CopyConfig(block=4096, num_warps=32, evict=False)
+MASKED_CONFIG = CopyConfig(block=4096, num_warps=8, evict=True)
+
+
+@dataclass(frozen=True)
+class WorklistConfig:
+    """Launch parameters of the touched split (performance only: every config is byte-identical).
+
+    Attributes:
+        copy: lanes, warps and cache hints of each sub-page copy (:class:`CopyConfig`).
+        programs_per_sm: the copy grid is ``min(P*ratio, programs_per_sm * SM count)`` on CUDA.
+        mark_block: indices per mark program (256, 512, 1024, 2048 or 4096).
+        check_first: the mark reads a page's claim from L2 and skips the atomic exchange when the
+            page is already claimed (measured slower on decode-sized index tensors; see
+            docs/benchmarks.md).
+    """
+
+    copy: CopyConfig = CopyConfig(block=4096, num_warps=16, evict=False)
+    programs_per_sm: int = 4
+    mark_block: int = 256
+    check_first: bool = False
+
+    def __post_init__(self) -> None:
+        pps = self.programs_per_sm
+        if isinstance(pps, bool) or not isinstance(pps, int) or not 1 <= pps <= 64:
+            raise ValueError(f"programs_per_sm={pps!r}: expected an int in [1, 64]")
+        if self.mark_block not in (256, 512, 1024, 2048, 4096):
+            raise ValueError(f"mark_block={self.mark_block!r}: expected 256, 512, 1024, 2048 or 4096 indices")
+
+
+#: Config of touched splits (:func:`split_touched_pages`); tuned on an H200, see docs/benchmarks.md.
+WORKLIST_CONFIG = WorklistConfig()
 
 
 @triton.jit
@@ -76,14 +206,26 @@ def _copy_one_sub_page(
     DATA_LANES: tl.constexpr,
     SCALE_LANES: tl.constexpr,
     BLOCK: tl.constexpr,
+    STEPS: tl.constexpr,
+    REM: tl.constexpr,
+    LOAD_EVICT: tl.constexpr,
+    STORE_CACHE: tl.constexpr,
 ):
-    offs = tl.arange(0, BLOCK)
-    for i in tl.static_range(DATA_LANES // BLOCK):
-        lanes = tl.load(src_ptr + src_data + i * BLOCK + offs)
-        tl.store(dst_ptr + dst + i * BLOCK + offs, lanes)
+    # Footer and remainder loads are issued first, so with STEPS == 1 every load of the sub-page
+    # is in flight before the first store (the compiler cannot hoist loads over stores that may
+    # alias them).
     soffs = tl.arange(0, SCALE_LANES)
-    scales = tl.load(src_ptr + src_scale + soffs)
-    tl.store(dst_ptr + dst + DATA_LANES + soffs, scales)
+    scales = tl.load(src_ptr + src_scale + soffs, eviction_policy=LOAD_EVICT)
+    if REM > 0:
+        roffs = tl.arange(0, REM)
+        rest = tl.load(src_ptr + src_data + STEPS * BLOCK + roffs, eviction_policy=LOAD_EVICT)
+    offs = tl.arange(0, BLOCK)
+    for i in tl.static_range(STEPS):
+        lanes = tl.load(src_ptr + src_data + i * BLOCK + offs, eviction_policy=LOAD_EVICT)
+        tl.store(dst_ptr + dst + i * BLOCK + offs, lanes, cache_modifier=STORE_CACHE)
+    if REM > 0:
+        tl.store(dst_ptr + dst + STEPS * BLOCK + roffs, rest, cache_modifier=STORE_CACHE)
+    tl.store(dst_ptr + dst + DATA_LANES + soffs, scales, cache_modifier=STORE_CACHE)
 
 
 @triton.jit
@@ -98,6 +240,10 @@ def _page_split_kernel(
     DATA_LANES: tl.constexpr,
     SCALE_LANES: tl.constexpr,
     BLOCK: tl.constexpr,
+    STEPS: tl.constexpr,
+    REM: tl.constexpr,
+    LOAD_EVICT: tl.constexpr,
+    STORE_CACHE: tl.constexpr,
     HAS_MASK: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -106,9 +252,15 @@ def _page_split_kernel(
     )
     if HAS_MASK:
         if tl.load(mask_ptr + src_page) != 0:
-            _copy_one_sub_page(src_ptr, dst_ptr, src_data, src_scale, dst, DATA_LANES, SCALE_LANES, BLOCK)
+            _copy_one_sub_page(
+                src_ptr, dst_ptr, src_data, src_scale, dst,
+                DATA_LANES, SCALE_LANES, BLOCK, STEPS, REM, LOAD_EVICT, STORE_CACHE,
+            )
     else:
-        _copy_one_sub_page(src_ptr, dst_ptr, src_data, src_scale, dst, DATA_LANES, SCALE_LANES, BLOCK)
+        _copy_one_sub_page(
+            src_ptr, dst_ptr, src_data, src_scale, dst,
+            DATA_LANES, SCALE_LANES, BLOCK, STEPS, REM, LOAD_EVICT, STORE_CACHE,
+        )
 
 
 @triton.jit
@@ -121,6 +273,96 @@ def _mark_kernel(idx_ptr, mask_ptr, numel, num_src_pages, SRC_PBS: tl.constexpr,
     hit = inside & (idx >= 0) & (page < num_src_pages)
     # Identical concurrent stores of 1 need no atomics (SGLang PR #32320).
     tl.store(mask_ptr + page, tl.full([BLOCK], 1, tl.int8), mask=hit)
+
+
+@triton.jit
+def _mark_worklist_kernel(
+    idx_ptr,
+    ws_ptr,
+    numel,
+    num_src_pages,
+    SRC_PBS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    CHECK_FIRST: tl.constexpr,
+):
+    # ws: int32 [P + 1, 2]; row 0 = (count, done), row 1 + p = (claim of page p, worklist slot p).
+    pid = tl.program_id(0).to(tl.int64)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < numel
+    idx = tl.load(idx_ptr + offs, mask=inside, other=-1).to(tl.int64)
+    page = idx // SRC_PBS
+    hit = inside & (idx >= 0) & (page < num_src_pages)
+    claim = ws_ptr + 2 + page * 2
+    if CHECK_FIRST:
+        seen = tl.load(claim, mask=hit, other=1, cache_modifier=".cg")
+        hit = hit & (seen == 0)
+    old = tl.atomic_xchg(claim, tl.full([BLOCK], 1, tl.int32), mask=hit, sem="relaxed")
+    first = (hit & (old == 0)).to(tl.int32)
+    n_first = tl.sum(first, axis=0)
+    if n_first > 0:
+        base = tl.atomic_add(ws_ptr, n_first, sem="relaxed")
+        slot = (base + tl.cumsum(first, axis=0) - 1).to(tl.int64)
+        tl.store(ws_ptr + 3 + slot * 2, page.to(tl.int32), mask=first != 0)
+
+
+@triton.jit
+def _worklist_copy_kernel(
+    src_ptr,
+    dst_ptr,
+    mask_ptr,
+    ws_ptr,
+    num_src_pages,
+    num_programs,
+    src_stride16,
+    dst_stride16,
+    RATIO: tl.constexpr,
+    FOOTER_LANES: tl.constexpr,
+    DATA_LANES: tl.constexpr,
+    SCALE_LANES: tl.constexpr,
+    BLOCK: tl.constexpr,
+    STEPS: tl.constexpr,
+    REM: tl.constexpr,
+    LOAD_EVICT: tl.constexpr,
+    STORE_CACHE: tl.constexpr,
+    MASK_BLOCK: tl.constexpr,
+):
+    g = tl.program_id(0)
+    n = tl.load(ws_ptr) * RATIO  # worklist items (page, sub) of this call
+    # Program g copies items g, g+G, g+2G, ... < n, prefetching the next item's page. The first
+    # slot load is bounded by P, not by the counter, so it does not wait for it; slots past the
+    # counter are never used.
+    page = tl.load(ws_ptr + 3 + (g // RATIO).to(tl.int64) * 2)  # g < P*ratio: in bounds
+    for item in range(g, n, num_programs):
+        nxt = item + num_programs
+        nxt_page = tl.load(ws_ptr + 3 + (nxt // RATIO).to(tl.int64) * 2, mask=nxt < n, other=0)
+        _, src_data, src_scale, dst = _sub_page_offsets(
+            page.to(tl.int64) * RATIO + item % RATIO,
+            src_stride16,
+            dst_stride16,
+            RATIO,
+            FOOTER_LANES,
+            DATA_LANES,
+            SCALE_LANES,
+        )
+        _copy_one_sub_page(
+            src_ptr, dst_ptr, src_data, src_scale, dst,
+            DATA_LANES, SCALE_LANES, BLOCK, STEPS, REM, LOAD_EVICT, STORE_CACHE,
+        )
+        page = nxt_page
+    # Public mask from the claims, and claims back to 0. Blocks go to the last programs first:
+    # they hold the fewest items.
+    moffs = tl.arange(0, MASK_BLOCK)
+    for start in range((num_programs - 1 - g) * MASK_BLOCK, num_src_pages, num_programs * MASK_BLOCK):
+        pages = start + moffs.to(tl.int64)
+        ok = pages < num_src_pages
+        claimed = tl.load(ws_ptr + 2 + pages * 2, mask=ok, other=0)
+        tl.store(mask_ptr + pages, (claimed != 0).to(tl.int8), mask=ok)
+        tl.store(ws_ptr + 2 + pages * 2, tl.zeros([MASK_BLOCK], tl.int32), mask=ok & (claimed != 0))
+    # Every program read the counter before its acq_rel increment: the last one resets both.
+    done = tl.atomic_add(ws_ptr + 1, 1, sem="acq_rel")
+    if done == num_programs - 1:
+        tl.store(ws_ptr, 0)
+        tl.store(ws_ptr + 1, 0)
 
 
 @triton.jit
@@ -189,9 +431,19 @@ def _lanes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int64)
 
 
-def copy_sub_pages(source: SplitSource, dst: torch.Tensor, mask: torch.Tensor | None) -> None:
-    """Launch the copy kernel: ``dst`` ``[P*ratio, dst_stride]`` uint8, ``mask`` ``[P]`` int8 or None."""
+def copy_sub_pages(
+    source: SplitSource, dst: torch.Tensor, mask: torch.Tensor | None, *, config: CopyConfig | None = None
+) -> None:
+    """Launch the copy kernel: ``dst`` ``[P*ratio, dst_stride]`` uint8, ``mask`` ``[P]`` int8 or None.
+
+    ``config`` overrides the launch parameters (default :data:`FULL_CONFIG` without a mask,
+    :data:`MASKED_CONFIG` with one); the grid is always ``(P*ratio,)``. ``page_split`` uses it for
+    full splits only; with a mask it is the first touched-split design, kept as the benchmark's
+    baseline (touched splits run :func:`split_touched_pages`).
+    """
     _check_runnable(dst.device)
+    if config is None:
+        config = FULL_CONFIG if mask is None else MASKED_CONFIG
     ps = source.src_page_block_size
     src = _lanes(source.pages)  # [P, ps*73] int64, row stride = src page stride / 8
     out = _lanes(dst)
@@ -206,10 +458,108 @@ def copy_sub_pages(source: SplitSource, dst: torch.Tensor, mask: torch.Tensor | 
             FOOTER_LANES=ps * 576 // _LANE,
             DATA_LANES=_DATA_LANES,
             SCALE_LANES=_SCALE_LANES,
-            BLOCK=_COPY_BLOCK,
             HAS_MASK=mask is not None,
+            **config.kernel_args(),
+        )
+
+
+def worklist_scratch_shape(num_src_pages: int) -> tuple[int, int]:
+    """Shape of the int32 scratch of :func:`split_touched_pages`: ``(num_src_pages + 1, 2)``."""
+    return (num_src_pages + 1, 2)
+
+
+_SM_COUNTS: dict[int, int] = {}
+
+
+def _copy_programs(device: torch.device, num_dst_pages: int, programs_per_sm: int) -> int:
+    """Grid of the worklist copy: ``min(num_dst_pages, programs_per_sm * SMs)`` (shapes only)."""
+    if device.type != "cuda":
+        return min(num_dst_pages, _INTERPRETED_PROGRAMS)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNTS:
+        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return min(num_dst_pages, programs_per_sm * _SM_COUNTS[index])
+
+
+def split_touched_pages(
+    source: SplitSource,
+    dst: torch.Tensor,
+    indices: torch.Tensor,
+    mask: torch.Tensor,
+    scratch: torch.Tensor,
+    *,
+    config: WorklistConfig | None = None,
+) -> None:
+    """Touched split in two launches (mark + worklist copy; module docstring), no memset, no sync.
+
+    Args:
+        source: the validated source (``P`` pages, ``ratio`` sub-pages each).
+        dst: ``[P*ratio, dst_stride]`` uint8 destination rows; only sub-pages of touched source
+            pages are written (their data and footer bytes), every other byte keeps its value.
+        indices: contiguous 1-D int32/int64 flat token indices on ``dst``'s device, ``numel > 0``;
+            negative entries and entries ``>= P*ps`` mark nothing.
+        mask: ``[P]`` int8, rewritten with ``1`` for touched pages and ``0`` for the others.
+        scratch: int32 of shape :func:`worklist_scratch_shape` (or more rows) whose row 0 (counter,
+            done counter) and column 0 (claims) are zero before the call (registry buffers are
+            zero-filled); every call leaves them zero again. Column 1 of rows ``1..P`` holds the
+            worklist slots, never read past the counter.
+        config: launch parameters (default :data:`WORKLIST_CONFIG`).
+
+    Raises:
+        ValueError: ``scratch`` of the wrong dtype, shape or device.
+    """
+    _check_runnable(dst.device)
+    if config is None:
+        config = WORKLIST_CONFIG
+    num_src = source.num_src_pages
+    rows = worklist_scratch_shape(num_src)[0]
+    if (
+        scratch.dtype != torch.int32
+        or scratch.dim() != 2
+        or scratch.shape[0] < rows
+        or scratch.shape[1] != 2
+        or not scratch.is_contiguous()
+        or scratch.device != dst.device
+    ):
+        raise ValueError(
+            f"scratch: expected a contiguous int32 [>= {rows}, 2] tensor on {dst.device}, got "
+            f"{scratch.dtype} {tuple(scratch.shape)} on {scratch.device}"
+        )
+    ps = source.src_page_block_size
+    numel = indices.numel()
+    programs = _copy_programs(dst.device, source.num_dst_pages, config.programs_per_sm)
+    copy_args = config.copy.kernel_args()
+    with _device_guard(dst.device):
+        _mark_worklist_kernel[(triton.cdiv(numel, config.mark_block),)](
+            indices,
+            scratch,
+            numel,
+            num_src,
+            SRC_PBS=ps,
+            BLOCK=config.mark_block,
+            CHECK_FIRST=config.check_first,
             num_warps=_NUM_WARPS,
         )
+        try:
+            _worklist_copy_kernel[(programs,)](
+                _lanes(source.pages),
+                _lanes(dst),
+                mask,
+                scratch,
+                num_src,
+                programs,
+                source.src_page_stride // 16,
+                dst.stride(0) // 16,
+                RATIO=source.ratio,
+                FOOTER_LANES=ps * 576 // _LANE,
+                DATA_LANES=_DATA_LANES,
+                SCALE_LANES=_SCALE_LANES,
+                MASK_BLOCK=_MASK_BLOCK,
+                **copy_args,
+            )
+        except BaseException:
+            scratch.zero_()  # the mark ran but the copy did not: leave no claims behind
+            raise
 
 
 def probe_offsets(

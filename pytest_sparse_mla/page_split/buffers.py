@@ -20,6 +20,11 @@ Allocation rules (each one fixes a reported bug):
 * allocated with ``torch.inference_mode(False)``: a buffer first created under inference mode
   would later raise "Inplace update to inference tensor outside InferenceMode" when CUDA-graph
   capture zeroes it (SGLang PR #32320 comment, PR #35116).
+
+Backend scratch. A backend may need private buffers beyond SGLang's two (the Triton touched
+split's worklist, ``flash_mla_sm120_worklist{key_suffix}:{device}``). They live in a child
+registry, :attr:`BufferRegistry.backend_scratch`, with the same key scheme and allocation rules,
+so that :meth:`BufferRegistry.keys` lists the same SGLang key set whichever backend ran.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import torch
 __all__ = [
     "SPLIT_BUFFER_NAME",
     "MASK_BUFFER_NAME",
+    "WORKLIST_BUFFER_NAME",
     "BufferRegistry",
     "buffer_key",
     "split_buffer_key",
@@ -42,6 +48,8 @@ __all__ = [
 SPLIT_BUFFER_NAME = "flash_mla_sm120_split"
 #: Name of the touched-page mask (int8, one byte per source page).
 MASK_BUFFER_NAME = "flash_mla_sm120_mask"
+#: Name of the Triton touched split's int32 claim/worklist scratch (in ``backend_scratch``).
+WORKLIST_BUFFER_NAME = "flash_mla_sm120_worklist"
 
 
 def _normalize_device(device: torch.device | str) -> torch.device:
@@ -85,12 +93,27 @@ class BufferRegistry:
 
     Attributes:
         allocation_log: ``(key, shape, dtype)`` of every allocation this registry made, in order
-            (installs are not allocations); tests use it to prove "allocates nothing".
+            (installs are not allocations; ``backend_scratch`` keeps its own log); tests use it to
+            prove "allocates nothing".
     """
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
+        self._backend_scratch: BufferRegistry | None = None
         self.allocation_log: list[tuple[str, tuple[int, ...], torch.dtype]] = []
+
+    @property
+    def backend_scratch(self) -> BufferRegistry:
+        """Child registry of backend-private scratch buffers (created on first use).
+
+        Same keys and rules as this registry (grow-only, zero-filled, allocated outside inference
+        mode), but not listed by :meth:`keys` / ``len``: the Triton touched split keeps its int32
+        worklist there under ``flash_mla_sm120_worklist{key_suffix}:{device}``. :meth:`clear`
+        clears it too.
+        """
+        if self._backend_scratch is None:
+            self._backend_scratch = BufferRegistry()
+        return self._backend_scratch
 
     def get(
         self,
@@ -174,8 +197,10 @@ class BufferRegistry:
         return sorted(self._buffers)
 
     def clear(self) -> None:
-        """Forget every buffer (the allocation log is kept)."""
+        """Forget every buffer, backend scratch included (the allocation logs are kept)."""
         self._buffers.clear()
+        if self._backend_scratch is not None:
+            self._backend_scratch.clear()
 
     def __contains__(self, key: object) -> bool:
         return key in self._buffers
@@ -187,8 +212,10 @@ class BufferRegistry:
         return iter(self.keys())
 
     def __repr__(self) -> str:
-        items = ", ".join(f"{k}: {tuple(v.shape)} {v.dtype}" for k, v in sorted(self._buffers.items()))
-        return f"BufferRegistry({items})"
+        items = [f"{k}: {tuple(v.shape)} {v.dtype}" for k, v in sorted(self._buffers.items())]
+        if self._backend_scratch is not None and len(self._backend_scratch):
+            items.append(f"backend_scratch={self._backend_scratch!r}")
+        return f"BufferRegistry({', '.join(items)})"
 
 
 _DEFAULT = BufferRegistry()
