@@ -21,7 +21,16 @@ import torch
 
 from pytest_sparse_mla import formats
 
-__all__ = ["DISTRIBUTIONS", "PackedKVCache", "latent", "make_packed_cache", "attn_sink"]
+__all__ = [
+    "DISTRIBUTIONS",
+    "PackedKVCache",
+    "latent",
+    "make_packed_cache",
+    "attn_sink",
+    "sparse_indices",
+    "topk_lengths",
+    "pack_to_device",
+]
 
 DISTRIBUTIONS: tuple[str, ...] = ("flashinfer", "uniform", "wide")
 
@@ -138,3 +147,78 @@ def make_packed_cache(
         packed = formats.as_form(base.to(device), f, page_block_size, form)
     layout = formats.parse_cache(packed, f, page_block_size=page_block_size)
     return PackedKVCache(f, packed, source.to(device), dequantized.to(device), layout)
+
+
+def sparse_indices(
+    num_tokens: int,
+    topk: int,
+    num_candidates: int,
+    generator: torch.Generator,
+    *,
+    masked_fraction: float = 0.5,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """``[num_tokens, topk]`` int32 flat token indices, drawn as FlashInfer's DSV4 tests draw them.
+
+    Lanes ``[0, int(topk * (1 - masked_fraction)))`` are uniform in ``[0, num_candidates)``
+    (duplicates possible); the remaining tail lanes are ``-1`` (flashinfer-ai/flashinfer
+    ``tests/attention/test_sparse_mla_sm120.py``: ``randint(0, s_kv)`` then
+    ``indices[:, topk // 2:] = -1``, i.e. ``masked_fraction=0.5``).
+
+    Raises:
+        ValueError: ``topk < 1``, ``num_candidates < 1`` or ``masked_fraction`` outside ``[0, 1]``.
+    """
+    if topk < 1 or num_candidates < 1:
+        raise ValueError(f"topk={topk}, num_candidates={num_candidates}: expected positive ints")
+    if not 0.0 <= masked_fraction <= 1.0:
+        raise ValueError(f"masked_fraction={masked_fraction}: expected a fraction in [0, 1]")
+    idx = torch.randint(0, num_candidates, (num_tokens, topk), generator=generator, dtype=torch.int64)
+    idx[:, int(topk * (1.0 - masked_fraction)) :] = -1
+    return idx.to(torch.int32).to(device)
+
+
+def topk_lengths(
+    num_tokens: int,
+    topk: int,
+    generator: torch.Generator,
+    *,
+    low: int = 0,
+    high: int | None = None,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """``[num_tokens]`` int32 valid-prefix lengths, uniform in ``[low, high]`` (default ``[0, topk]``).
+
+    Values outside ``[0, topk]`` are legal input (the kernels clamp them), so ``low`` may be
+    negative and ``high`` may exceed ``topk``.
+
+    Raises:
+        ValueError: ``high < low``.
+    """
+    high = topk if high is None else high
+    if high < low:
+        raise ValueError(f"low={low}, high={high}: expected low <= high")
+    lengths = torch.randint(low, high + 1, (num_tokens,), generator=generator, dtype=torch.int64)
+    return lengths.to(torch.int32).to(device)
+
+
+def pack_to_device(
+    source: torch.Tensor,
+    fmt: formats.PackedFormat | str = formats.DSV4,
+    *,
+    page_stride: formats.StrideSpec = "padded",
+    form: str = "nhd",
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """``formats.quantize_pack`` of a BF16 ``[P, ps, d_qk]`` source, on ``device``.
+
+    Packs on the CPU and moves the whole ``[P, page_stride]`` page buffer, so the page stride (and
+    its padding) survives the copy (a plain ``.to(device)`` of a padded view would compact it).
+
+    Raises:
+        TypeError, ValueError: as :func:`formats.quantize_pack`.
+    """
+    f = formats.get_format(fmt)
+    packed = formats.quantize_pack(source.cpu(), f, page_stride=page_stride, form=form)
+    stride = packed.stride(0)
+    base = packed.as_strided((int(source.shape[0]), stride), (stride, 1), packed.storage_offset())
+    return formats.as_form(base.to(device), f, int(source.shape[1]), form)

@@ -182,3 +182,55 @@ def split_pages(split_buffer_registry: Any, page_split_backend: str) -> Callable
     from pytest_sparse_mla.page_split import page_split
 
     return partial(page_split, registry=split_buffer_registry, backend=page_split_backend)
+
+
+# --- implementation under test and tolerances (issue 4; pytest_sparse_mla.implementations) -------
+
+
+@pytest.fixture
+def sparse_mla_impl(request: pytest.FixtureRequest, sparse_mla_device: torch.device) -> Any:
+    """The implementation under test, selected by ``--sparse-mla-impl`` (default ``reference``).
+
+    An object following the protocol of :mod:`pytest_sparse_mla.implementations` (optional
+    ``pack``, ``page_split``, ``sparse_mla_forward``; ``name``; ``tolerance_profile``). The test is
+    skipped, with the reason, when the implementation lacks a capability named by the test's
+    ``sparse_mla_needs(...)`` markers or says it cannot run it on :func:`sparse_mla_device`
+    (e.g. the ``flashinfer`` adapter without an SM12x GPU).
+
+    Raises ``pytest.UsageError`` for an unknown or unimportable implementation (listing the valid
+    names).
+    """
+    from pytest_sparse_mla import implementations
+
+    impl = implementations.get_implementation(request.config)
+    reason = implementations.skip_reason_for(
+        impl, implementations.needs_of(request.node), sparse_mla_device.type
+    )
+    if reason is not None:
+        pytest.skip(reason)
+    return impl
+
+
+@pytest.fixture
+def sparse_mla_tolerances(request: pytest.FixtureRequest) -> Any:
+    """The comparison tolerances in force for this test, per key and tolerance profile.
+
+    A :class:`pytest_sparse_mla.tolerances.SparseMlaTolerances`: ``tol["output"]`` etc. are
+    ``(atol, rtol)`` pairs and ``tol.assert_close(actual, expected, "lse")`` compares in float64.
+
+    Keys: ``output`` / ``output_fp32`` / ``lse`` (implementation vs the float64 oracle),
+    ``self_output`` / ``self_lse`` (two runs of one implementation that are equal in exact
+    arithmetic). The profile is the implementation's ``tolerance_profile`` (``"tight"`` for the
+    bundled reference: 1e-5 relative in fp32 plus BF16 rounding; ``"kernel"`` otherwise:
+    ``atol = rtol = 5e-2`` as FlashInfer's SM120 tests), overridden per suite by a
+    ``sparse_mla_tolerance(profile=..., key=(atol, rtol))`` marker and per profile by the
+    ``sparse_mla_tolerances`` ini option (``PROFILE.KEY = ATOL RTOL`` lines).
+    """
+    from pytest_sparse_mla import implementations, tolerances
+
+    impl = implementations.get_implementation(request.config)
+    return tolerances.resolve(
+        getattr(impl, "tolerance_profile", None),
+        tolerances.ini_tolerances(request.config),
+        list(request.node.iter_markers(tolerances.MARKER)),
+    )

@@ -1,0 +1,147 @@
+"""Float64 oracle for sparse MLA: the plainest correct computation, used only to judge others.
+
+It shares no code with ``attention/reference.py`` (a test that compared the reference with
+itself would prove nothing). It reads the caches through ``formats.unpack_dequantize`` (the byte
+rules are specified and tested there) and then, one query token at a time, in float64:
+
+1. lists the token's valid candidates: main lanes with index ``>= 0`` before
+   ``clamp(topk_length, 0, topk)``, then extra lanes likewise (shifted past the main table);
+2. counts how often each distinct table row occurs among them (a duplicate counts twice);
+3. forms the dense score matrix ``sm_scale * q @ rows.T`` over those distinct rows and a masked
+   softmax weighted by the counts, with ``exp(attn_sink[h])`` added to the denominator;
+4. returns ``sum_j w_j V_j`` (``V`` = the first 512 dims of a row) and the LSE in the requested
+   convention (``attention.conventions``).
+
+Only rows a token validly references are read, so bytes of unreferenced or masked slots (NaN,
+0xFF) cannot reach the result. Sources for the semantics: ``shared/reference/dsv4-format-and-math.md``
+sections 2.2 to 2.6. The loop over tokens is deliberate: simple beats fast here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from pytest_sparse_mla import formats
+from pytest_sparse_mla.attention.conventions import check_lse_convention
+
+__all__ = ["OracleOutput", "oracle_forward"]
+
+
+@dataclass(frozen=True)
+class OracleOutput:
+    """Float64 results of :func:`oracle_forward`.
+
+    Attributes:
+        output: ``[num_tokens, num_heads, 512]`` float64.
+        lse: ``[num_tokens, num_heads]`` float64 in the requested convention.
+    """
+
+    output: torch.Tensor
+    lse: torch.Tensor
+
+
+def _valid_lanes(indices: torch.Tensor, length: torch.Tensor | None, token: int) -> torch.Tensor:
+    """The valid flat indices of one token's index row (int64, in lane order)."""
+    row = indices[token].to(torch.int64)
+    if length is not None:
+        n = max(0, min(int(length[token]), row.shape[0]))
+        row = row[:n]
+    return row[row >= 0]
+
+
+def oracle_forward(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    indices: torch.Tensor,
+    *,
+    sm_scale: float,
+    fmt: formats.PackedFormat | str = "dsv4",
+    page_block_size: int | None = None,
+    topk_length: torch.Tensor | None = None,
+    attn_sink: torch.Tensor | None = None,
+    extra_kv_cache: torch.Tensor | None = None,
+    extra_indices: torch.Tensor | None = None,
+    extra_topk_length: torch.Tensor | None = None,
+    extra_page_block_size: int | None = None,
+    lse_convention: str = "flashinfer",
+    lse_scale: float = 1.0,
+    grid_release: str | None = None,
+    chunk_tokens: int | None = None,
+) -> OracleOutput:
+    """Sparse MLA in float64 (same keyword names as ``attention.sparse_mla_forward``).
+
+    Args:
+        q: ``[T, H, d_qk]`` queries (any float dtype; BF16 in the suites).
+        kv_cache, extra_kv_cache: packed uint8 caches (see ``formats.parse_cache``).
+        indices, extra_indices: ``[T, topk]`` or ``[T, 1, topk]`` integer flat token indices.
+        sm_scale: score scale applied to the full ``d_qk`` dot product.
+        topk_length, extra_topk_length: optional ``[T]`` valid prefix lengths.
+        attn_sink: optional ``[H]`` per-head natural-log logit (denominator mass, no value).
+        lse_convention, lse_scale: see ``attention.conventions``.
+        grid_release, chunk_tokens: accepted for signature parity and ignored (the oracle computes
+            the math only; it has no dispatch grid and processes one token at a time).
+
+    Returns:
+        :class:`OracleOutput` (float64 output ``[T, H, 512]`` and LSE ``[T, H]``).
+
+    Raises:
+        ValueError: ``extra_kv_cache`` without ``extra_indices`` or the reverse; a valid index at
+            or past its cache's token count; errors of ``formats.parse_cache``.
+    """
+    del grid_release, chunk_tokens
+    lse_convention, lse_scale = check_lse_convention(lse_convention, lse_scale)
+    f = formats.get_format(fmt)
+    if (extra_kv_cache is None) != (extra_indices is None):
+        raise ValueError("extra_kv_cache and extra_indices must be provided together")
+    device = q.device
+    main = formats.unpack_dequantize(kv_cache, f, page_block_size=page_block_size, dtype=torch.float64).reshape(
+        -1, f.d_qk
+    )
+    tables = [main]
+    if extra_kv_cache is not None:
+        extra = formats.unpack_dequantize(
+            extra_kv_cache, f, page_block_size=extra_page_block_size, dtype=torch.float64
+        ).reshape(-1, f.d_qk)
+        tables.append(extra)
+    table = torch.cat(tables).to(device)
+    if indices.dim() == 3:
+        indices = indices[:, 0]
+    if extra_indices is not None and extra_indices.dim() == 3:
+        extra_indices = extra_indices[:, 0]
+
+    num_tokens, num_heads = q.shape[0], q.shape[1]
+    q64 = q.to(torch.float64)
+    sink = attn_sink.to(torch.float64) if attn_sink is not None else None
+    output = torch.zeros((num_tokens, num_heads, f.d_v), dtype=torch.float64, device=device)
+    lse = torch.empty((num_tokens, num_heads), dtype=torch.float64, device=device)
+    for t in range(num_tokens):
+        candidates = _valid_lanes(indices, topk_length, t)
+        if candidates.numel() and int(candidates.max()) >= main.shape[0]:
+            raise ValueError(f"indices: token {t} references a row past the {main.shape[0]}-token cache")
+        if extra_indices is not None:
+            extra_candidates = _valid_lanes(extra_indices, extra_topk_length, t)
+            num_extra = table.shape[0] - main.shape[0]
+            if extra_candidates.numel() and int(extra_candidates.max()) >= num_extra:
+                raise ValueError(f"extra_indices: token {t} references a row past the extra cache")
+            candidates = torch.cat([candidates, extra_candidates + main.shape[0]])
+        if candidates.numel() == 0:
+            lse_e = torch.full((num_heads,), -math.inf, dtype=torch.float64, device=device)
+        else:
+            distinct, counts = torch.unique(candidates, return_counts=True)
+            rows = table[distinct]  # [U, d_qk]
+            scores = (q64[t] @ rows.T) * sm_scale  # [H, U], dense over the distinct rows
+            top = scores.max(dim=1, keepdim=True).values
+            weights = counts.to(torch.float64) * torch.exp(scores - top)  # [H, U]
+            total = weights.sum(dim=1)  # sum_j exp(s_j - top)
+            denominator = total + (torch.exp(sink - top[:, 0]) if sink is not None else 0.0)
+            output[t] = (weights @ rows[:, : f.d_v]) / denominator.unsqueeze(1)
+            lse_e = top[:, 0] + torch.log(total)
+        if lse_convention == "flashmla":
+            lse[t] = torch.where(torch.isinf(lse_e) & (lse_e < 0), math.inf, lse_e)
+            continue
+        lse_full = torch.logaddexp(lse_e, sink) if sink is not None else lse_e
+        lse[t] = lse_full / math.log(2.0) * lse_scale
+    return OracleOutput(output, lse)

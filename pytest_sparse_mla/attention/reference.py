@@ -1,0 +1,419 @@
+"""Bundled reference sparse-MLA forward over packed FP8 paged KV caches (DSV4 and DSV3.2).
+
+Math (``shared/reference/dsv4-format-and-math.md`` sections 2 and 5; FlashInfer
+``tests/attention/sparse_mla_test_utils.py`` ``_ref_sparse_attn``): for query token ``t`` and head
+``h``, the candidates are the valid lanes of the main index row followed by the valid lanes of the
+extra index row; candidate ``j`` is the dequantized latent row ``K_j`` of its cache (``formats``
+section 1.6). Scores ``s_j = sm_scale * <q[t, h], K_j>`` over all ``d_qk`` dims; one softmax over
+main and extra candidates together, plus ``exp(attn_sink[h])`` in the denominator (the sink has no
+value); output ``sum_j softmax_j * V_j`` where ``V_j = K_j`` (DSV4, 512 dims) or the first 512 dims
+of ``K_j`` (DSV3.2, ``d_qk`` 576).
+
+Index rules: a lane is valid iff its index is ``>= 0`` and its position is ``<
+clamp(topk_length, 0, topk)``; duplicates count once per occurrence; a flat index is ``page *
+page_block_size + slot``. Positive indices ``>=`` the cache's token count inside the valid prefix are
+undefined behaviour in the SM120 kernels (no bounds check), so the reference rejects them.
+
+How it computes (the properties the invariant suites check hold *by construction*):
+
+* Each cache is dequantized once per call into fp32 rows, plus one shared all-zero row; every
+  invalid lane (negative, past ``topk_length``, padding) gathers the zero row, so bytes of masked or
+  unreferenced slots (NaN, 0xFF scales) never enter any arithmetic (the kernels' "shared zero row",
+  FlashInfer ``common/zero_row.cuh``).
+* Lanes are processed in tiles of :data:`LANE_TILE` (64, FlashInfer's candidate tile ``BI``) with an
+  fp32 online softmax; the main row and the extra row are tiled separately (each padded to a
+  multiple of 64 with invalid lanes). A tile with no valid lane leaves the running max, sum and
+  output bit-for-bit unchanged, so padding an index row with ``-1`` changes nothing.
+* Heads are processed in fixed groups of :data:`HEAD_GROUP` (8): every matrix product and every
+  order-dependent sum runs per group on one fixed shape, so a head's result does not depend on how
+  many heads the query has (BLAS kernels choose different reduction orders for different matrix
+  sizes, a measured fact for MKL on CPU; CUDA reductions pick block shapes from the row count).
+  Elementwise steps and the (exact) running max run on all groups at once.
+* Tokens are processed in chunks (``chunk_tokens``; default 64 on CPU, 512 on CUDA), so memory is
+  bounded by the chunk, not by ``num_tokens``: DeepSeek-V4 prefill shapes (4096 tokens, 64 heads,
+  128 + 512 candidates) run in well under 100 MiB of working memory besides the dequantized caches.
+* The only host synchronisation is one out-of-range check per call.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pytest_sparse_mla import formats
+from pytest_sparse_mla.attention.conventions import check_lse_convention, route_for
+
+__all__ = [
+    "SparseMlaOutput",
+    "sparse_mla_forward",
+    "LANE_TILE",
+    "HEAD_GROUP",
+    "default_chunk_tokens",
+]
+
+#: Candidate lanes per tile (FlashInfer's DSV4 candidate tile ``BI`` = 64).
+LANE_TILE = 64
+#: Heads per fixed-shape matrix product (divides every DeepSeek-V4 per-rank head count).
+HEAD_GROUP = 8
+_CHUNK_TOKENS_CPU = 64
+_CHUNK_TOKENS_OTHER = 512
+_LOG2E = 1.0 / math.log(2.0)
+_FP32_LOWEST = torch.finfo(torch.float32).min
+
+
+@dataclass(frozen=True)
+class SparseMlaOutput:
+    """Result of :func:`sparse_mla_forward`.
+
+    Attributes:
+        output: ``[num_tokens, num_heads, 512]`` BF16 attention output (rounded from fp32).
+        lse: ``[num_tokens, num_heads]`` fp32 LSE in the requested convention
+            (``attention.conventions``).
+        route: ``"decode"`` if ``num_tokens <= 64`` else ``"prefill"`` (FlashInfer's default route).
+        output_fp32: the fp32 output before BF16 rounding when ``return_fp32=True``, else ``None``.
+        grid: what ``dispatch.enforce_grid`` returned when a FlashInfer release was enforced
+            (``grid_release``), else ``None``.
+    """
+
+    output: torch.Tensor
+    lse: torch.Tensor
+    route: str
+    output_fp32: torch.Tensor | None = None
+    grid: Any = None
+
+
+def default_chunk_tokens(device: torch.device) -> int:
+    """Default tokens per chunk: 64 on CPU (the gathered tile stays in cache), 512 elsewhere."""
+    return _CHUNK_TOKENS_CPU if device.type == "cpu" else _CHUNK_TOKENS_OTHER
+
+
+def _check_same_device(tensor: torch.Tensor, name: str, q: torch.Tensor) -> None:
+    if tensor.device != q.device:
+        raise ValueError(f"{name} is on {tensor.device}, but q is on {q.device}; expected one device")
+
+
+def _check_index_tensor(indices: Any, name: str, num_tokens: int, q: torch.Tensor) -> torch.Tensor:
+    """Validate an index tensor and return its ``[T, topk]`` (squeezed) view."""
+    if not isinstance(indices, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(indices).__name__}")
+    if indices.dtype != torch.int32:
+        raise TypeError(f"{name}.dtype={indices.dtype}: expected torch.int32 flat token indices")
+    _check_same_device(indices, name, q)
+    if indices.dim() == 3 and indices.shape[1] == 1:
+        indices = indices[:, 0]
+    if indices.dim() != 2:
+        raise ValueError(f"{name}.shape={tuple(indices.shape)}: expected [num_tokens, topk] or [num_tokens, 1, topk]")
+    if indices.shape[0] != num_tokens:
+        raise ValueError(f"{name}.shape={tuple(indices.shape)}: the leading dim must equal num_tokens={num_tokens}")
+    if indices.shape[1] < 1:
+        raise ValueError(f"{name}.shape={tuple(indices.shape)}: expected topk >= 1")
+    return indices
+
+
+def _check_vector(value: Any, name: str, dtype: torch.dtype, length: int, what: str, q: torch.Tensor) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
+    if value.dtype != dtype:
+        raise TypeError(f"{name}.dtype={value.dtype}: expected {dtype}")
+    _check_same_device(value, name, q)
+    if value.dim() != 1 or value.shape[0] != length:
+        raise ValueError(f"{name}.shape={tuple(value.shape)}: expected [{length}] ({what})")
+    return value
+
+
+def _check_scalar(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name}={value!r}: expected a real number")
+    if not math.isfinite(float(value)):
+        raise ValueError(f"{name}={value!r}: expected a finite number")
+    return float(value)
+
+
+def _candidate_lanes(
+    indices: torch.Tensor,
+    topk_length: torch.Tensor | None,
+    num_rows: int,
+    offset: int,
+    zero_row: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Table rows of every lane (invalid lanes -> ``zero_row``), padded to a multiple of the tile.
+
+    Returns ``(rows [T, Kp] int64, valid [T, Kp] bool, out_of_range [T, K] bool)``.
+    """
+    num_tokens, topk = indices.shape
+    idx = indices.to(torch.int64)
+    valid = idx >= 0
+    if topk_length is not None:
+        length = topk_length.to(torch.int64).clamp(0, topk)
+        valid &= torch.arange(topk, device=idx.device) < length.unsqueeze(1)
+    out_of_range = valid & (idx >= num_rows)
+    rows = torch.where(valid, idx + offset, zero_row)
+    pad = (-topk) % LANE_TILE
+    if pad:
+        rows = torch.cat([rows, rows.new_full((num_tokens, pad), zero_row)], dim=1)
+        valid = torch.cat([valid, valid.new_zeros((num_tokens, pad))], dim=1)
+    return rows, valid, out_of_range
+
+
+def _raise_out_of_range(name: str, indices: torch.Tensor, bad: torch.Tensor, num_rows: int) -> None:
+    token, lane = (int(v) for v in bad.nonzero()[0].tolist())
+    value = int(indices[token, lane])
+    cache = "extra_kv_cache" if name.startswith("extra") else "kv_cache"
+    raise ValueError(
+        f"{name}[{token}, {lane}]={value} is out of range: {cache} holds {num_rows} tokens "
+        f"(num_pages * page_block_size), so valid flat indices are 0..{num_rows - 1} (negative = "
+        "masked). The SM120 kernels do not bounds-check indices (undefined behaviour); the "
+        "reference rejects them"
+    )
+
+
+@torch.no_grad()
+def sparse_mla_forward(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    indices: torch.Tensor,
+    *,
+    sm_scale: float,
+    fmt: formats.PackedFormat | str = "dsv4",
+    page_block_size: int | None = None,
+    topk_length: torch.Tensor | None = None,
+    attn_sink: torch.Tensor | None = None,
+    extra_kv_cache: torch.Tensor | None = None,
+    extra_indices: torch.Tensor | None = None,
+    extra_topk_length: torch.Tensor | None = None,
+    extra_page_block_size: int | None = None,
+    lse_convention: str = "flashinfer",
+    lse_scale: float = 1.0,
+    grid_release: str | None = None,
+    chunk_tokens: int | None = None,
+    return_fp32: bool = False,
+) -> SparseMlaOutput:
+    """Sparse MLA attention over a packed FP8 paged KV cache (optionally a second, extra cache).
+
+    Args:
+        q: ``[T, H, d_qk]`` BF16 queries (``d_qk`` 512 for DSV4, 576 for DSV3.2); any ``H >= 1``.
+        kv_cache: packed uint8 main cache in any form ``formats.parse_cache`` accepts (2-D, 3-D,
+            HND, NHD; tight or padded page stride).
+        indices: ``[T, topk]`` or ``[T, 1, topk]`` int32 flat token indices into ``kv_cache``
+            (``page * page_block_size + slot``); negative = masked; row-pitched views allowed.
+        sm_scale: score scale (finite float), applied to the full ``d_qk`` dot product; DeepSeek-V4
+            uses ``512 ** -0.5``.
+        fmt: ``"dsv4"`` (584 B/token) or ``"dsv3_2"`` (656 B/token); both caches use it.
+        page_block_size: tokens per main page, only needed to disambiguate a 2-D cache.
+        topk_length: optional ``[T]`` int32 valid prefix length per token, clamped to ``[0, topk]``.
+        attn_sink: optional ``[H]`` fp32 per-head logit (natural-log units) that adds
+            ``exp(attn_sink[h])`` to the denominator and has no value. ``-inf`` means no sink.
+        extra_kv_cache: optional second packed cache (same format, its own page size), e.g. the
+            DeepSeek-V4 C4 (page 64) or C128 (page 2) compressed cache.
+        extra_indices: ``[T, extra_topk]`` or ``[T, 1, extra_topk]`` int32; required iff
+            ``extra_kv_cache`` is given. Its candidates follow the main ones in one softmax.
+        extra_topk_length: optional ``[T]`` int32, clamped to ``[0, extra_topk]``.
+        extra_page_block_size: tokens per extra page, only for a 2-D extra cache.
+        lse_convention: ``"flashinfer"`` (log2, sink included, times ``lse_scale``) or
+            ``"flashmla"`` (natural log, sink excluded, empty row ``+inf``); see
+            ``attention.conventions``.
+        lse_scale: positive factor on the final FlashInfer LSE (``math.log(2)`` = natural log).
+        grid_release: a FlashInfer release (``"0.6.17"``): before computing, the call is checked
+            against that release's SM120 dispatch grid by ``pytest_sparse_mla.dispatch.enforce_grid``,
+            which raises the release's exact error for a shape it cannot run.
+        chunk_tokens: tokens per chunk (memory bound); default :func:`default_chunk_tokens`.
+        return_fp32: also return the fp32 output before BF16 rounding (``output_fp32``).
+
+    Returns:
+        :class:`SparseMlaOutput`: BF16 output ``[T, H, 512]``, fp32 LSE ``[T, H]``, the route.
+        A row with no valid candidate gets output 0 and LSE ``-inf`` (FlashInfer convention without
+        sink), ``sink * log2(e) * lse_scale`` (with a sink) or ``+inf`` (FlashMLA convention).
+        ``T == 0`` returns empty tensors.
+
+    Raises:
+        TypeError: a tensor argument is not a tensor or has the wrong dtype (q BF16, indices and
+            lengths int32, attn_sink fp32, caches uint8); a scalar is not a number.
+        ValueError: wrong shapes (q not 3-D with ``d_qk`` of ``fmt``; index rows not ``T`` long;
+            ``topk_length`` not ``[T]``; ``attn_sink`` not ``[H]``); an invalid cache
+            (``formats.parse_cache``); ``extra_kv_cache`` without ``extra_indices`` or the reverse;
+            ``extra_topk_length``/``extra_page_block_size`` without an extra cache; tensors on
+            different devices; a positive index ``>=`` the cache's token count inside the valid
+            prefix; a non-finite ``sm_scale``; bad ``lse_convention``/``lse_scale``/``chunk_tokens``.
+        Whatever ``dispatch.enforce_grid`` raises for a release that cannot run the shape.
+    """
+    f = formats.get_format(fmt)
+    if not isinstance(q, torch.Tensor):
+        raise TypeError(f"q: expected a torch.Tensor, got {type(q).__name__}")
+    if q.dtype != torch.bfloat16:
+        raise TypeError(f"q.dtype={q.dtype}: expected torch.bfloat16")
+    if q.dim() != 3 or q.shape[2] != f.d_qk:
+        raise ValueError(f"q.shape={tuple(q.shape)}: expected [num_tokens, num_heads, {f.d_qk}] for {f.name}")
+    num_tokens, num_heads = int(q.shape[0]), int(q.shape[1])
+    if num_heads < 1:
+        raise ValueError(f"q.shape={tuple(q.shape)}: expected at least one head")
+    sm_scale = _check_scalar(sm_scale, "sm_scale")
+    lse_convention, lse_scale = check_lse_convention(lse_convention, lse_scale)
+    if chunk_tokens is not None and (
+        isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1
+    ):
+        raise ValueError(f"chunk_tokens={chunk_tokens!r}: expected a positive int or None")
+    if (extra_kv_cache is None) != (extra_indices is None):
+        raise ValueError(
+            "extra_kv_cache and extra_indices must be provided together "
+            f"(got extra_kv_cache={'a tensor' if extra_kv_cache is not None else None}, "
+            f"extra_indices={'a tensor' if extra_indices is not None else None})"
+        )
+    if extra_kv_cache is None and extra_topk_length is not None:
+        raise ValueError("extra_topk_length requires extra_kv_cache and extra_indices")
+    if extra_kv_cache is None and extra_page_block_size is not None:
+        raise ValueError("extra_page_block_size requires extra_kv_cache")
+
+    layout = formats.parse_cache(kv_cache, f, page_block_size=page_block_size, name="kv_cache")
+    _check_same_device(kv_cache, "kv_cache", q)
+    indices = _check_index_tensor(indices, "indices", num_tokens, q)
+    if topk_length is not None:
+        _check_vector(topk_length, "topk_length", torch.int32, num_tokens, "one length per token", q)
+    if attn_sink is not None:
+        _check_vector(attn_sink, "attn_sink", torch.float32, num_heads, "one logit per head", q)
+    extra_layout = None
+    if extra_kv_cache is not None:
+        extra_layout = formats.parse_cache(
+            extra_kv_cache, f, page_block_size=extra_page_block_size, name="extra_kv_cache"
+        )
+        _check_same_device(extra_kv_cache, "extra_kv_cache", q)
+        extra_indices = _check_index_tensor(extra_indices, "extra_indices", num_tokens, q)
+        if extra_topk_length is not None:
+            _check_vector(
+                extra_topk_length,
+                "extra_topk_length",
+                torch.int32,
+                num_tokens,
+                "one length per token",
+                q,
+            )
+
+    grid = None
+    if grid_release is not None:
+        from pytest_sparse_mla.dispatch import enforce_grid
+
+        grid = enforce_grid(
+            grid_release,
+            model=f.name,
+            num_tokens=num_tokens,
+            num_heads=num_heads,
+            topk=int(indices.shape[1]),
+            page_block_size=layout.page_block_size,
+            topk_extra=int(extra_indices.shape[1]) if extra_indices is not None else 0,
+            extra_page_block_size=extra_layout.page_block_size if extra_layout is not None else 0,
+        )
+
+    route = route_for(num_tokens)
+    device = q.device
+    d_v = f.d_v
+    output = torch.empty((num_tokens, num_heads, d_v), dtype=torch.bfloat16, device=device)
+    lse = torch.empty((num_tokens, num_heads), dtype=torch.float32, device=device)
+    output_fp32 = torch.empty((num_tokens, num_heads, d_v), dtype=torch.float32, device=device) if return_fp32 else None
+    if num_tokens == 0:
+        return SparseMlaOutput(output, lse, route, output_fp32, grid)
+
+    # Candidate table: main rows, extra rows, one zero row that every invalid lane reads.
+    num_main = layout.num_tokens
+    num_extra = extra_layout.num_tokens if extra_layout is not None else 0
+    zero_row = num_main + num_extra
+    table = torch.empty((zero_row + 1, f.d_qk), dtype=torch.float32, device=device)
+    table[:num_main] = formats.unpack_dequantize(kv_cache, f, page_block_size=page_block_size).view(num_main, f.d_qk)
+    if extra_kv_cache is not None:
+        table[num_main:zero_row] = formats.unpack_dequantize(
+            extra_kv_cache, f, page_block_size=extra_page_block_size
+        ).view(num_extra, f.d_qk)
+    table[zero_row] = 0.0
+
+    rows, valid, bad = _candidate_lanes(indices, topk_length, num_main, 0, zero_row)
+    if extra_indices is not None:
+        extra_rows, extra_valid, extra_bad = _candidate_lanes(
+            extra_indices, extra_topk_length, num_extra, num_main, zero_row
+        )
+        rows = torch.cat([rows, extra_rows], dim=1)
+        valid = torch.cat([valid, extra_valid], dim=1)
+        if bool(bad.any() | extra_bad.any()):  # the one host sync of the call
+            if bool(bad.any()):
+                _raise_out_of_range("indices", indices, bad, num_main)
+            _raise_out_of_range("extra_indices", extra_indices, extra_bad, num_extra)
+    elif bool(bad.any()):
+        _raise_out_of_range("indices", indices, bad, num_main)
+
+    num_tiles = rows.shape[1] // LANE_TILE
+    # [tiles, T, L] so each (tile, chunk) slice is contiguous; bias is 0 (valid) or -inf (masked).
+    lane_rows = rows.view(num_tokens, num_tiles, LANE_TILE).transpose(0, 1).contiguous()
+    lane_bias = torch.zeros((num_tiles, num_tokens, 1, LANE_TILE), dtype=torch.float32, device=device)
+    lane_bias.masked_fill_(~valid.view(num_tokens, num_tiles, 1, LANE_TILE).transpose(0, 1), float("-inf"))
+
+    num_groups = -(-num_heads // HEAD_GROUP)
+    sink = None
+    if attn_sink is not None:
+        sink = torch.zeros(num_groups * HEAD_GROUP, dtype=torch.float32, device=device)
+        sink[:num_heads] = attn_sink
+        sink = sink.view(num_groups, 1, HEAD_GROUP, 1)
+
+    tc = min(num_tokens, chunk_tokens or default_chunk_tokens(device))
+    g = HEAD_GROUP
+    q_buf = torch.zeros((num_groups, tc, g, f.d_qk), dtype=torch.float32, device=device)
+    row_buf = torch.empty((tc * LANE_TILE, f.d_qk), dtype=torch.float32, device=device)
+    score_buf = torch.empty((num_groups, tc, g, LANE_TILE), dtype=torch.float32, device=device)
+    run_max = torch.empty((num_groups, tc, g, 1), dtype=torch.float32, device=device)
+    run_sum = torch.empty_like(run_max)
+    acc = torch.empty((num_groups, tc, g, d_v), dtype=torch.float32, device=device)
+
+    for start in range(0, num_tokens, tc):
+        n = min(tc, num_tokens - start)
+        q_chunk = q[start : start + n]
+        for gi in range(num_groups):
+            h0 = gi * g
+            width = min(g, num_heads - h0)
+            q_buf[gi, :n, :width].copy_(q_chunk[:, h0 : h0 + width])
+        run_max[:, :n].fill_(float("-inf"))
+        run_sum[:, :n].zero_()
+        acc[:, :n].zero_()
+        scores = score_buf[:, :n]  # [groups, n, G, L]
+        m_old = run_max[:, :n]
+        for tile in range(num_tiles):
+            flat = row_buf[: n * LANE_TILE]
+            torch.index_select(table, 0, lane_rows[tile, start : start + n].view(-1), out=flat)
+            keys = flat.view(n, LANE_TILE, f.d_qk)
+            keys_t = keys.transpose(1, 2)
+            values = keys[..., :d_v]
+            bias = lane_bias[tile, start : start + n]
+            for gi in range(num_groups):  # scores = bias + sm_scale * q @ K^T (bias -inf: masked)
+                torch.baddbmm(bias, q_buf[gi, :n], keys_t, alpha=sm_scale, out=score_buf[gi, :n])
+            # Elementwise steps and the (exact) max run on all groups at once; the order-dependent
+            # sums run per group on fixed shapes.
+            m_new = torch.maximum(m_old, scores.amax(dim=-1, keepdim=True))
+            # A row with no valid lane so far keeps max -inf; shift by a finite value instead.
+            m_use = m_new.clamp(min=_FP32_LOWEST)
+            alpha = (m_old - m_use).exp_()
+            scores.sub_(m_use).exp_()
+            run_sum[:, :n].mul_(alpha)
+            acc[:, :n].mul_(alpha)
+            for gi in range(num_groups):
+                p = score_buf[gi, :n]
+                run_sum[gi, :n].add_(p.sum(dim=-1, keepdim=True))
+                acc[gi, :n].baddbmm_(p, values)
+            m_old.copy_(m_new)
+        # Finalise: out = acc / sum, times sigmoid(lse - sink); LSE per convention.
+        total = run_sum[:, :n]
+        out = acc[:, :n] / torch.where(total == 0, torch.ones_like(total), total)
+        lse_e = run_max[:, :n] + total.log()  # -inf for empty rows
+        if sink is not None:
+            out.mul_(torch.sigmoid(lse_e - sink))
+            lse_full = torch.logaddexp(lse_e, sink.expand_as(lse_e))
+        else:
+            lse_full = lse_e
+        if lse_convention == "flashinfer":
+            lse_out = lse_full * (_LOG2E * lse_scale)
+        else:
+            lse_out = lse_e.masked_fill(lse_e == float("-inf"), float("inf"))
+        # [groups, n, G, ...] -> [n, H, ...]
+        out = out.transpose(0, 1).reshape(n, num_groups * g, d_v)[:, :num_heads]
+        output[start : start + n] = out
+        if output_fp32 is not None:
+            output_fp32[start : start + n] = out
+        lse[start : start + n] = lse_out.transpose(0, 1).reshape(n, num_groups * g)[:, :num_heads]
+    return SparseMlaOutput(output, lse, route, output_fp32, grid)

@@ -1,0 +1,469 @@
+"""The implementation under test: protocol, built-ins, registry and ``--sparse-mla-impl`` resolution.
+
+Protocol
+========
+
+An implementation is any object (an instance, a class instance, a module) with a subset of these
+attributes; every capability is optional, a suite needing one the implementation lacks is skipped
+with that reason (marker ``sparse_mla_needs("sparse_mla_forward", ...)``):
+
+=========================  ======================================================================
+attribute                  meaning
+=========================  ======================================================================
+``name``                   display name (defaults to the registry name or import string)
+``pack``                   ``pack(source, fmt="dsv4", *, page_stride="tight", form="nhd",
+                           scale_rule="flashmla", pad_fill=0) -> uint8 cache``, the signature of
+                           ``formats.quantize_pack``
+``page_split``             ``page_split(kv_cache, *, src_page_block_size=None,
+                           touched_indices=None, key_suffix="", registry=None, ...) -> uint8
+                           [P*ratio, 64, 1, 584]``, the signature of
+                           ``pytest_sparse_mla.page_split.page_split``
+``sparse_mla_forward``     ``sparse_mla_forward(q, kv_cache, indices, *, sm_scale, fmt="dsv4",
+                           page_block_size=None, topk_length=None, attn_sink=None,
+                           extra_kv_cache=None, extra_indices=None, extra_topk_length=None,
+                           extra_page_block_size=None, lse_convention="flashinfer",
+                           lse_scale=1.0, ...) -> result`` with ``result.output`` ``[T, H, 512]``
+                           BF16 and ``result.lse`` ``[T, H]`` fp32 (``result.route`` optional),
+                           the signature of ``pytest_sparse_mla.attention.sparse_mla_forward``
+``tolerance_profile``      ``"tight"`` or ``"kernel"`` (default) or a profile of your own; see
+                           ``pytest_sparse_mla.tolerances``
+``skip_reason``            ``skip_reason(capability: str, device: str) -> str | None``: why a
+                           capability cannot run on ``device`` (``"cpu"``/``"cuda"``) here
+=========================  ======================================================================
+
+Selecting one: ``--sparse-mla-impl NAME`` (or the ``sparse_mla_impl`` ini key), where NAME is a
+built-in, a name registered through the ``pytest_sparse_mla_implementations(config)`` hook
+(``hookspecs.py``; hook names may replace built-ins), or ``package.module:attribute`` (a dotted
+attribute path; a class found there is instantiated without arguments; ``package.module`` alone
+uses the module object). Unknown names raise ``pytest.UsageError`` listing the valid ones. The
+pattern is array-api-tests' (data-apis/array-api-tests: one suite, the implementation chosen at
+run time).
+
+Built-ins
+=========
+
+* ``reference``: ``formats.quantize_pack``, the torch page split, the bundled reference attention
+  (``attention.sparse_mla_forward``; under ``--sparse-mla-grid X`` it enforces release X's dispatch
+  grid). Tolerance profile ``"tight"``.
+* ``triton``: the Triton page split (skipped where ``page_split.triton_unavailable_reason`` says
+  it cannot run: no triton, or CPU tensors without ``TRITON_INTERPRET=1``); ``pack`` and attention
+  are the reference's, so suites that split and then attend test the Triton split end to end.
+  Tolerance profile ``"tight"``.
+* ``flashinfer``: an adapter over FlashInfer's SM120 sparse-MLA entry
+  ``_sparse_mla_sm120_paged_attention`` (module ``flashinfer.mla._sparse_mla_sm120._api`` from
+  0.7.1, ``flashinfer.mla._sparse_mla_sm120`` before; signature in
+  ``shared/reference/dsv4-format-and-math.md`` section 4.2). It provides ``sparse_mla_forward``
+  only (FlashInfer ships no DSV4-584 writer and no page split) and is skipped unless
+  flashinfer-python is installed, the suites run on CUDA and the GPU is SM12x (FlashInfer's gate:
+  ``flashinfer/utils.py`` ``is_sm12x_supported``). Tolerance profile ``"kernel"``.
+
+This module is a plugin module (``plugin._PLUGIN_MODULES``): its ``pytest_configure`` resolves the
+implementation once (a bad ``--sparse-mla-impl`` is a usage error before any test runs, so hook
+implementations belong in a plugin or an initial ``conftest.py``), and its
+``pytest_collection_modifyitems`` turns ``sparse_mla_needs`` markers into skips. It imports torch
+only inside functions (an import string may import whatever its module imports).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from pytest_sparse_mla import capabilities, options
+
+__all__ = [
+    "CAPABILITIES",
+    "BUILTINS",
+    "ReferenceImplementation",
+    "TritonImplementation",
+    "FlashInferImplementation",
+    "available_implementations",
+    "resolve_implementation",
+    "get_implementation",
+    "implementation_name",
+    "needs_of",
+    "skip_reason_for",
+    "session_device",
+]
+
+#: capabilities an implementation may provide.
+CAPABILITIES: tuple[str, ...] = ("pack", "page_split", "sparse_mla_forward")
+NEEDS_MARKER = "sparse_mla_needs"
+_IMPL_KEY = pytest.StashKey[Any]()
+
+
+class ReferenceImplementation:
+    """The bundled pure-PyTorch implementation (built-in name ``reference``).
+
+    Args:
+        grid_release: FlashInfer release whose dispatch grid ``sparse_mla_forward`` enforces
+            (``--sparse-mla-grid``), or ``None``. A caller's explicit ``grid_release=`` wins.
+    """
+
+    name = "reference"
+    tolerance_profile = "tight"
+    split_backend = "torch"
+
+    def __init__(self, grid_release: str | None = None) -> None:
+        self.grid_release = grid_release
+
+    def pack(self, source: Any, fmt: Any = "dsv4", **kwargs: Any) -> Any:
+        """``formats.quantize_pack`` (BF16 ``[P, ps, d_qk]`` -> packed uint8 cache)."""
+        from pytest_sparse_mla import formats
+
+        return formats.quantize_pack(source, fmt, **kwargs)
+
+    def page_split(self, kv_cache: Any, **kwargs: Any) -> Any:
+        """``page_split.page_split`` with this implementation's backend (a ``backend=`` wins)."""
+        from pytest_sparse_mla.page_split import page_split
+
+        kwargs.setdefault("backend", self.split_backend)
+        return page_split(kv_cache, **kwargs)
+
+    def sparse_mla_forward(self, q: Any, kv_cache: Any, indices: Any, **kwargs: Any) -> Any:
+        """``attention.sparse_mla_forward`` (grid enforcement from ``--sparse-mla-grid``)."""
+        from pytest_sparse_mla.attention import sparse_mla_forward
+
+        kwargs.setdefault("grid_release", self.grid_release)
+        return sparse_mla_forward(q, kv_cache, indices, **kwargs)
+
+    def skip_reason(self, capability: str, device: str) -> str | None:
+        """Every capability runs everywhere (``None``)."""
+        return None
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r} grid={self.grid_release}>"
+
+
+class TritonImplementation(ReferenceImplementation):
+    """Built-in ``triton``: the Triton page split; ``pack`` and attention from the reference."""
+
+    name = "triton"
+    split_backend = "triton"
+
+    def skip_reason(self, capability: str, device: str) -> str | None:
+        """Why the Triton split cannot run on ``device`` (``page_split.triton_unavailable_reason``)."""
+        if capability != "page_split":
+            return None
+        from pytest_sparse_mla.page_split import triton_unavailable_reason
+
+        return triton_unavailable_reason(device)
+
+
+def _flashinfer_entry() -> Callable[..., None]:
+    """FlashInfer's internal SM120 entry ``_sparse_mla_sm120_paged_attention`` (0.6.14 .. 0.7.4)."""
+    for module_name in (
+        "flashinfer.mla._sparse_mla_sm120._api",  # 0.7.1+: package split
+        "flashinfer.mla._sparse_mla_sm120",  # 0.6.14 - 0.7.0: one module
+    ):
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        entry = getattr(module, "_sparse_mla_sm120_paged_attention", None)
+        if entry is not None:
+            return entry
+    raise ImportError(
+        "flashinfer.mla has no _sparse_mla_sm120_paged_attention (looked in "
+        "flashinfer.mla._sparse_mla_sm120._api and flashinfer.mla._sparse_mla_sm120)"
+    )
+
+
+class FlashInferImplementation:
+    """Built-in ``flashinfer``: adapter over FlashInfer's SM120 sparse-MLA kernels (CUDA, SM12x).
+
+    Best effort: written against the 0.6.14 - 0.7.4 sources (reference notes sections 2.1, 2.8 and
+    4.2), not run on SM12x hardware by this project. It allocates ``output``/``out_lse`` (and the
+    split-K decode scratch for ``num_tokens <= 64``: ``[T, heads, splits, 512]`` BF16 and
+    ``[T, heads, splits]`` fp32 with ``splits = ceil(topk/64) + ceil(extra_topk/64)`` and
+    ``heads`` = 8 if H == 8 else ``ceil(H/16)*16`` from 0.7.0, H before), calls the entry, and
+    converts FlashInfer's base-2, sink-including LSE to the requested convention.
+    """
+
+    name = "flashinfer"
+    tolerance_profile = "kernel"
+
+    def skip_reason(self, capability: str, device: str) -> str | None:
+        """Why FlashInfer cannot run here: not installed, not on CUDA, or not an SM12x GPU."""
+        caps = capabilities.probe()
+        if caps.flashinfer_version is None:
+            return "flashinfer adapter: flashinfer-python is not installed"
+        if device != "cuda" or not caps.cuda_available:
+            return (
+                "flashinfer adapter: FlashInfer's SM120 sparse-MLA kernels need CUDA tensors; "
+                f"the suites run on {device} (CUDA available: {caps.cuda_available})"
+            )
+        if caps.compute_capability is None or caps.compute_capability[0] != 12:
+            return (
+                "flashinfer adapter: requires an SM12x GPU (compute capability 12.x); found "
+                f"{caps.sm} ({caps.device_name})"
+            )
+        return None
+
+    def sparse_mla_forward(
+        self,
+        q: Any,
+        kv_cache: Any,
+        indices: Any,
+        *,
+        sm_scale: float,
+        fmt: str = "dsv4",
+        page_block_size: int | None = None,
+        topk_length: Any = None,
+        attn_sink: Any = None,
+        extra_kv_cache: Any = None,
+        extra_indices: Any = None,
+        extra_topk_length: Any = None,
+        extra_page_block_size: int | None = None,
+        lse_convention: str = "flashinfer",
+        lse_scale: float = 1.0,
+        grid_release: str | None = None,
+        chunk_tokens: int | None = None,
+        return_fp32: bool = False,
+    ) -> Any:
+        """Run FlashInfer's kernel with the reference forward's signature.
+
+        ``page_block_size``/``extra_page_block_size`` are read from the cache shapes by FlashInfer;
+        ``grid_release`` and ``chunk_tokens`` are ignored (the installed release *is* the grid).
+
+        Raises:
+            ValueError: ``return_fp32=True`` (the kernels produce BF16 only), bad LSE convention.
+            ImportError: the installed flashinfer has no SM120 sparse-MLA entry.
+            Whatever FlashInfer raises for the inputs.
+        """
+        import torch
+        from packaging.version import Version
+
+        from pytest_sparse_mla import formats
+        from pytest_sparse_mla.attention import SparseMlaOutput, route_for
+        from pytest_sparse_mla.attention.conventions import check_lse_convention
+
+        del page_block_size, extra_page_block_size, grid_release, chunk_tokens
+        lse_convention, lse_scale = check_lse_convention(lse_convention, lse_scale)
+        if return_fp32:
+            raise ValueError("return_fp32=True: FlashInfer's kernels produce a BF16 output only")
+        entry = _flashinfer_entry()
+        f = formats.get_format(fmt)
+        num_tokens, num_heads = int(q.shape[0]), int(q.shape[1])
+        output = torch.zeros((num_tokens, num_heads, f.d_v), dtype=torch.bfloat16, device=q.device)
+        out_lse = torch.zeros((num_tokens, num_heads), dtype=torch.float32, device=q.device)
+        kwargs: dict[str, Any] = {
+            "topk_length": topk_length,
+            "attn_sink": attn_sink,
+            "extra_kv_cache": extra_kv_cache,
+            "extra_indices": extra_indices,
+            "extra_topk_length": extra_topk_length,
+        }
+        if num_tokens <= 64 and num_tokens > 0:
+            topk = int(indices.shape[-1])
+            extra_topk = int(extra_indices.shape[-1]) if extra_indices is not None else 0
+            splits = -(-topk // 64) + -(-extra_topk // 64)
+            version = Version(capabilities.probe().flashinfer_version or "0")
+            if version >= Version("0.7.0"):
+                heads = 8 if num_heads == 8 else -(-num_heads // 16) * 16
+            else:
+                heads = num_heads
+            kwargs["mid_out"] = torch.empty((num_tokens, heads, splits, f.d_v), dtype=torch.bfloat16, device=q.device)
+            kwargs["mid_lse"] = torch.empty((num_tokens, heads, splits), dtype=torch.float32, device=q.device)
+        entry(q, kv_cache, indices, output, out_lse, float(sm_scale), **kwargs)
+        if lse_convention == "flashinfer":
+            lse = out_lse * lse_scale if lse_scale != 1.0 else out_lse
+        else:  # natural log without the sink: ln(2**lse2 - e**sink); empty rows +inf
+            total = out_lse.to(torch.float64) * math.log(2.0)
+            if attn_sink is not None:
+                sink = attn_sink.to(torch.float64).unsqueeze(0)
+                total = total + torch.log(-torch.expm1(sink - total))
+            lse = torch.where(torch.isneginf(total) | torch.isnan(total), math.inf, total)
+            lse = lse.to(torch.float32)
+        return SparseMlaOutput(output, lse, route_for(num_tokens))
+
+
+#: built-in name -> factory(config).
+BUILTINS: dict[str, Callable[[pytest.Config], Any]] = {
+    "reference": lambda config: ReferenceImplementation(options.get_options(config).grid),
+    "triton": lambda config: TritonImplementation(options.get_options(config).grid),
+    "flashinfer": lambda config: FlashInferImplementation(),
+}
+
+
+def available_implementations(config: pytest.Config) -> dict[str, Any]:
+    """Selectable names -> built-in factory or registered object (hook names override built-ins).
+
+    Raises:
+        pytest.UsageError: a hook returned something other than a dict with str keys.
+    """
+    names: dict[str, Any] = dict(BUILTINS)
+    hook = getattr(config.hook, "pytest_sparse_mla_implementations", None)
+    if hook is None:
+        return names
+    for result in reversed(hook(config=config)):
+        if result is None:
+            continue
+        if not isinstance(result, dict) or not all(isinstance(k, str) for k in result):
+            raise pytest.UsageError(
+                f"pytest_sparse_mla_implementations returned {type(result).__name__}: expected a "
+                "dict {name: implementation}"
+            )
+        names.update(result)
+    return names
+
+
+def _importable(module_name: str) -> bool:
+    """Whether ``module_name`` can be found on ``sys.path`` now (without importing it fully)."""
+    try:
+        return importlib.util.find_spec(module_name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _import_object(spec: str) -> Any:
+    module_name, _, attribute = spec.partition(":")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise pytest.UsageError(f"--sparse-mla-impl={spec!r}: cannot import module {module_name!r} ({exc})") from None
+    for part in attribute.split(".") if attribute else ():
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise pytest.UsageError(
+                f"--sparse-mla-impl={spec!r}: module {module_name!r} has no attribute {attribute!r}"
+            ) from None
+    if isinstance(obj, type):
+        obj = obj()
+    return obj
+
+
+def implementation_name(impl: Any, default: str = "") -> str:
+    """``impl.name`` if it is a string, else ``default``."""
+    name = getattr(impl, "name", None)
+    return name if isinstance(name, str) and name else default
+
+
+def _check_provides_something(impl: Any, spec: str) -> None:
+    provided = [cap for cap in CAPABILITIES if callable(getattr(impl, cap, None))]
+    if not provided:
+        raise pytest.UsageError(
+            f"--sparse-mla-impl={spec!r}: {impl!r} provides none of {', '.join(CAPABILITIES)} "
+            "(see pytest_sparse_mla.implementations for the protocol)"
+        )
+
+
+def resolve_implementation(spec: str, config: pytest.Config) -> Any:
+    """The implementation named by ``spec`` (a registered name or an import string).
+
+    Raises:
+        pytest.UsageError: unknown name (the message lists the valid ones), an import string that
+            does not import, or an object that provides no capability.
+    """
+    names = available_implementations(config)
+    if spec in names:
+        entry = names[spec]
+        impl = entry(config) if spec in BUILTINS and entry is BUILTINS[spec] else entry
+        if isinstance(impl, str):
+            impl = _import_object(impl)
+    elif ":" in spec or "." in spec:
+        impl = _import_object(spec)
+    else:
+        raise pytest.UsageError(
+            f"--sparse-mla-impl={spec!r}: unknown implementation; expected one of "
+            f"{', '.join(sorted(names))} or 'package.module:attribute'"
+        )
+    _check_provides_something(impl, spec)
+    return impl
+
+
+def get_implementation(config: pytest.Config) -> Any:
+    """The session's implementation under test (``--sparse-mla-impl``), resolved once and cached.
+
+    Raises:
+        pytest.UsageError: as :func:`resolve_implementation`.
+    """
+    impl = config.stash.get(_IMPL_KEY, None)
+    if impl is None:
+        impl = resolve_implementation(options.get_options(config).impl, config)
+        config.stash[_IMPL_KEY] = impl
+    return impl
+
+
+def needs_of(node: Any) -> tuple[str, ...]:
+    """Capabilities named by every ``sparse_mla_needs`` marker on ``node`` (in order, unique).
+
+    Raises:
+        pytest.UsageError: a marker names an unknown capability.
+    """
+    needs: list[str] = []
+    for mark in node.iter_markers(NEEDS_MARKER):
+        for cap in mark.args:
+            if cap not in CAPABILITIES:
+                raise pytest.UsageError(
+                    f"{node.nodeid}: sparse_mla_needs({cap!r}): unknown capability; expected "
+                    f"one of {', '.join(CAPABILITIES)}"
+                )
+            if cap not in needs:
+                needs.append(cap)
+    return tuple(needs)
+
+
+def skip_reason_for(impl: Any, needs: tuple[str, ...], device: str) -> str | None:
+    """Why ``impl`` cannot serve ``needs`` on ``device``, or ``None``.
+
+    A capability is missing when the attribute is absent or not callable; otherwise the
+    implementation's optional ``skip_reason(capability, device)`` is asked.
+    """
+    name = implementation_name(impl, repr(impl))
+    for cap in needs:
+        if not callable(getattr(impl, cap, None)):
+            return f"implementation {name!r} does not provide {cap!r} (sparse_mla_needs)"
+        ask = getattr(impl, "skip_reason", None)
+        if callable(ask):
+            reason = ask(cap, device)
+            if reason:
+                return f"implementation {name!r} cannot run {cap!r}: {reason}"
+    return None
+
+
+def session_device(config: pytest.Config) -> str:
+    """``"cuda"`` or ``"cpu"``: where the suites run (``--sparse-mla-device``, ``auto`` = CUDA
+    when torch sees one), as the ``sparse_mla_device`` fixture decides."""
+    wanted = options.get_options(config).device
+    if wanted == "cpu":
+        return "cpu"
+    if wanted == "cuda":
+        return "cuda"
+    return "cuda" if capabilities.probe().cuda_available else "cpu"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Resolve ``--sparse-mla-impl`` now, so a bad value is a usage error before any test runs
+    (and before pytest-xdist starts workers). Hook implementations must therefore live in a
+    plugin or an initial (rootdir / test-path) ``conftest.py``. An import string whose module
+    does not import yet is retried at collection, once test directories are on ``sys.path``."""
+    spec = options.get_options(config).impl
+    if (":" in spec or "." in spec) and not _importable(spec.partition(":")[0]):
+        return  # retried at collection (or a hook-registered name with a dot, resolved there)
+    get_implementation(config)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Resolve the implementation (usage errors surface here) and skip items whose
+    ``sparse_mla_needs`` it cannot serve."""
+    needing = [
+        item
+        for item in items
+        if item.get_closest_marker(NEEDS_MARKER) is not None or "sparse_mla_impl" in getattr(item, "fixturenames", ())
+    ]
+    explicit = bool(config.getoption("sparse_mla_impl", None) or config.getini("sparse_mla_impl"))
+    if not needing and not explicit:
+        return
+    impl = get_implementation(config)
+    device = session_device(config)
+    for item in needing:
+        reason = skip_reason_for(impl, needs_of(item), device)
+        if reason is not None:
+            item.add_marker(pytest.mark.skip(reason=reason))

@@ -1,0 +1,33 @@
+"""Settings the suites need wherever they run: from a checkout (``pytest -p sparse_mla suites``) or
+from the installed package (``pytest -p sparse_mla --pyargs pytest_sparse_mla.suites``), where the
+checkout's root ``conftest.py`` is absent.
+
+Hypothesis profile ``sparse_mla``: derandomized, so CI runs and xdist workers draw the same
+examples; no deadline (CPU timings vary and tensors are slow); 40 examples; the
+``function_scoped_fixture`` health check off because the property tests take fixtures that do not
+need resetting between examples (``page_split_backend``). It is loaded unless
+``--hypothesis-profile`` names another profile.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+try:  # hypothesis is a test extra; the suites that use it import it with importorskip.
+    from hypothesis import HealthCheck, settings
+except ImportError:  # pragma: no cover
+    settings = None
+else:
+    settings.register_profile(
+        "sparse_mla",
+        derandomize=True,
+        deadline=None,
+        max_examples=40,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Load the ``sparse_mla`` Hypothesis profile unless the command line chose one."""
+    if settings is not None and not config.getoption("hypothesis_profile", None):
+        settings.load_profile("sparse_mla")

@@ -1,0 +1,80 @@
+"""Bad input to ``sparse_mla_forward``: every implementation raises a clear error.
+
+Specification: a ``TypeError`` or ``ValueError`` whose message names the offending argument, for
+wrong dtypes and shapes, a ``topk_length`` of the wrong length, a sink of the wrong size, an extra
+cache without extra indices (and the reverse), ``extra_topk_length`` without an extra cache, and
+tensors on different devices. FlashInfer 0.7.4 raises ``ValueError`` for its metadata checks
+(``shared/reference/dsv4-format-and-math.md`` 4.2 and 4.3; older releases raised
+``RuntimeError``, listed in an xfail file if needed). ``num_tokens == 0`` is a no-op that returns
+empty results (FlashInfer returns before launching, 4.2 step 8).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from pytest_sparse_mla.attention.cases import AttentionCase, AttentionInputs, inputs_on
+
+pytestmark = pytest.mark.sparse_mla_needs("sparse_mla_forward")
+
+CASE = AttentionCase("bad", 4, 8, 64, topk_extra=64, extra_page_block_size=2, extra_num_pages=64)
+
+
+def _other_device(device: torch.device) -> str:
+    return "meta" if device.type == "cpu" else "cpu"
+
+
+# name -> (argument the message must name, mutation of the call's (args, kwargs))
+Mutation = Callable[[AttentionInputs, list[Any], dict[str, Any]], None]
+BAD_INPUTS: dict[str, tuple[str, Mutation]] = {
+    "q-float32": ("q", lambda i, a, k: a.__setitem__(0, i.q.float())),
+    "q-2d": ("q", lambda i, a, k: a.__setitem__(0, i.q[:, 0])),
+    "q-d576-for-dsv4": ("q", lambda i, a, k: a.__setitem__(0, torch.cat([i.q, i.q[..., :64]], -1))),
+    "kv_cache-float8": ("kv_cache", lambda i, a, k: a.__setitem__(1, i.cache.packed.view(torch.float8_e4m3fn))),
+    "kv_cache-width-583": ("kv_cache", lambda i, a, k: a.__setitem__(1, i.cache.packed[..., :583])),
+    "indices-int64": ("indices", lambda i, a, k: a.__setitem__(2, i.indices.long())),
+    "indices-1d": ("indices", lambda i, a, k: a.__setitem__(2, i.indices[0])),
+    "indices-wrong-T": ("indices", lambda i, a, k: a.__setitem__(2, i.indices[:-1])),
+    "topk_length-wrong-length": ("topk_length", lambda i, a, k: k.__setitem__(
+        "topk_length", torch.full((5,), 3, dtype=torch.int32, device=i.q.device))),
+    "topk_length-int64": ("topk_length", lambda i, a, k: k.__setitem__(
+        "topk_length", torch.full((4,), 3, dtype=torch.int64, device=i.q.device))),
+    "attn_sink-wrong-size": ("attn_sink", lambda i, a, k: k.__setitem__(
+        "attn_sink", torch.zeros(9, dtype=torch.float32, device=i.q.device))),
+    "attn_sink-bf16": ("attn_sink", lambda i, a, k: k.__setitem__(
+        "attn_sink", torch.zeros(8, dtype=torch.bfloat16, device=i.q.device))),
+    "extra_kv_cache-without-indices": ("extra_indices", lambda i, a, k: k.pop("extra_indices")),
+    "extra_indices-without-cache": ("extra_kv_cache", lambda i, a, k: k.pop("extra_kv_cache")),
+    "extra_topk_length-without-extra": ("extra_topk_length", lambda i, a, k: (
+        k.pop("extra_kv_cache"), k.pop("extra_indices"), k.__setitem__(
+            "extra_topk_length", torch.full((4,), 3, dtype=torch.int32, device=i.q.device)))),
+    "extra_indices-wrong-T": ("extra_indices", lambda i, a, k: k.__setitem__(
+        "extra_indices", i.extra_indices[:-1])),
+    "attn_sink-other-device": ("attn_sink", lambda i, a, k: k.__setitem__(
+        "attn_sink", torch.zeros(8, dtype=torch.float32, device=_other_device(i.q.device)))),
+    "indices-other-device": ("indices", lambda i, a, k: a.__setitem__(
+        2, torch.zeros((4, 64), dtype=torch.int32, device=_other_device(i.q.device)))),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(BAD_INPUTS))
+def test_bad_input_raises_a_clear_error(name, sparse_mla_impl, sparse_mla_generator, sparse_mla_device):
+    argument, mutate = BAD_INPUTS[name]
+    inputs = inputs_on(CASE, sparse_mla_generator, sparse_mla_device)
+    args: list[Any] = [inputs.q, inputs.cache.packed, inputs.indices]
+    kwargs = inputs.kwargs()
+    mutate(inputs, args, kwargs)
+    with pytest.raises((TypeError, ValueError)) as excinfo:
+        sparse_mla_impl.sparse_mla_forward(*args, **kwargs)
+    assert re.search(rf"\b{argument}\b", str(excinfo.value)), f"the error must name {argument!r}: {excinfo.value}"
+
+
+def test_zero_tokens_is_a_no_op(sparse_mla_impl, sparse_mla_device):
+    inputs = inputs_on(AttentionCase("empty", 0, 8, 64), torch.Generator().manual_seed(0), sparse_mla_device)
+    res = inputs.run(sparse_mla_impl.sparse_mla_forward)
+    assert tuple(res.output.shape) == (0, 8, 512) and tuple(res.lse.shape) == (0, 8)

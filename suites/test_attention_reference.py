@@ -1,0 +1,124 @@
+"""The bundled reference forward's own contract (``pytest_sparse_mla.attention.sparse_mla_forward``).
+
+These tests exercise the bundled reference whatever ``--sparse-mla-impl`` selects:
+
+* its fp32 output (before BF16 rounding) and LSE are within 1e-5 relative of the float64 oracle at
+  DeepSeek-V4 shapes, and its BF16 output is that fp32 output rounded once;
+* it rejects a positive index past its cache inside the valid prefix (the SM120 kernels do not
+  bounds-check: undefined behaviour, ``shared/reference/dsv4-format-and-math.md`` 2.2);
+* chunking over tokens (the memory bound) does not change the result;
+* with a FlashInfer release (``grid_release=`` / ``--sparse-mla-grid``) it raises that release's
+  exact error for a shape the release cannot run, with the published text
+  (``shared/reference/dispatch-grid.md``), and records the release's verdict otherwise.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pytest_sparse_mla.attention import oracle_forward, sparse_mla_forward
+from pytest_sparse_mla.attention.cases import AttentionCase, case_params, inputs_on
+
+_FP32_CASES = (
+    AttentionCase("Flash-C4-TP1-T65", 65, 64, 128, masked_fraction=0.0, topk_extra=512,
+                  extra_page_block_size=64, extra_num_pages=16, extra_masked_fraction=0.25),
+    AttentionCase("Pro-C128-TP1-T2", 2, 128, 128, masked_fraction=0.0, topk_extra=512,
+                  extra_page_block_size=2, extra_num_pages=512, extra_masked_fraction=0.25),
+    AttentionCase("Flash-DSpark-TP2-T6", 6, 32, 192, masked_fraction=0.0, topk_length=133),
+    AttentionCase("dsv32-h16-k256-T8", 8, 16, 256, fmt="dsv3_2"),
+    AttentionCase("Flash-C4-TP1-T4096", 4096, 64, 128, num_pages=64, masked_fraction=0.0,
+                  topk_extra=512, extra_page_block_size=64, extra_num_pages=64,
+                  extra_masked_fraction=0.25, large=True),
+    AttentionCase("Pro-C4-TP1-T1024", 1024, 128, 128, num_pages=64, masked_fraction=0.0,
+                  topk_extra=512, extra_page_block_size=64, extra_num_pages=64,
+                  extra_masked_fraction=0.25, large=True),
+)  # fmt: skip
+
+
+@pytest.mark.sparse_mla_tolerance(profile="tight")
+@pytest.mark.parametrize("case", case_params(_FP32_CASES))
+def test_fp32_within_1e5_of_oracle(
+    case, sparse_mla_tolerances, sparse_mla_generator, sparse_mla_device, record_property
+):
+    inputs = inputs_on(case, sparse_mla_generator, sparse_mla_device)
+    res = inputs.run(sparse_mla_forward, return_fp32=True)
+    expected = inputs.run(oracle_forward)
+    out_err = (res.output_fp32.double() - expected.output).abs()
+    finite = torch.isfinite(expected.lse)
+    lse_rel = ((res.lse.double() - expected.lse).abs() / expected.lse.abs())[finite]
+    record_property("max_abs_err_output_fp32", float(out_err.max()))
+    record_property("max_rel_err_lse", float(lse_rel.max()))
+    sparse_mla_tolerances.assert_close(res.output_fp32, expected.output, "output_fp32", what="fp32 output")
+    sparse_mla_tolerances.assert_close(res.lse, expected.lse, "lse", what="lse")
+    assert torch.equal(res.output, res.output_fp32.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("which", ["indices", "extra_indices"])
+def test_rejects_out_of_range_indices(which, sparse_mla_generator, sparse_mla_device):
+    case = AttentionCase("oob", 4, 8, 64, topk_extra=64, extra_page_block_size=2,
+                         extra_num_pages=64, topk_length=32, extra_topk_length=32)  # fmt: skip
+    inputs = inputs_on(case, sparse_mla_generator, sparse_mla_device)
+    target = inputs.indices if which == "indices" else inputs.extra_indices
+    limit = inputs.cache.num_tokens if which == "indices" else inputs.extra.num_tokens
+    inputs.run(sparse_mla_forward)  # past the valid prefix, stale 1 << 30 entries are ignored
+    target[2, 5] = limit
+    with pytest.raises(ValueError, match=rf"{which}\[2, 5\]={limit} is out of range"):
+        inputs.run(sparse_mla_forward)
+
+
+@pytest.mark.sparse_mla_tolerance(profile="tight")
+@pytest.mark.parametrize("chunk_tokens", [1, 7, 1000])
+def test_chunking_over_tokens_keeps_results(
+    chunk_tokens, sparse_mla_tolerances, sparse_mla_generator, sparse_mla_device
+):
+    case = AttentionCase("chunks", 20, 12, 128, topk_extra=64, extra_page_block_size=2,
+                         extra_num_pages=64)  # fmt: skip
+    inputs = inputs_on(case, sparse_mla_generator, sparse_mla_device)
+    res = inputs.run(sparse_mla_forward, chunk_tokens=chunk_tokens)
+    expected = inputs.run(oracle_forward)
+    sparse_mla_tolerances.assert_close(res.output, expected.output, "output", what="output")
+    sparse_mla_tolerances.assert_close(res.lse, expected.lse, "lse", what="lse")
+
+
+def test_zero_tokens_returns_empty(sparse_mla_device):
+    case = AttentionCase("t0", 0, 8, 64)
+    inputs = inputs_on(case, torch.Generator().manual_seed(0), sparse_mla_device)
+    res = inputs.run(sparse_mla_forward)
+    assert tuple(res.output.shape) == (0, 8, 512) and tuple(res.lse.shape) == (0, 8)
+    assert res.route == "decode"
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "num_heads", "topk", "message"),
+    [
+        # 0.6.14-0.6.17: no NH=8 prefill kernel (C++ prefill orchestrator).
+        (65, 8, 128, "Check failed: (ok) is false: Unsupported sparse-MLA prefill configuration: "
+         "model=DSV4 num_heads=8 topk=128 page_block_size=64 topk_extra=0 extra_page_block_size=0"),
+        # 0.6.14-0.6.17: decode has no topk 256; the miss falls into the prefill orchestrator.
+        (1, 16, 256, "Decode (num_tokens <= 64) must go through sparse_mla_sm120_decode_dsv3_2 or "
+         "sparse_mla_sm120_decode_dsv4; got num_tokens=1"),
+    ],
+)  # fmt: skip
+def test_grid_release_raises_the_release_error(
+    num_tokens, num_heads, topk, message, sparse_mla_generator, sparse_mla_device
+):
+    from pytest_sparse_mla.dispatch import SparseMlaGridError
+
+    case = AttentionCase("grid", num_tokens, num_heads, topk, num_pages=4)
+    inputs = inputs_on(case, sparse_mla_generator, sparse_mla_device)
+    with pytest.raises(SparseMlaGridError) as excinfo:
+        inputs.run(sparse_mla_forward, grid_release="0.6.17")
+    assert message in str(excinfo.value)
+    assert inputs.run(sparse_mla_forward).grid is None  # no release: no enforcement
+
+
+def test_grid_release_supported_shape_records_the_verdict(sparse_mla_generator, sparse_mla_device):
+    case = AttentionCase("grid-ok", 65, 16, 128, num_pages=4, topk_extra=128,
+                         extra_page_block_size=2, extra_num_pages=64)  # fmt: skip
+    inputs = inputs_on(case, sparse_mla_generator, sparse_mla_device)
+    res = inputs.run(sparse_mla_forward, grid_release="flashinfer==0.6.17")
+    plain = inputs.run(sparse_mla_forward)
+    assert res.grid is not None and res.grid.supported
+    assert res.route == "prefill"
+    assert torch.equal(res.output, plain.output) and torch.equal(res.lse, plain.lse)

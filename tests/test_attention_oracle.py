@@ -1,0 +1,64 @@
+"""Self-test of the float64 oracle against a computation written out by hand.
+
+The suites judge every implementation by ``attention.oracle.oracle_forward``; this test judges the
+oracle itself on a tiny dual-cache case whose softmax is spelled out term by term from the
+section 2.3 formulas of ``shared/reference/dsv4-format-and-math.md``: candidates main ``[a, a, -1,
+b | past the length]`` and extra ``[c, -1]``, sink ``s``:
+``Z = 2 e^{s_a} + e^{s_b} + e^{s_c} + e^{sink}``, ``out = (2 e^{s_a} V_a + e^{s_b} V_b + e^{s_c} V_c) / Z``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from pytest_sparse_mla import data
+from pytest_sparse_mla.attention import oracle_forward
+
+
+def test_oracle_matches_a_hand_written_softmax() -> None:
+    g = torch.Generator().manual_seed(3)
+    main = data.make_packed_cache(g, num_pages=2, page_block_size=64)
+    extra = data.make_packed_cache(g, num_pages=8, page_block_size=2)
+    q = data.latent((2, 3, 512), g)
+    sink = torch.tensor([0.5, -1.0, 2.0])
+    a, b, c, stale = 7, 100, 9, 1 << 30
+    indices = torch.tensor([[a, a, -1, b, stale]] * 2, dtype=torch.int32)
+    lengths = torch.tensor([4, 4], dtype=torch.int32)
+    extra_indices = torch.tensor([[c, -1], [-1, -1]], dtype=torch.int32)
+    sm_scale = 512**-0.5
+    kw = dict(sm_scale=sm_scale, topk_length=lengths, attn_sink=sink, extra_kv_cache=extra.packed,
+              extra_indices=extra_indices)  # fmt: skip
+    res = oracle_forward(q, main.packed, indices, **kw)
+    natural = oracle_forward(q, main.packed, indices, lse_convention="flashmla", **kw)
+
+    rows = main.flat_dequantized().double()
+    rows_c = extra.flat_dequantized().double()[c]
+    for t in range(2):
+        qt = q[t].double()  # [H, 512]
+        e_a = torch.exp(sm_scale * qt @ rows[a])
+        e_b = torch.exp(sm_scale * qt @ rows[b])
+        e_c = torch.exp(sm_scale * qt @ rows_c) if t == 0 else torch.zeros(3, dtype=torch.float64)
+        num = 2 * e_a[:, None] * rows[a] + e_b[:, None] * rows[b] + e_c[:, None] * rows_c
+        candidates = 2 * e_a + e_b + e_c
+        z = candidates + torch.exp(sink.double())
+        torch.testing.assert_close(res.output[t], num / z[:, None], atol=1e-12, rtol=1e-12)
+        torch.testing.assert_close(res.lse[t], torch.log(z) / math.log(2), atol=1e-12, rtol=1e-12)
+        torch.testing.assert_close(natural.lse[t], torch.log(candidates), atol=1e-12, rtol=1e-12)
+
+
+def test_oracle_empty_rows() -> None:
+    g = torch.Generator().manual_seed(4)
+    main = data.make_packed_cache(g, num_pages=1, page_block_size=64)
+    q = data.latent((2, 2, 512), g)
+    indices = torch.tensor([[-1, -3], [5, 6]], dtype=torch.int32)
+    lengths = torch.tensor([2, 0], dtype=torch.int32)  # row 0: all negative; row 1: length 0
+    sink = torch.tensor([1.5, -2.0])
+    plain = oracle_forward(q, main.packed, indices, sm_scale=0.1, topk_length=lengths)
+    assert bool((plain.output == 0).all()) and bool(torch.isneginf(plain.lse).all())
+    sunk = oracle_forward(q, main.packed, indices, sm_scale=0.1, topk_length=lengths, attn_sink=sink, lse_scale=0.5)
+    assert bool((sunk.output == 0).all())
+    torch.testing.assert_close(sunk.lse, (sink.double() / math.log(2) * 0.5).expand(2, 2))
+    lonely = oracle_forward(q, main.packed, indices, sm_scale=0.1, topk_length=lengths, lse_convention="flashmla")
+    assert bool(torch.isposinf(lonely.lse).all())

@@ -1,0 +1,320 @@
+"""Self-tests of the implementation-under-test machinery and the tolerance profiles.
+
+Covers ``pytest_sparse_mla.implementations`` (built-ins, import strings, the
+``pytest_sparse_mla_implementations`` hook, usage errors, capability skips) and
+``pytest_sparse_mla.tolerances`` (ini lines, marker, resolution order), and shows that
+``pytest -p sparse_mla suites --sparse-mla-impl package.module:attribute`` runs the suites against
+an implementation defined outside the package (and fails a broken one).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+# Imported up front on purpose: pytester's in-process runs restore sys.modules afterwards, so a
+# torch module first imported inside one would be unloaded and imported again by the next (a crash,
+# or "Only a single TORCH_LIBRARY can be used"); assert_close imports more of torch lazily.
+import torch
+
+import pytest_sparse_mla.attention  # noqa: F401
+from pytest_sparse_mla import implementations, tolerances
+
+torch.testing.assert_close(torch.zeros(1), torch.zeros(1))
+
+ROOT = Path(__file__).resolve().parents[1]
+SUITES = ROOT / "suites"
+EXTERNAL = Path(__file__).with_name("external_impl.py")
+
+
+def _downstream_package(pytester: pytest.Pytester) -> None:
+    """``downstream_kernels/impl.py`` = ``tests/external_impl.py`` in the throwaway project."""
+    package = pytester.mkpydir("downstream_kernels")
+    (package / "impl.py").write_text(EXTERNAL.read_text())
+
+
+# --- the suites against an implementation defined elsewhere (subprocess, as a user runs them) ---
+
+
+def test_suites_run_against_an_external_implementation(pytester: pytest.Pytester) -> None:
+    _downstream_package(pytester)
+    result = pytester.runpytest_subprocess(
+        "-p", "sparse_mla",
+        str(SUITES / "test_attention_accuracy.py"), str(SUITES / "test_attention_invariants.py"),
+        "--sparse-mla-impl", "downstream_kernels.impl:impl", "--sparse-mla-device", "cpu",
+        "-k", "boundary or padding_with or (heads and decode) or lse_conventions",
+        "-p", "no:cacheprovider",
+    )  # fmt: skip
+    result.stdout.fnmatch_lines(["*impl=downstream_kernels.impl:impl*"])
+    outcomes = result.parseoutcomes()
+    assert outcomes.get("passed", 0) >= 20, result.stdout.str()[-3000:]
+    assert "failed" not in outcomes and "error" not in outcomes and "errors" not in outcomes
+    calls = (pytester.path / "downstream_calls.log").read_text().splitlines()
+    assert len(calls) >= outcomes["passed"]  # every test ran the downstream forward
+
+
+def test_suites_catch_a_broken_external_implementation(pytester: pytest.Pytester) -> None:
+    _downstream_package(pytester)
+    result = pytester.runpytest_subprocess(
+        "-p", "sparse_mla", str(SUITES / "test_attention_accuracy.py"),
+        "--sparse-mla-impl", "downstream_kernels.impl:NoSinkImpl", "--sparse-mla-device", "cpu",
+        "-k", "lse_conventions and flashinfer-1.0", "-p", "no:cacheprovider", "-q",
+    )  # fmt: skip
+    # lse_conventions[no-sink-flashinfer-1.0] passes, [sink-flashinfer-1.0] must fail.
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*FAILED*test_lse_conventions[[]sink-flashinfer-1.0[]]*"])
+
+
+# --- selection, hooks, usage errors, capability skips (in-process) ----------------------------
+
+USES_IMPL = """
+import pytest
+
+@pytest.mark.sparse_mla_needs("sparse_mla_forward")
+def test_forward(sparse_mla_impl):
+    assert callable(sparse_mla_impl.sparse_mla_forward)
+
+@pytest.mark.sparse_mla_needs("pack")
+def test_pack(sparse_mla_impl):
+    assert callable(sparse_mla_impl.pack)
+
+def test_name(sparse_mla_impl):
+    print("IMPL-NAME", getattr(sparse_mla_impl, "name", None))
+"""
+
+
+def test_default_is_the_bundled_reference(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(USES_IMPL)
+    result = pytester.runpytest("-p", "sparse_mla", "-s")
+    result.assert_outcomes(passed=3)
+    result.stdout.fnmatch_lines(["*IMPL-NAME reference*"])
+
+
+def test_unknown_name_is_a_usage_error_listing_the_valid_names(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(USES_IMPL)
+    result = pytester.runpytest("-p", "sparse_mla", "--sparse-mla-impl", "nosuch")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(
+        ["*--sparse-mla-impl='nosuch': unknown implementation; expected one of "
+         "flashinfer, reference, triton or 'package.module:attribute'*"]
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("no_such_module:impl", "*cannot import module 'no_such_module'*"),
+        ("downstream_kernels.impl:nothing", "*has no attribute 'nothing'*"),
+        ("downstream_kernels.impl:SimpleNamespace", "*provides none of pack, page_split, sparse_mla_forward*"),
+    ],
+)  # fmt: skip
+def test_bad_import_strings_are_usage_errors(pytester: pytest.Pytester, spec: str, message: str) -> None:
+    _downstream_package(pytester)
+    pytester.makepyfile(USES_IMPL)
+    result = pytester.runpytest("-p", "sparse_mla", "--sparse-mla-impl", spec)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([message])
+
+
+def test_missing_capability_skips_with_the_reason(pytester: pytest.Pytester) -> None:
+    _downstream_package(pytester)
+    pytester.makepyfile(USES_IMPL)
+    result = pytester.runpytest("-p", "sparse_mla", "--sparse-mla-impl", "downstream_kernels.impl:pack_only", "-rs")
+    result.assert_outcomes(passed=2, skipped=1)
+    result.stdout.fnmatch_lines(["*implementation 'downstream-pack-only' does not provide 'sparse_mla_forward'*"])
+
+
+def test_hook_registers_a_named_implementation(pytester: pytest.Pytester) -> None:
+    pytester.makeconftest(
+        """
+        import pytest
+        from types import SimpleNamespace
+
+        @pytest.hookimpl(optionalhook=True)
+        def pytest_sparse_mla_implementations(config):
+            return {"mine": SimpleNamespace(name="mine", sparse_mla_forward=lambda *a, **k: None),
+                    "as-string": "downstream_kernels.impl:impl"}
+        """
+    )
+    _downstream_package(pytester)
+    pytester.makepyfile(USES_IMPL)
+    result = pytester.runpytest("-p", "sparse_mla", "--sparse-mla-impl", "mine", "-s", "-rs")
+    result.assert_outcomes(passed=2, skipped=1)
+    result.stdout.fnmatch_lines(["*IMPL-NAME mine*"])
+    result = pytester.runpytest("-p", "sparse_mla", "--sparse-mla-impl", "as-string", "-s")
+    result.stdout.fnmatch_lines(["*IMPL-NAME downstream*"])
+    result = pytester.runpytest("-p", "sparse_mla", "--sparse-mla-impl", "nosuch")
+    result.stderr.fnmatch_lines(["*expected one of as-string, flashinfer, mine, reference, triton*"])
+
+
+def test_flashinfer_adapter_skips_with_a_clear_reason_without_sm12x(pytester: pytest.Pytester) -> None:
+    from pytest_sparse_mla import capabilities
+
+    caps = capabilities.probe()
+    if caps.compute_capability is not None and caps.compute_capability[0] == 12 and caps.flashinfer_version:
+        pytest.skip("an SM12x GPU with FlashInfer is present: the adapter runs here")
+    pytester.makepyfile(USES_IMPL)
+    result = pytester.runpytest("-p", "sparse_mla", "--sparse-mla-impl", "flashinfer", "-rs")
+    result.assert_outcomes(passed=1, skipped=2)
+    result.stdout.fnmatch_lines(["*implementation 'flashinfer' cannot run 'sparse_mla_forward': flashinfer adapter: *"])
+    result.stdout.fnmatch_lines(["*implementation 'flashinfer' does not provide 'pack'*"])
+
+
+def test_unknown_capability_in_marker_is_a_usage_error(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.sparse_mla_needs("teleport")
+        def test_x(sparse_mla_impl):
+            pass
+        """
+    )
+    result = pytester.runpytest("-p", "sparse_mla")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*sparse_mla_needs('teleport'): unknown capability*"])
+
+
+def test_builtins_and_import_strings_resolve(pytester: pytest.Pytester) -> None:
+    config = pytester.parseconfigure("-p", "sparse_mla", "--sparse-mla-grid", "flashinfer==0.6.17")
+    ref = implementations.resolve_implementation("reference", config)
+    assert isinstance(ref, implementations.ReferenceImplementation)
+    assert ref.grid_release == "0.6.17" and ref.tolerance_profile == "tight"
+    triton = implementations.resolve_implementation("triton", config)
+    assert triton.split_backend == "triton" and triton.skip_reason("sparse_mla_forward", "cpu") is None
+    fi = implementations.resolve_implementation("flashinfer", config)
+    assert fi.tolerance_profile == "kernel" and not hasattr(fi, "pack")
+    cls = implementations.resolve_implementation("pytest_sparse_mla.implementations:ReferenceImplementation", config)
+    assert isinstance(cls, implementations.ReferenceImplementation)  # classes are instantiated
+    module = implementations.resolve_implementation("pytest_sparse_mla.attention", config)
+    assert implementations.skip_reason_for(module, ("sparse_mla_forward",), "cpu") is None
+    assert "does not provide 'page_split'" in implementations.skip_reason_for(module, ("page_split",), "cpu")
+
+
+# --- tolerances -------------------------------------------------------------------------------
+
+
+def test_default_profiles() -> None:
+    tight = tolerances.DEFAULT_PROFILES["tight"]
+    assert tight["output_fp32"] == tolerances.Tolerance(1e-6, 1e-5)
+    assert tight["lse"] == tolerances.Tolerance(1e-6, 1e-5)
+    assert tight["output"].rtol == 2.0**-8 + 1e-5  # half a BF16 ulp on top
+    kernel = tolerances.DEFAULT_PROFILES["kernel"]
+    assert all(kernel[key] == tolerances.Tolerance(5e-2, 5e-2) for key in tolerances.KEYS)
+
+
+def test_ini_lines_parse_and_reject_garbage() -> None:
+    parsed = tolerances.parse_ini_lines(["kernel.output = 2e-2 3e-2", "  # comment", "mine.lse=1e-3, 1e-4", ""])
+    assert parsed == {
+        "kernel": {"output": tolerances.Tolerance(2e-2, 3e-2)},
+        "mine": {"lse": tolerances.Tolerance(1e-3, 1e-4)},
+    }
+    for bad in ["output = 1 1", "kernel.nope = 1 1", "kernel.lse = 1", "kernel.lse = -1 0"]:
+        with pytest.raises(pytest.UsageError):
+            tolerances.parse_ini_lines([bad])
+
+
+def test_resolution_order_impl_then_marker_profile_then_ini_then_marker_keys() -> None:
+    ini = {"kernel": {"lse": tolerances.Tolerance(1e-3, 1e-3)}}
+    mark = SimpleNamespace
+    assert tolerances.resolve(None, {}, []).profile == "kernel"
+    tight = tolerances.resolve("tight", ini, [])
+    assert tight["lse"] == tolerances.Tolerance(1e-6, 1e-5)  # ini of another profile ignored
+    forced = tolerances.resolve("tight", ini, [mark(args=(), kwargs={"profile": "kernel"})])
+    assert forced.profile == "kernel" and forced["lse"] == tolerances.Tolerance(1e-3, 1e-3)
+    keyed = tolerances.resolve("tight", ini, [mark(args=(), kwargs={"output": (0.5, 0.25)})])
+    assert keyed["output"] == tolerances.Tolerance(0.5, 0.25) and keyed.profile == "tight"
+    custom = tolerances.resolve("mine", {"mine": {"lse": tolerances.Tolerance(0.0, 0.1)}}, [])
+    assert custom["lse"] == tolerances.Tolerance(0.0, 0.1)
+    assert custom["output"] == tolerances.Tolerance(5e-2, 5e-2)  # unknown profile starts at kernel
+    with pytest.raises(pytest.UsageError):
+        tolerances.resolve("tight", {}, [mark(args=(), kwargs={"outptu": (1, 1)})])
+
+
+def test_tolerance_fixture_reads_ini_and_marker(pytester: pytest.Pytester) -> None:
+    pytester.makeini(
+        """
+        [pytest]
+        sparse_mla_tolerances =
+            tight.lse = 0.125 0.25
+        """
+    )
+    pytester.makepyfile(
+        """
+        import pytest
+        import torch
+
+        def test_ini(sparse_mla_tolerances):
+            assert sparse_mla_tolerances.profile == "tight"
+            assert (sparse_mla_tolerances["lse"].atol, sparse_mla_tolerances["lse"].rtol) == (0.125, 0.25)
+
+        @pytest.mark.sparse_mla_tolerance(profile="kernel", self_lse=(1, 2))
+        def test_marker(sparse_mla_tolerances):
+            assert sparse_mla_tolerances["self_lse"].rtol == 2
+            assert sparse_mla_tolerances["lse"].rtol == 5e-2
+
+        def test_assert_close_reports_profile(sparse_mla_tolerances):
+            with pytest.raises(AssertionError, match="tolerance profile 'tight', key 'output'"):
+                sparse_mla_tolerances.assert_close(torch.ones(3), torch.zeros(3), "output")
+            sparse_mla_tolerances.assert_close(torch.ones(3), torch.ones(3) * (1 + 1e-6), "output")
+        """
+    )
+    result = pytester.runpytest("-p", "sparse_mla", "--strict-markers")
+    result.assert_outcomes(passed=3)
+
+
+def test_bad_ini_is_a_usage_error(pytester: pytest.Pytester) -> None:
+    pytester.makeini("[pytest]\nsparse_mla_tolerances = tight.lse = lots\n")
+    pytester.makepyfile("def test_ok():\n    pass\n")
+    result = pytester.runpytest("-p", "sparse_mla")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*sparse_mla_tolerances*expected 'ATOL RTOL'*"])
+
+
+def test_assert_equal_reports_the_difference() -> None:
+
+    tolerances.assert_equal(torch.tensor([0.0, 1.0]), torch.tensor([-0.0, 1.0]))
+    with pytest.raises(AssertionError, match="1 of 2 elements differ"):
+        tolerances.assert_equal(torch.tensor([0.0, 1.0]), torch.tensor([0.0, 2.0]), what="x")
+
+
+@pytest.mark.parametrize(("version", "scratch_heads"), [("0.7.4", 16), ("0.6.17", 12)])
+def test_flashinfer_adapter_call_with_a_fake_entry(monkeypatch, version: str, scratch_heads: int) -> None:
+    """The adapter's buffers, decode scratch and LSE conversion, with FlashInfer's entry faked."""
+    import math
+
+    from pytest_sparse_mla import capabilities
+
+    seen: dict[str, object] = {}
+
+    def fake_entry(q, kv_cache, indices, output, out_lse, sm_scale, **kwargs):  # type: ignore[no-untyped-def]
+        seen.update(kwargs, sm_scale=sm_scale, output=output, out_lse=out_lse)
+        output.fill_(0.25)
+        out_lse.fill_(3.0)  # base-2 LSE, sink included
+
+    monkeypatch.setattr(implementations, "_flashinfer_entry", lambda: fake_entry)
+    monkeypatch.setattr(capabilities, "probe", lambda: capabilities.Capabilities(flashinfer_version=version))
+    impl = implementations.FlashInferImplementation()
+    q = torch.zeros((2, 12, 512), dtype=torch.bfloat16)
+    cache = torch.zeros((4, 64, 1, 584), dtype=torch.uint8)
+    indices = torch.zeros((2, 128), dtype=torch.int32)
+    extra = torch.zeros((2, 70), dtype=torch.int32)
+    sink = torch.linspace(-1.0, 1.0, 12)
+    kw = dict(sm_scale=0.125, attn_sink=sink, extra_kv_cache=cache, extra_indices=extra)
+    res = impl.sparse_mla_forward(q, cache, indices, lse_scale=0.5, **kw)
+    assert seen["sm_scale"] == 0.125 and seen["attn_sink"] is sink and seen["extra_indices"] is extra
+    assert tuple(seen["mid_out"].shape) == (2, scratch_heads, 2 + 2, 512)  # ceil(128/64) + ceil(70/64)
+    assert tuple(seen["mid_lse"].shape) == (2, scratch_heads, 4)
+    assert res.route == "decode" and bool((res.output == 0.25).all()) and bool((res.lse == 1.5).all())
+    natural = impl.sparse_mla_forward(q, cache, indices, lse_convention="flashmla", **kw)
+    expected = torch.log(2.0**3 - torch.exp(sink.double()))  # ln(Z - e^sink)
+    torch.testing.assert_close(natural.lse, expected.float().expand(2, 12))
+    assert math.isclose(float(natural.lse[0, 0]), math.log(8 - math.exp(-1.0)), rel_tol=1e-6)
+    seen.clear()
+    prefill = impl.sparse_mla_forward(
+        torch.zeros((65, 12, 512), dtype=torch.bfloat16), cache, torch.zeros((65, 128), dtype=torch.int32),
+        **{**kw, "extra_indices": torch.zeros((65, 70), dtype=torch.int32)},
+    )  # fmt: skip
+    assert prefill.route == "prefill" and "mid_out" not in seen  # no split-K scratch for prefill
