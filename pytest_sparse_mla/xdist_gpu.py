@@ -14,6 +14,12 @@ pytest-dev/pytest-randomly; NVIDIA/cuml PR #7948):
 Workers report the device they really saw (``workeroutput``); the controller prints one line per
 worker in the terminal summary and adds it to ``--sparse-mla-report-json``.
 
+CPU threads: N workers on a machine of C cores each get ``max(1, C // N)`` intra-op threads
+(``OMP_NUM_THREADS`` for workers that have not imported torch yet, ``torch.set_num_threads`` for
+those that have), unless the caller set ``OMP_NUM_THREADS``. Without it every worker runs
+``C`` OpenMP threads and the attention suites run about 4x slower on 2 cores with ``-n 2``
+(measured here); SciPy's conftest limits BLAS threads the same way (scipy/scipy ``scipy/conftest.py``).
+
 Nothing here imports torch at module import; the controller counts GPUs lazily, and only when
 xdist distributes to more than zero workers and no ``CUDA_VISIBLE_DEVICES`` list is given.
 """
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +36,7 @@ import pytest
 
 from pytest_sparse_mla import options
 
-__all__ = ["visible_gpus", "assign_gpu", "worker_gpu", "WORKER_KEY"]
+__all__ = ["visible_gpus", "assign_gpu", "worker_gpu", "worker_cpu_threads", "WORKER_KEY"]
 
 WORKER_KEY = "sparse_mla_gpu"
 _RECORDS = pytest.StashKey[dict[str, dict[str, Any]]]()
@@ -81,6 +88,22 @@ def worker_gpu(config: pytest.Config) -> str | None:
     return str(value) if value is not None else None
 
 
+def worker_cpu_threads(num_workers: int, cpu_count: int | None = None) -> int:
+    """Intra-op CPU threads for one of ``num_workers`` workers: ``max(1, cpu_count // num_workers)``."""
+    cores = cpu_count if cpu_count is not None else (os.cpu_count() or 1)
+    return max(1, cores // max(1, num_workers))
+
+
+def _limit_cpu_threads(num_workers: int) -> None:
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    threads = worker_cpu_threads(num_workers)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch = sys.modules.get("torch")
+    if torch is not None:  # already imported (e.g. by a conftest): OMP_NUM_THREADS came too late
+        torch.set_num_threads(threads)
+
+
 class _ControllerHooks:
     """Registered on the controller only when pytest-xdist is active."""
 
@@ -109,6 +132,8 @@ def pytest_configure(config: pytest.Config) -> None:
     gpu = worker_gpu(config)
     if gpu is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = gpu
+    if getattr(config, "workerinput", None) is not None:
+        _limit_cpu_threads(int(config.workerinput.get("workercount", 1) or 1))
     if getattr(config, "workerinput", None) is None and config.pluginmanager.hasplugin("xdist"):
         if getattr(config.option, "numprocesses", None) or getattr(config.option, "tx", None):
             config.pluginmanager.register(_ControllerHooks(config), "sparse_mla:xdist-controller")

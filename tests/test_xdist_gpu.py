@@ -67,3 +67,25 @@ def test_pinning_can_be_turned_off(pytester: pytest.Pytester, monkeypatch: pytes
     )
     result = pytester.runpytest_subprocess("-p", "sparse_mla", "-n", "2", "--sparse-mla-no-gpu-pinning")
     result.assert_outcomes(passed=1)
+
+
+@pytest.mark.parametrize("workers, cores, expected", [(2, 2, 1), (1, 2, 2), (4, 16, 4), (8, 2, 1)])
+def test_worker_cpu_threads_split_the_cores(workers: int, cores: int, expected: int) -> None:
+    assert xdist_gpu.worker_cpu_threads(workers, cores) == expected
+
+
+def test_workers_do_not_oversubscribe_the_cpu(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    pytester.makepyfile(
+        """
+        import os
+
+        def test_threads():
+            expected = max(1, (os.cpu_count() or 1) // 2)
+            assert os.environ["OMP_NUM_THREADS"] == str(expected)
+            import torch
+            assert torch.get_num_threads() == expected
+        """
+    )
+    result = pytester.runpytest_subprocess("-p", "sparse_mla", "-n", "2")
+    result.assert_outcomes(passed=1)
