@@ -122,3 +122,69 @@ def test_grid_release_supported_shape_records_the_verdict(sparse_mla_generator, 
     assert res.grid is not None and res.grid.supported
     assert res.route == "prefill"
     assert torch.equal(res.output, plain.output) and torch.equal(res.lse, plain.lse)
+
+
+# --- backends: the Triton inner loop (CUDA; interpreted on the CPU) against the oracle ----------
+
+_TRITON_CASES = (
+    AttentionCase("dual-C128-len", 3, 20, 100, topk_length=70, topk_extra=64, extra_page_block_size=2,
+                  extra_num_pages=64, extra_masked_fraction=0.25),
+    AttentionCase("dsv32-h8-k64", 2, 8, 64, fmt="dsv3_2"),
+)  # fmt: skip
+
+
+def _triton_or_skip(device: torch.device) -> None:
+    from pytest_sparse_mla.attention.reference import triton_unavailable_reason
+
+    reason = triton_unavailable_reason(device)
+    if reason is not None:
+        pytest.skip(f"backend='triton': {reason}")
+
+
+@pytest.mark.sparse_mla_tolerance(profile="tight")
+@pytest.mark.parametrize("case", case_params(_TRITON_CASES))
+def test_triton_backend_within_1e5_of_oracle(case, sparse_mla_tolerances, sparse_mla_generator, sparse_mla_device):
+    _triton_or_skip(sparse_mla_device)
+    inputs = inputs_on(case, sparse_mla_generator, sparse_mla_device)
+    res = inputs.run(sparse_mla_forward, backend="triton", return_fp32=True)
+    expected = inputs.run(oracle_forward)
+    sparse_mla_tolerances.assert_close(res.output_fp32, expected.output, "output_fp32", what="fp32 output")
+    sparse_mla_tolerances.assert_close(res.lse, expected.lse, "lse", what="lse")
+    assert torch.equal(res.output, res.output_fp32.to(torch.bfloat16))
+
+
+def test_triton_backend_padding_and_head_count_are_bitwise_neutral(sparse_mla_generator, sparse_mla_device):
+    """-1 padding of both rows and 8 real heads inside a 24-head query: same bits (tiny shapes, so
+    the interpreted kernel runs on the CPU too)."""
+    _triton_or_skip(sparse_mla_device)
+    case = AttentionCase("tri-inv", 2, 24, 64, masked_fraction=0.25, topk_extra=64, extra_page_block_size=2,
+                         extra_num_pages=64)  # fmt: skip
+    inputs = inputs_on(case, sparse_mla_generator, sparse_mla_device)
+    base = inputs.run(sparse_mla_forward, backend="triton")
+    pad = torch.full((2, 64), -1, dtype=torch.int32, device=sparse_mla_device)
+    padded = sparse_mla_forward(
+        inputs.q, inputs.cache.packed, torch.cat([inputs.indices, pad], dim=1),
+        **inputs.kwargs(extra_indices=torch.cat([inputs.extra_indices, pad], dim=1)), backend="triton",
+    )  # fmt: skip
+    assert torch.equal(padded.output, base.output) and torch.equal(padded.lse, base.lse)
+    few = sparse_mla_forward(
+        inputs.q[:, :8].contiguous(), inputs.cache.packed, inputs.indices,
+        **inputs.kwargs(attn_sink=inputs.attn_sink[:8].contiguous()), backend="triton",
+    )  # fmt: skip
+    assert torch.equal(few.output, base.output[:, :8]) and torch.equal(few.lse, base.lse[:, :8])
+
+
+def test_backend_argument(sparse_mla_generator, sparse_mla_device):
+    from pytest_sparse_mla.attention.reference import resolve_backend, triton_unavailable_reason
+
+    case = AttentionCase("backend", 2, 8, 64, num_pages=2)
+    inputs = inputs_on(case, sparse_mla_generator, sparse_mla_device)
+    with pytest.raises(ValueError, match=r"backend='cuda': expected None or one of \('torch', 'triton'\)"):
+        inputs.run(sparse_mla_forward, backend="cuda")
+    expected = "torch"
+    if sparse_mla_device.type == "cuda" and triton_unavailable_reason(sparse_mla_device) is None:
+        expected = "triton"
+    assert resolve_backend(None, sparse_mla_device) == expected
+    default = inputs.run(sparse_mla_forward)
+    chosen = inputs.run(sparse_mla_forward, backend=expected)
+    assert torch.equal(default.output, chosen.output) and torch.equal(default.lse, chosen.lse)

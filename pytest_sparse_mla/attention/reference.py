@@ -38,7 +38,9 @@ How it computes (the properties the invariant suites check hold *by construction
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -52,12 +54,22 @@ __all__ = [
     "LANE_TILE",
     "HEAD_GROUP",
     "default_chunk_tokens",
+    "BACKENDS",
+    "TRITON_CHUNK_TOKENS",
+    "resolve_backend",
+    "triton_forward_module",
+    "triton_unavailable_reason",
 ]
 
 #: Candidate lanes per tile (FlashInfer's DSV4 candidate tile ``BI`` = 64).
 LANE_TILE = 64
 #: Heads per fixed-shape matrix product (divides every DeepSeek-V4 per-rank head count).
 HEAD_GROUP = 8
+#: Backends selectable with ``backend=``.
+BACKENDS: tuple[str, ...] = ("torch", "triton")
+#: Default tokens per kernel launch of the Triton backend (its fp32 state is ``T * H * 2 KiB``:
+#: 512 MiB at 4,096 tokens and 64 heads).
+TRITON_CHUNK_TOKENS = 4096
 _CHUNK_TOKENS_CPU = 64
 _CHUNK_TOKENS_OTHER = 512
 _LOG2E = 1.0 / math.log(2.0)
@@ -88,6 +100,64 @@ class SparseMlaOutput:
 def default_chunk_tokens(device: torch.device) -> int:
     """Default tokens per chunk: 64 on CPU (the gathered tile stays in cache), 512 elsewhere."""
     return _CHUNK_TOKENS_CPU if device.type == "cpu" else _CHUNK_TOKENS_OTHER
+
+
+def triton_forward_module() -> ModuleType:
+    """Import and return the Triton kernel module (``attention._triton_forward``).
+
+    When ``TRITON_INTERPRET`` is unset and torch sees no CUDA device, sets ``TRITON_INTERPRET=1``
+    first so the kernel is decorated as interpreted (Triton reads it at decoration time; the same
+    rule as ``page_split.triton_backend``). The module's ``INTERPRETED`` says which mode it got.
+
+    Raises:
+        ImportError: triton is not installed.
+    """
+    if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+    from pytest_sparse_mla.attention import _triton_forward
+
+    return _triton_forward
+
+
+def triton_unavailable_reason(device: torch.device | str) -> str | None:
+    """Why ``backend="triton"`` cannot run on ``device`` here, or ``None`` when it can.
+
+    Reasons: triton is not installed; ``device`` is the CPU but the kernel was decorated as compiled
+    (``TRITON_INTERPRET`` unset while CUDA was visible); a device that is neither CPU nor CUDA.
+    """
+    dev = torch.device(device)
+    if dev.type not in ("cpu", "cuda"):
+        return f"the Triton backend runs on CUDA (or interpreted on the CPU), not on {dev.type}"
+    try:
+        module = triton_forward_module()
+    except ImportError as exc:
+        return f"triton is not importable ({exc})"
+    if dev.type == "cpu" and not module.INTERPRETED:
+        return "Triton kernels on CPU tensors need TRITON_INTERPRET=1 before the first call"
+    if dev.type == "cuda" and module.INTERPRETED:
+        return "the Triton kernel was decorated under TRITON_INTERPRET=1 (CPU tensors only)"
+    return None
+
+
+def resolve_backend(backend: str | None, device: torch.device | str) -> str:
+    """The backend a call runs: ``backend`` itself, or for ``None`` ``"triton"`` on CUDA when
+    :func:`triton_unavailable_reason` has no objection, else ``"torch"``.
+
+    Raises:
+        ValueError: ``backend`` is not ``None``, ``"torch"`` or ``"triton"``, or is ``"triton"``
+            where it cannot run (the message gives the reason).
+    """
+    if backend is None:
+        if torch.device(device).type == "cuda" and triton_unavailable_reason(device) is None:
+            return "triton"
+        return "torch"
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r}: expected None or one of {BACKENDS}")
+    if backend == "triton":
+        reason = triton_unavailable_reason(device)
+        if reason is not None:
+            raise ValueError(f"backend='triton' cannot run on {torch.device(device)}: {reason}")
+    return backend
 
 
 def _check_same_device(tensor: torch.Tensor, name: str, q: torch.Tensor) -> None:
@@ -190,6 +260,7 @@ def sparse_mla_forward(
     grid_release: str | None = None,
     chunk_tokens: int | None = None,
     return_fp32: bool = False,
+    backend: str | None = None,
 ) -> SparseMlaOutput:
     """Sparse MLA attention over a packed FP8 paged KV cache (optionally a second, extra cache).
 
@@ -219,8 +290,14 @@ def sparse_mla_forward(
         grid_release: a FlashInfer release (``"0.6.17"``): before computing, the call is checked
             against that release's SM120 dispatch grid by ``pytest_sparse_mla.dispatch.enforce_grid``,
             which raises the release's exact error for a shape it cannot run.
-        chunk_tokens: tokens per chunk (memory bound); default :func:`default_chunk_tokens`.
+        chunk_tokens: tokens per chunk (memory bound); default :func:`default_chunk_tokens`
+            (``backend="torch"``) or :data:`TRITON_CHUNK_TOKENS` (``backend="triton"``).
         return_fp32: also return the fp32 output before BF16 rounding (``output_fp32``).
+        backend: ``"torch"`` (the batched-GEMM loop below) or ``"triton"`` (the inner loop as one
+            Triton kernel per chunk, ``attention._triton_forward``); ``None`` picks ``"triton"``
+            for CUDA tensors when triton imports, else ``"torch"`` (see :func:`resolve_backend`).
+            Both compute the same math in fp32 IEEE arithmetic with the same invariants; their
+            bits differ (different summation orders).
 
     Returns:
         :class:`SparseMlaOutput`: BF16 output ``[T, H, 512]``, fp32 LSE ``[T, H]``, the route.
@@ -236,7 +313,8 @@ def sparse_mla_forward(
             (``formats.parse_cache``); ``extra_kv_cache`` without ``extra_indices`` or the reverse;
             ``extra_topk_length``/``extra_page_block_size`` without an extra cache; tensors on
             different devices; a positive index ``>=`` the cache's token count inside the valid
-            prefix; a non-finite ``sm_scale``; bad ``lse_convention``/``lse_scale``/``chunk_tokens``.
+            prefix; a non-finite ``sm_scale``; bad ``lse_convention``/``lse_scale``/``chunk_tokens``;
+            an unknown ``backend`` or ``"triton"`` where it cannot run (:func:`resolve_backend`).
         Whatever ``dispatch.enforce_grid`` raises for a release that cannot run the shape.
     """
     f = formats.get_format(fmt)
@@ -305,6 +383,7 @@ def sparse_mla_forward(
             extra_page_block_size=extra_layout.page_block_size if extra_layout is not None else 0,
         )
 
+    backend = resolve_backend(backend, q.device)
     route = route_for(num_tokens)
     device = q.device
     d_v = f.d_v
@@ -314,7 +393,40 @@ def sparse_mla_forward(
     if num_tokens == 0:
         return SparseMlaOutput(output, lse, route, output_fp32, grid)
 
-    # Candidate table: main rows, extra rows, one zero row that every invalid lane reads.
+    table, rows, valid, zero_row = _prepare_candidates(
+        f, kv_cache, indices, topk_length, page_block_size, layout,
+        extra_kv_cache, extra_indices, extra_topk_length, extra_page_block_size, extra_layout,
+    )  # fmt: skip
+    finish = _Finaliser(attn_sink, lse_convention, lse_scale)
+    if backend == "triton":
+        _triton_loop(q, table, rows, zero_row, sm_scale, d_v, chunk_tokens, finish, output, lse, output_fp32)
+    else:
+        _torch_loop(q, table, rows, valid, sm_scale, d_v, chunk_tokens, finish, output, lse, output_fp32)
+    return SparseMlaOutput(output, lse, route, output_fp32, grid)
+
+
+def _prepare_candidates(
+    f: formats.PackedFormat,
+    kv_cache: torch.Tensor,
+    indices: torch.Tensor,
+    topk_length: torch.Tensor | None,
+    page_block_size: int | None,
+    layout: formats.CacheLayout,
+    extra_kv_cache: torch.Tensor | None,
+    extra_indices: torch.Tensor | None,
+    extra_topk_length: torch.Tensor | None,
+    extra_page_block_size: int | None,
+    extra_layout: formats.CacheLayout | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """The shared preparation of both backends: candidate table and the row of every lane.
+
+    Returns ``(table [R, d_qk] fp32, rows [T, Lp] int64, valid [T, Lp] bool, zero_row)``: the
+    table holds the main rows, then the extra rows, then one all-zero row (``zero_row = R - 1``)
+    that every invalid lane names; ``Lp`` is the main row padded to a multiple of
+    :data:`LANE_TILE` plus the extra row padded likewise. Raises ``ValueError`` for a positive
+    index past its cache inside the valid prefix (the one host synchronisation of a call).
+    """
+    device = indices.device
     num_main = layout.num_tokens
     num_extra = extra_layout.num_tokens if extra_layout is not None else 0
     zero_row = num_main + num_extra
@@ -339,7 +451,88 @@ def sparse_mla_forward(
             _raise_out_of_range("extra_indices", extra_indices, extra_bad, num_extra)
     elif bool(bad.any()):
         _raise_out_of_range("indices", indices, bad, num_main)
+    return table, rows, valid, zero_row
 
+
+class _Finaliser:
+    """Turns a chunk's online-softmax state into outputs, elementwise, for both backends.
+
+    ``out = acc / sum`` (``sum == 0``: divide by 1, so empty rows give 0), times
+    ``sigmoid(lse_e - sink)`` with a sink, where ``lse_e = max + log(sum)`` (natural log, ``-inf``
+    for an empty row); LSE per ``attention.conventions``. Every step is elementwise, so the result of
+    one head does not depend on the other heads or on the tensor layout.
+    """
+
+    def __init__(self, attn_sink: torch.Tensor | None, lse_convention: str, lse_scale: float) -> None:
+        self.attn_sink = attn_sink
+        self.lse_convention = lse_convention
+        self.lse_scale = lse_scale
+
+    def __call__(
+        self, run_max: torch.Tensor, run_sum: torch.Tensor, acc: torch.Tensor, sink: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``run_max``/``run_sum`` ``[..., 1]``, ``acc`` ``[..., d_v]``, ``sink`` broadcastable to
+        ``run_max`` (or ``None``); returns ``(out [..., d_v], lse [..., 1])`` fp32."""
+        out = acc / torch.where(run_sum == 0, torch.ones_like(run_sum), run_sum)
+        lse_e = run_max + run_sum.log()  # -inf for empty rows
+        if sink is not None:
+            out.mul_(torch.sigmoid(lse_e - sink))
+            lse_full = torch.logaddexp(lse_e, sink.expand_as(lse_e))
+        else:
+            lse_full = lse_e
+        if self.lse_convention == "flashinfer":
+            lse_out = lse_full * (_LOG2E * self.lse_scale)
+        else:
+            lse_out = lse_e.masked_fill(lse_e == float("-inf"), float("inf"))
+        return out, lse_out
+
+
+def _triton_loop(
+    q: torch.Tensor,
+    table: torch.Tensor,
+    rows: torch.Tensor,
+    zero_row: int,
+    sm_scale: float,
+    d_v: int,
+    chunk_tokens: int | None,
+    finish: _Finaliser,
+    output: torch.Tensor,
+    lse: torch.Tensor,
+    output_fp32: torch.Tensor | None,
+) -> None:
+    """``backend="triton"``: one kernel launch (``_triton_forward.online_softmax``) per chunk."""
+    module = triton_forward_module()
+    num_tokens = int(q.shape[0])
+    rows32 = rows.to(torch.int32)
+    sink = finish.attn_sink.view(1, -1, 1) if finish.attn_sink is not None else None
+    tc = min(num_tokens, chunk_tokens or TRITON_CHUNK_TOKENS)
+    for start in range(0, num_tokens, tc):
+        stop = min(num_tokens, start + tc)
+        run_max, run_sum, acc = module.online_softmax(q[start:stop], table, rows32[start:stop], zero_row, sm_scale, d_v)
+        out, lse_out = finish(run_max.unsqueeze(-1), run_sum.unsqueeze(-1), acc, sink)
+        output[start:stop] = out
+        if output_fp32 is not None:
+            output_fp32[start:stop] = out
+        lse[start:stop] = lse_out.squeeze(-1)
+
+
+def _torch_loop(
+    q: torch.Tensor,
+    table: torch.Tensor,
+    rows: torch.Tensor,
+    valid: torch.Tensor,
+    sm_scale: float,
+    d_v: int,
+    chunk_tokens: int | None,
+    finish: _Finaliser,
+    output: torch.Tensor,
+    lse: torch.Tensor,
+    output_fp32: torch.Tensor | None,
+) -> None:
+    """``backend="torch"``: fixed-shape batched GEMMs per head group of :data:`HEAD_GROUP`."""
+    num_tokens, num_heads, d_qk = (int(v) for v in q.shape)
+    device = q.device
+    attn_sink = finish.attn_sink
     num_tiles = rows.shape[1] // LANE_TILE
     # [tiles, T, L] so each (tile, chunk) slice is contiguous; bias is 0 (valid) or -inf (masked).
     lane_rows = rows.view(num_tokens, num_tiles, LANE_TILE).transpose(0, 1).contiguous()
@@ -355,8 +548,8 @@ def sparse_mla_forward(
 
     tc = min(num_tokens, chunk_tokens or default_chunk_tokens(device))
     g = HEAD_GROUP
-    q_buf = torch.zeros((num_groups, tc, g, f.d_qk), dtype=torch.float32, device=device)
-    row_buf = torch.empty((tc * LANE_TILE, f.d_qk), dtype=torch.float32, device=device)
+    q_buf = torch.zeros((num_groups, tc, g, d_qk), dtype=torch.float32, device=device)
+    row_buf = torch.empty((tc * LANE_TILE, d_qk), dtype=torch.float32, device=device)
     score_buf = torch.empty((num_groups, tc, g, LANE_TILE), dtype=torch.float32, device=device)
     run_max = torch.empty((num_groups, tc, g, 1), dtype=torch.float32, device=device)
     run_sum = torch.empty_like(run_max)
@@ -377,7 +570,7 @@ def sparse_mla_forward(
         for tile in range(num_tiles):
             flat = row_buf[: n * LANE_TILE]
             torch.index_select(table, 0, lane_rows[tile, start : start + n].view(-1), out=flat)
-            keys = flat.view(n, LANE_TILE, f.d_qk)
+            keys = flat.view(n, LANE_TILE, d_qk)
             keys_t = keys.transpose(1, 2)
             values = keys[..., :d_v]
             bias = lane_bias[tile, start : start + n]
@@ -398,22 +591,10 @@ def sparse_mla_forward(
                 acc[gi, :n].baddbmm_(p, values)
             m_old.copy_(m_new)
         # Finalise: out = acc / sum, times sigmoid(lse - sink); LSE per convention.
-        total = run_sum[:, :n]
-        out = acc[:, :n] / torch.where(total == 0, torch.ones_like(total), total)
-        lse_e = run_max[:, :n] + total.log()  # -inf for empty rows
-        if sink is not None:
-            out.mul_(torch.sigmoid(lse_e - sink))
-            lse_full = torch.logaddexp(lse_e, sink.expand_as(lse_e))
-        else:
-            lse_full = lse_e
-        if lse_convention == "flashinfer":
-            lse_out = lse_full * (_LOG2E * lse_scale)
-        else:
-            lse_out = lse_e.masked_fill(lse_e == float("-inf"), float("inf"))
+        out, lse_out = finish(run_max[:, :n], run_sum[:, :n], acc[:, :n], sink)
         # [groups, n, G, ...] -> [n, H, ...]
         out = out.transpose(0, 1).reshape(n, num_groups * g, d_v)[:, :num_heads]
         output[start : start + n] = out
         if output_fp32 is not None:
             output_fp32[start : start + n] = out
         lse[start : start + n] = lse_out.transpose(0, 1).reshape(n, num_groups * g)[:, :num_heads]
-    return SparseMlaOutput(output, lse, route, output_fp32, grid)

@@ -1,0 +1,198 @@
+"""Expected-failure and skip files: ``--sparse-mla-xfail-file`` and ``--sparse-mla-skip-file``.
+
+A kernel library that runs the suites against its own implementation lists the tests it knows it
+fails (or cannot run) in plain text files, one test id per line, the way array-api-tests does with
+``--xfails-file`` / ``--skips-file`` (data-apis/array-api-tests ``conftest.py``;
+``shared/reference/pytest-plugin-anchors.md`` section 1.7)::
+
+    # known failures of mykernel 0.3 (a '#' line is a comment; blank lines are ignored)
+    suites/test_attention.py::test_sink_changes_the_output     # whole test, every parameter
+    suites/test_attention.py::test_matches_oracle[prefill-     # one parameter prefix
+    suites/test_page_split.py                                  # a whole module
+
+Matching. An entry selects every collected test whose id *starts with* it (a prefix, as in
+array-api-tests): ``...::test_split`` also selects ``...::test_split_twice``; end an entry with
+``[`` or give the full id to be exact. Each test is compared under two ids: its pytest node id
+(relative to the rootdir) and, for the shipped suites, the checkout-style id ``suites/<file>::<name>``,
+so one file serves both a checkout (``pytest suites``) and the installed package
+(``pytest --pyargs pytest_sparse_mla.suites``, whose node ids depend on where site-packages is).
+Text after ``" #"`` (whitespace, then ``#``) on a line is a comment; a ``#`` with no whitespace
+before it stays part of the id.
+
+Marks. A listed test gets ``pytest.mark.xfail(reason=...)`` (strictness follows the ini option
+``xfail_strict``, so a test that starts passing is reported) or ``pytest.mark.skip(reason=...)``;
+the reason names the file and line. Both files are applied before ``-k`` / ``-m`` deselection, so an
+id deselected on the command line still counts as matched.
+
+Unmatched entries. An entry that matches no collected test is most likely a typo or a renamed
+test: it is reported once per session with :class:`SparseMlaSelectionWarning` (a
+``pytest.PytestWarning``, shown in the warnings summary; ``-W error::pytest.PytestWarning`` turns it
+into an error). Under pytest-xdist each worker collects, so each worker warns.
+
+This module is registered by ``pytest_sparse_mla.plugin`` (``_PLUGIN_MODULES``) and imports neither
+torch nor triton.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from pytest_sparse_mla import options
+
+__all__ = [
+    "SelectionEntry",
+    "SparseMlaSelectionWarning",
+    "candidate_ids",
+    "read_id_file",
+    "apply_selection",
+    "SUITES_ID_PREFIX",
+]
+
+#: Prefix of the checkout-style ids of the shipped suites (``suites/test_formats.py::...``).
+SUITES_ID_PREFIX = "suites/"
+
+
+class SparseMlaSelectionWarning(pytest.PytestWarning):
+    """An entry of ``--sparse-mla-xfail-file`` / ``--sparse-mla-skip-file`` matched no test."""
+
+
+@dataclass(frozen=True)
+class SelectionEntry:
+    """One test-id prefix read from an xfail or skip file.
+
+    Attributes:
+        prefix: the id prefix (stripped, comment removed), e.g. ``"suites/test_formats.py::test_x"``.
+        path: the file it was read from.
+        lineno: its 1-based line number in that file.
+    """
+
+    prefix: str
+    path: Path
+    lineno: int
+
+    @property
+    def where(self) -> str:
+        """``"<file>:<line>"``, for reasons and warnings."""
+        return f"{self.path}:{self.lineno}"
+
+
+def read_id_file(path: str | Path) -> list[SelectionEntry]:
+    """Read a file of test-id prefixes, one per line.
+
+    Blank lines and lines whose first non-blank character is ``#`` are ignored; text after
+    whitespace followed by ``#`` is a trailing comment. Duplicate entries are kept (each is
+    reported if unmatched, so a copy-paste slip shows).
+
+    Args:
+        path: a UTF-8 text file.
+
+    Returns:
+        The entries in file order.
+
+    Raises:
+        FileNotFoundError: no such file.
+        UnicodeDecodeError: the file is not UTF-8 text.
+    """
+    path = Path(path)
+    entries: list[SelectionEntry] = []
+    for lineno, raw in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        for sep in (" #", "\t#"):
+            cut = line.find(sep)
+            if cut != -1:
+                line = line[:cut].rstrip()
+        if line:
+            entries.append(SelectionEntry(prefix=line, path=path, lineno=lineno))
+    return entries
+
+
+def _suites_dirs() -> tuple[Path, ...]:
+    """Directories holding the shipped suites: the package's ``suites`` (installed wheel, or the
+    symlink in a checkout) and, resolved, the checkout's top-level ``suites/``."""
+    package_suites = Path(__file__).resolve().parent / "suites"
+    dirs = [package_suites]
+    if package_suites.exists():
+        dirs.append(package_suites.resolve())
+    return tuple(dict.fromkeys(dirs))
+
+
+def candidate_ids(item: pytest.Item) -> list[str]:
+    """The ids an entry may match for ``item``: its node id and, when the item comes from the
+    shipped suites (wherever installed), ``suites/<path in the suites package>::<rest>``."""
+    ids = [item.nodeid]
+    path = Path(item.path).resolve()
+    for suites in _suites_dirs():
+        try:
+            rel = path.relative_to(suites)
+        except ValueError:
+            continue
+        _, sep, rest = item.nodeid.partition("::")
+        canonical = f"{SUITES_ID_PREFIX}{rel.as_posix()}" + (f"::{rest}" if sep else "")
+        if canonical not in ids:
+            ids.append(canonical)
+        break
+    return ids
+
+
+def apply_selection(
+    items: list[pytest.Item],
+    *,
+    xfail: Sequence[SelectionEntry] = (),
+    skip: Sequence[SelectionEntry] = (),
+) -> list[SelectionEntry]:
+    """Mark the items listed in ``xfail`` / ``skip``; return the entries that matched nothing.
+
+    The first matching entry of each list gives the reason (file and line). Items are marked in
+    place (``item.add_marker``).
+    """
+    matched: set[int] = set()
+    groups = (("xfail", list(xfail)), ("skip", list(skip)))
+    for item in items:
+        ids = candidate_ids(item)
+        for kind, entries in groups:
+            for entry in entries:
+                if any(test_id.startswith(entry.prefix) for test_id in ids):
+                    matched.add(id(entry))
+                    reason = f"listed in --sparse-mla-{kind}-file ({entry.where})"
+                    if kind == "xfail":
+                        item.add_marker(pytest.mark.xfail(reason=reason))
+                    else:
+                        item.add_marker(pytest.mark.skip(reason=reason))
+                    break
+    return [entry for _, entries in groups for entry in entries if id(entry) not in matched]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Apply the xfail and skip files, before ``-k``/``-m`` deselect; warn on unmatched ids."""
+    opts = options.get_options(config)
+    if opts.xfail_file is None and opts.skip_file is None:
+        return
+    xfail = read_id_file(opts.xfail_file) if opts.xfail_file is not None else []
+    skip = read_id_file(opts.skip_file) if opts.skip_file is not None else []
+    unmatched = apply_selection(items, xfail=xfail, skip=skip)
+    for entry in unmatched:
+        kind = "xfail" if any(entry is e for e in xfail) else "skip"
+        warnings.warn(
+            SparseMlaSelectionWarning(
+                f"--sparse-mla-{kind}-file: {entry.prefix!r} ({entry.where}) matches no collected test"
+            ),
+            stacklevel=1,
+        )
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    """Name the xfail and skip files in use, so a CI log shows what was excused."""
+    opts = options.get_options(config)
+    lines = []
+    for kind, path in (("xfail", opts.xfail_file), ("skip", opts.skip_file)):
+        if path is not None:
+            lines.append(f"sparse-mla: {kind} file: {path} ({len(read_id_file(path))} ids)")
+    return lines
