@@ -176,12 +176,13 @@ def check_dst_page_stride(dst_page_stride: object) -> int:
     """
     if isinstance(dst_page_stride, bool) or not isinstance(dst_page_stride, int):
         raise TypeError(f"dst_page_stride={dst_page_stride!r}: expected an int byte count")
-    if dst_page_stride < DST_PAGE_BYTES or dst_page_stride % 16:
+    try:  # the stride rule itself lives in formats (one rule for every DSV4 page stride)
+        return formats.page_stride_bytes(formats.DSV4, DST_PAGE_BLOCK_SIZE, dst_page_stride)
+    except ValueError:
         raise ValueError(
             f"dst_page_stride={dst_page_stride}: expected a multiple of 16 bytes that is >= "
             f"{DST_PAGE_BYTES} (64 tokens * 584 bytes)"
-        )
-    return dst_page_stride
+        ) from None
 
 
 class SplitOffsets(NamedTuple):
