@@ -1,7 +1,8 @@
 """Sparse-MLA attention over packed FP8 paged KV caches: the bundled reference and the oracle.
 
 * :func:`sparse_mla_forward` / :class:`SparseMlaOutput` (``attention.reference``): the bundled
-  reference forward (fp32, chunked, bitwise-invariant to index padding and head count).
+  reference forward (fp32, chunked, bitwise-invariant to index padding and head count); backends
+  ``"torch"`` and ``"triton"`` (``attention._triton_forward``, the CUDA default).
 * :func:`oracle_forward` (``attention.oracle``): the independent float64 oracle tests judge with.
 * ``attention.conventions``: LSE conventions and FlashInfer's decode/prefill cutoff.
 * ``attention.cases``: named DeepSeek-V4 / FlashInfer-test input cases for the suites.

@@ -24,7 +24,7 @@ How it computes (the properties the invariant suites check hold *by construction
   fp32 online softmax; the main row and the extra row are tiled separately (each padded to a
   multiple of 64 with invalid lanes). A tile with no valid lane leaves the running max, sum and
   output bit-for-bit unchanged, so padding an index row with ``-1`` changes nothing.
-* Heads are processed in fixed groups of :data:`HEAD_GROUP` (8): every matrix product and every
+* Heads are processed in fixed groups of :data:`HEAD_GROUP` (8; torch backend): every matrix product and every
   order-dependent sum runs per group on one fixed shape, so a head's result does not depend on how
   many heads the query has (BLAS kernels choose different reduction orders for different matrix
   sizes, a measured fact for MKL on CPU; CUDA reductions pick block shapes from the row count).
@@ -33,6 +33,15 @@ How it computes (the properties the invariant suites check hold *by construction
   bounded by the chunk, not by ``num_tokens``: DeepSeek-V4 prefill shapes (4096 tokens, 64 heads,
   128 + 512 candidates) run in well under 100 MiB of working memory besides the dequantized caches.
 * The only host synchronisation is one out-of-range check per call.
+
+Backends (``backend=``, :func:`resolve_backend`): the preparation above (table with its zero row,
+the table row and validity of every lane, out-of-range check) and the finalisation (divide, sink as
+``sigmoid(lse - sink)``, LSE convention) are shared; only the online-softmax loop differs.
+``"torch"`` is the loop described above (CPU default). ``"triton"`` (CUDA default when triton
+imports; interpreted on the CPU under ``TRITON_INTERPRET=1``) runs it as one kernel launch per
+chunk of :data:`TRITON_CHUNK_TOKENS` tokens, in groups of 16 heads and 64-lane tiles with fp32
+IEEE dots (``attention._triton_forward``, whose docstring says why the same invariants hold).
+H200 timings of both: ``docs/benchmarks.md``.
 """
 
 from __future__ import annotations
