@@ -132,8 +132,9 @@ def pytest_configure(config: pytest.Config) -> None:
     gpu = worker_gpu(config)
     if gpu is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = gpu
-    if getattr(config, "workerinput", None) is not None:
-        _limit_cpu_threads(int(config.workerinput.get("workercount", 1) or 1))
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is not None:
+        _limit_cpu_threads(int(workerinput.get("workercount", 1) or 1))
     if getattr(config, "workerinput", None) is None and config.pluginmanager.hasplugin("xdist"):
         if getattr(config.option, "numprocesses", None) or getattr(config.option, "tx", None):
             config.pluginmanager.register(_ControllerHooks(config), "sparse_mla:xdist-controller")

@@ -51,9 +51,8 @@ INTERPRETED: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
 #: since the bitwise invariants compare calls of different shapes. ``_SPARSE_MLA_ATTN_CONFIG``
 #: (four comma-separated ints, read at import) overrides it for tuning runs only
 #: (``benchmarks/tune_attention.py``).
-DEFAULT_CONFIG: tuple[int, int, int, int] = tuple(
-    int(v) for v in os.environ.get("_SPARSE_MLA_ATTN_CONFIG", f"{HEAD_GROUP},512,8,1").split(",")
-)
+_h, _dv, _w, _s = (int(v) for v in os.environ.get("_SPARSE_MLA_ATTN_CONFIG", f"{HEAD_GROUP},512,8,1").split(","))
+DEFAULT_CONFIG: tuple[int, int, int, int] = (_h, _dv, _w, _s)
 _FP32_LOWEST = float(torch.finfo(torch.float32).min)
 
 
