@@ -129,7 +129,7 @@ def online_softmax(
     zero_row: int,
     sm_scale: float,
     d_v: int,
-    config: tuple[int, int, int] | None = None,
+    config: tuple[int, int, int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Run the online softmax of every (token, head) over its candidate lanes.
 
