@@ -135,7 +135,7 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     lines.append(
         f"sparse-mla: device={opts.device} seed={opts.seed} impl={opts.impl} "
         f"grid={'flashinfer==' + opts.grid if opts.grid else 'none'} "
-        f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')}"
+        f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', 'auto (1 without CUDA)')}"
     )
     for err in caps.errors:
         lines.append(f"sparse-mla: probe error: {err}")
