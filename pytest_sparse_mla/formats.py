@@ -169,6 +169,12 @@ def page_stride_bytes(fmt: PackedFormat | str, page_block_size: int, stride: Str
     ps = _check_page_block_size(page_block_size)
     logical = ps * f.bytes_per_token
     if stride == "tight":
+        if logical % 16:
+            raise ValueError(
+                f"page_stride='tight' with page_block_size={ps}: {ps}*{f.bytes_per_token} = {logical} "
+                "bytes is not a multiple of 16, which FlashInfer requires of a page stride; use "
+                "page_stride='padded' or an explicit multiple of 16"
+            )
         return logical
     if stride == "padded":
         if f.layout == "footer":
@@ -352,7 +358,7 @@ def allocate_pages(
     """
     if num_pages < 1 or page_stride < 1:
         raise ValueError(f"num_pages={num_pages}, page_stride={page_stride}: expected positive ints")
-    if not 0 <= fill <= 255:
+    if isinstance(fill, bool) or not isinstance(fill, int) or not 0 <= fill <= 255:
         raise ValueError(f"fill={fill}: expected a byte value 0..255")
     return torch.full((num_pages, page_stride), fill, dtype=torch.uint8, device=device)
 
@@ -415,9 +421,11 @@ def scale_exponents(amax: torch.Tensor, rule: ScaleRule = "flashmla") -> torch.T
         int32 tensor of exponents, same shape; the UE8M0 byte is ``127 + e``.
 
     Raises:
-        ValueError: unknown rule.
+        ValueError: unknown rule, or a negative or non-finite ``amax``.
     """
     a = amax.to(torch.float32)
+    if a.numel() and not bool((torch.isfinite(a) & (a >= 0)).all()):
+        raise ValueError("amax: expected finite, non-negative group maxima (max |x| of finite values)")
     if rule == "flashmla":
         x = torch.clamp(a / E4M3_MAX, min=1e-4)
     elif rule == "sglang":
@@ -587,6 +595,8 @@ def unpack_dequantize(
         TypeError, ValueError: as :func:`parse_cache`.
     """
     f = get_format(fmt)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype={dtype!r}: expected a floating torch.dtype (torch.float32, torch.bfloat16, ...)")
     fields = unpack_fields(cache, f, page_block_size=page_block_size)
     p, ps, _ = fields.codes.shape
     values = fields.codes.view(torch.float8_e4m3fn).to(torch.float32)

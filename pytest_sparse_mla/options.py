@@ -85,6 +85,12 @@ def parse_grid(value: str | None) -> str | None:
             f"--sparse-mla-grid={value!r}: expected 'flashinfer==X.Y.Z' (e.g. flashinfer==0.6.17) "
             "or 'none'"
         ) from None
+    from pytest_sparse_mla.dispatch import UnsupportedReleaseError, parse_release
+
+    try:
+        parse_release(text)  # a release with SM120 sparse MLA that the bundled grids can place
+    except UnsupportedReleaseError as exc:
+        raise pytest.UsageError(f"--sparse-mla-grid={value!r}: {exc}") from None
     return text
 
 

@@ -120,7 +120,7 @@ def _amax_group(amax: float) -> torch.Tensor:
     ],
 )
 def test_scale_byte_for_known_amax(amax: float, rule: str, byte: int) -> None:
-    packed = formats.quantize_pack(_amax_group(amax), "dsv4", scale_rule=rule, form="2d")
+    packed = formats.quantize_pack(_amax_group(amax), "dsv4", scale_rule=rule, form="2d", page_stride="padded")
     assert packed.reshape(-1)[576].item() == byte
 
 
@@ -330,3 +330,30 @@ def test_scale_is_the_smallest_power_of_two_covering_amax_over_448() -> None:
         assert 2.0 ** (e - 1) < x <= 2.0**e
 
     check()
+
+
+@pytest.mark.parametrize("ps", [1, 65])
+def test_tight_stride_of_an_odd_page_size_is_rejected_up_front(ps: int) -> None:
+    """ps*584 is a multiple of 16 only for even ps (584 = 8 * 73); FlashInfer needs 16-byte strides."""
+    expected = f"page_block_size={ps}: {ps}\\*584 = {ps * 584} bytes is not a multiple of 16"
+    with pytest.raises(ValueError, match=expected):
+        formats.quantize_pack(torch.zeros(1, ps, 512, dtype=torch.bfloat16), "dsv4")
+    padded = formats.quantize_pack(torch.zeros(1, ps, 512, dtype=torch.bfloat16), "dsv4", page_stride="padded")
+    assert padded.stride(0) == -(-ps * 584 // 576) * 576
+
+
+def test_unpack_dtype_must_be_floating() -> None:
+    packed = formats.quantize_pack(torch.zeros(1, 64, 512, dtype=torch.bfloat16), "dsv4")
+    with pytest.raises(TypeError, match=r"dtype=torch\.int32: expected a floating torch\.dtype"):
+        formats.unpack_dequantize(packed, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("amax", [-1.0, float("nan"), float("inf")])
+def test_scale_exponents_reject_impossible_group_maxima(amax: float) -> None:
+    with pytest.raises(ValueError, match="amax: expected finite, non-negative"):
+        formats.scale_exponents(torch.tensor([amax]))
+
+
+def test_pad_fill_must_be_a_byte() -> None:
+    with pytest.raises(ValueError, match=r"fill=1\.5: expected a byte value"):
+        formats.quantize_pack(torch.zeros(1, 64, 512, dtype=torch.bfloat16), "dsv4", pad_fill=1.5)  # type: ignore[arg-type]

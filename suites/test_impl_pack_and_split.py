@@ -62,7 +62,9 @@ KNOWN_SCALE_BYTES = [
 @pytest.mark.sparse_mla_needs("pack")
 @pytest.mark.parametrize(("amax", "rule", "byte"), KNOWN_SCALE_BYTES, ids=lambda v: f"{v}")
 def test_pack_writes_the_scale_byte_of_the_requested_rule(amax, rule, byte, sparse_mla_impl, sparse_mla_device):
-    packed = sparse_mla_impl.pack(_one_group_row(amax, sparse_mla_device), "dsv4", scale_rule=rule, form="2d")
+    packed = sparse_mla_impl.pack(
+        _one_group_row(amax, sparse_mla_device), "dsv4", scale_rule=rule, form="2d", page_stride="padded"
+    )
     # DSV4 footer: a 1-token page holds 576 data bytes, then that token's 8 scale bytes.
     assert packed.dtype == torch.uint8 and tuple(packed.shape) == (1, 584)
     assert int(packed.reshape(-1)[576]) == byte
@@ -133,9 +135,7 @@ def test_touched_split_into_fresh_scratch_leaves_untouched_pages_zero(
 
 
 @pytest.mark.sparse_mla_needs("page_split")
-def test_splits_under_different_key_suffixes_coexist(
-    sparse_mla_impl, split_buffer_registry, packed_kv_cache_factory
-):
+def test_splits_under_different_key_suffixes_coexist(sparse_mla_impl, split_buffer_registry, packed_kv_cache_factory):
     """DeepSeek-V4.1: the 256-token SWA pool and the 128-token extra cache are split in one call."""
     main = packed_kv_cache_factory(num_pages=1, page_block_size=256)
     extra = packed_kv_cache_factory(num_pages=1, page_block_size=128)

@@ -316,6 +316,11 @@ def parse_release(release: object) -> Any:
 
     if isinstance(release, Version):
         version = release
+    elif not isinstance(release, str):
+        raise errors.UnsupportedReleaseError(
+            f"release={release!r}: expected a version string such as '0.6.17' (a float cannot "
+            "tell 0.6.17 from 0.617)"
+        )
     else:
         text = str(release).strip()
         for prefix in _PREFIXES:
@@ -710,6 +715,10 @@ def supports(config: SparseMlaConfig, flashinfer_version: object) -> Verdict:
     """
     if not isinstance(config, SparseMlaConfig):
         raise TypeError(f"config={config!r}: expected a SparseMlaConfig")
+    from packaging.version import Version
+
+    if not isinstance(flashinfer_version, (str, Version)):
+        parse_release(flashinfer_version)  # raises: a float cannot tell 0.6.17 from 0.617
     release = flashinfer_version if isinstance(flashinfer_version, str) else str(flashinfer_version)
     return _cached(config, _release_text(release))
 

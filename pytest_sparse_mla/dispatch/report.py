@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -183,7 +184,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except grid.errors.UnsupportedReleaseError as exc:
         print(f"sparse-mla-deployments: {exc}", file=sys.stderr)
         return 2
-    print(text)
+    try:
+        print(text)
+        sys.stdout.flush()
+    except BrokenPipeError:  # `sparse-mla-deployments | head`: the reader left; not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
 

@@ -211,9 +211,13 @@ def touched_page_mask(
         ``[P]`` int8 mask on the indices' device (``out`` when given).
 
     Raises:
-        TypeError: bad index dtype. ValueError: empty indices, bad ``out``, bad backend.
+        TypeError: bad index dtype. ValueError: empty indices, bad ``out``, bad backend, a page
+            size that is not a positive multiple of 64, a non-positive ``num_src_pages``.
     """
     module = _backend_module(backend)
+    check_src_page_block_size(src_page_block_size)
+    if isinstance(num_src_pages, bool) or not isinstance(num_src_pages, int) or num_src_pages < 1:
+        raise ValueError(f"num_src_pages={num_src_pages!r}: expected a positive int")
     if not isinstance(touched_indices, torch.Tensor):
         raise TypeError(f"touched_indices: expected a torch.Tensor, got {type(touched_indices).__name__}")
     idx = _check_indices(touched_indices, touched_indices.device)
