@@ -66,16 +66,20 @@ def cuda_median_ms(fn: Callable[[], object], *, warmup: int = 3, reps: int = 20)
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return statistics.median(event_ms(fn) for _ in range(reps))
+
+
+def event_ms(fn: Callable[[], object]) -> float:
+    """CUDA-event time in milliseconds of one ``fn()`` on the current stream (waits for it)."""
+    import torch
+
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
 
 
 def interleaved_median_ms(
@@ -83,21 +87,13 @@ def interleaved_median_ms(
 ) -> tuple[float, float]:
     """Median CUDA-event times (ms) of ``fn_a`` and ``fn_b`` timed alternately, so both see the same
     clocks and temperature (for a ratio of two bandwidths)."""
-    import torch
-
     for _ in range(warmup):
         fn_a()
         fn_b()
     times: tuple[list[float], list[float]] = ([], [])
     for _ in range(reps):
-        for fn, acc in ((fn_a, times[0]), (fn_b, times[1])):
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            acc.append(start.elapsed_time(end))
+        times[0].append(event_ms(fn_a))
+        times[1].append(event_ms(fn_b))
     return statistics.median(times[0]), statistics.median(times[1])
 
 

@@ -23,54 +23,28 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 import triton
 
 from pytest_sparse_mla.page_split import _torch, parse_split_source, triton_backend
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_utils import capture_graph, cuda_median_ms, interleaved_median_ms  # noqa: E402
+
 T = triton_backend()
 PS, SRC_STRIDE, DST_STRIDE, DST_BYTES = 256, 149_760, 37_440, 37_376
 ROTATE = 8
-
-
-def med_ms(fn, warmup=3, reps=15) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def copy_time_ms(nbytes: int, dev: torch.device, gen: torch.Generator) -> float:
     """Median time of one device-to-device copy of ``nbytes`` random bytes (torch ``copy_``)."""
     src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=dev, generator=gen)
     dst = torch.empty_like(src)
-    return med_ms(lambda: dst.copy_(src), reps=25)
-
-
-def graph_of(fns) -> torch.cuda.CUDAGraph:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for fn in fns:
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in fns:
-            fn()
-    return graph
+    return cuda_median_ms(lambda: dst.copy_(src), reps=25)
 
 
 def kernel_registers(fn) -> list[dict]:
@@ -89,23 +63,6 @@ def kernel_registers(fn) -> list[dict]:
     except Exception as exc:  # noqa: BLE001 - introspection differs between Triton versions
         rows.append({"error": f"{type(exc).__name__}: {exc}"})
     return rows
-
-
-def interleaved(fn_a, fn_b, reps=30, warmup=3) -> tuple[float, float]:
-    """Median CUDA-event times (ms) of ``fn_a`` and ``fn_b`` measured alternately (same clocks)."""
-    for _ in range(warmup):
-        fn_a()
-        fn_b()
-    ta, tb = [], []
-    for _ in range(reps):
-        for fn, acc in ((fn_a, ta), (fn_b, tb)):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            acc.append(start.elapsed_time(end))
-    return statistics.median(ta), statistics.median(tb)
 
 
 def index_sets(P: int, frac: float, gen: torch.Generator, dev: torch.device):
@@ -177,17 +134,19 @@ def main() -> int:
         T.CopyConfig(4096, 32, False),
         T.CopyConfig(4096, 32, True),
     ]
-    copy_graph = graph_of([copy] * ROTATE)
+    copy_graph = capture_graph([copy] * ROTATE)
     for rep in () if opts.skip_full else range(2):
         for c in configs:
             try:
                 out.fill_(0xA5)
                 T.copy_sub_pages(source, out, None, config=c)
                 ok = torch.equal(out, ref)
-                g = graph_of([lambda c=c: T.copy_sub_pages(source, out, None, config=c)] * ROTATE)
-                copy_ms, ms = interleaved(copy_graph.replay, g.replay, reps=15)
+                g = capture_graph([lambda c=c: T.copy_sub_pages(source, out, None, config=c)] * ROTATE)
+                copy_ms, ms = interleaved_median_ms(copy_graph.replay, g.replay, reps=15)
                 copy_ms, ms = copy_ms / ROTATE, ms / ROTATE
-                e_copy, e_ms = interleaved(copy, lambda c=c: T.copy_sub_pages(source, out, None, config=c), reps=15)
+                e_copy, e_ms = interleaved_median_ms(
+                    copy, lambda c=c: T.copy_sub_pages(source, out, None, config=c), reps=15
+                )
                 row = {
                     "pass": rep,
                     "config": c.__dict__,
@@ -208,10 +167,10 @@ def main() -> int:
             except Exception as exc:  # noqa: BLE001 - keep sweeping
                 print(f"full {c}: FAILED {type(exc).__name__}: {exc}"[:400], flush=True)
     if not opts.skip_full:
-        copy_ms, ms = interleaved(copy, lambda: _torch.copy_sub_pages(source, out, None), reps=10)
+        copy_ms, ms = interleaved_median_ms(copy, lambda: _torch.copy_sub_pages(source, out, None), reps=10)
         res["full_torch"] = {"ms": ms, "copy_ms": copy_ms, "ratio": copy_ms / ms}
         print(f"full torch: {ms:.4f} ms ratio {copy_ms / ms:.3f}", flush=True)
-    copy_ms = interleaved(copy, copy, reps=30)[0]
+    copy_ms = interleaved_median_ms(copy, copy, reps=30)[0]
     copy_bw = moved / copy_ms / 1e6
     res["copy_ms"], res["copy_GBps"] = copy_ms, copy_bw
     print(f"copy {copy_ms:.4f} ms {copy_bw:.0f} GB/s", flush=True)
@@ -261,8 +220,8 @@ def main() -> int:
                 fn(idx_sets[0])
                 ok = torch.equal(out, refm) and torch.equal(mreg, masks[0])
                 ok = ok and bool((scratch[:, 0] == 0).all()) and scratch[0].tolist() == [0, 0]
-                g = graph_of([lambda i=i, fn=fn: fn(i) for i in idx_sets])
-                ms = med_ms(g.replay, reps=20) / ROTATE
+                g = capture_graph([lambda i=i, fn=fn: fn(i) for i in idx_sets])
+                ms = cuda_median_ms(g.replay, reps=20) / ROTATE
                 x = ms / ideal_ms if ideal_ms else float("nan")
                 row = {"variant": name, "frac": frac, "pages": k, "split_ms": ms, "ideal_ms": ideal_ms, "x_ideal": x}
                 row["identical"] = ok

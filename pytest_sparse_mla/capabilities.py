@@ -29,8 +29,11 @@ so an SM120 test is typically marked ``requires_sm("==12.*")`` and ``requires_cu
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.metadata
+import os
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
 
 __all__ = [
@@ -40,6 +43,8 @@ __all__ = [
     "evaluate_marker",
     "is_gpu_marker",
     "parse_sm_spec",
+    "load_triton_kernels",
+    "triton_unavailable_reason",
 ]
 
 #: marker name -> one-line description (registered with ``config.addinivalue_line``).
@@ -257,3 +262,40 @@ def evaluate_marker(name: str, mark: Any, caps: Capabilities) -> str | None:
 def is_gpu_marker(name: str) -> bool:
     """True for markers whose miss means "no usable GPU" (see ``--sparse-mla-require-gpu``)."""
     return name in _GPU_MARKERS
+
+
+def load_triton_kernels(module: str) -> ModuleType:
+    """Import the Triton kernel module ``module``, deciding first whether it is interpreted.
+
+    Triton decides at decoration time whether a ``@triton.jit`` kernel is compiled or interpreted
+    (triton-lang/triton ``docs/programming-guide/chapter-3/debugging.rst``), so when
+    ``TRITON_INTERPRET`` is unset and torch sees no CUDA device this sets ``TRITON_INTERPRET=1``
+    before the import. Kernel modules record the mode they got in ``INTERPRETED``.
+
+    Raises:
+        ImportError: triton (or numpy, which its interpreter needs) is not importable.
+    """
+    if "TRITON_INTERPRET" not in os.environ and not probe().cuda_available:
+        os.environ["TRITON_INTERPRET"] = "1"
+    return importlib.import_module(module)
+
+
+def triton_unavailable_reason(module: str, device: Any) -> str | None:
+    """Why the Triton kernels of ``module`` cannot run on ``device`` here, or ``None`` when they can.
+
+    Reasons: a device that is neither CPU nor CUDA; triton not importable; CPU tensors but kernels
+    decorated as compiled (``TRITON_INTERPRET`` unset while CUDA was visible); CUDA tensors but
+    kernels decorated as interpreted. Imports ``module`` (see :func:`load_triton_kernels`).
+    """
+    kind = getattr(device, "type", str(device).split(":", 1)[0])
+    if kind not in ("cpu", "cuda"):
+        return f"Triton kernels run on CUDA (or interpreted on the CPU), not on {kind}"
+    try:
+        kernels = load_triton_kernels(module)
+    except ImportError as exc:
+        return f"triton is not importable ({exc})"
+    if kind == "cpu" and not kernels.INTERPRETED:
+        return "Triton kernels on CPU tensors need TRITON_INTERPRET=1 before the first call"
+    if kind == "cuda" and kernels.INTERPRETED:
+        return "the Triton kernels were decorated under TRITON_INTERPRET=1 (CPU tensors only)"
+    return None

@@ -47,15 +47,16 @@ H200 timings of both: ``docs/benchmarks.md``.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
 import torch
 
-from pytest_sparse_mla import formats
+from pytest_sparse_mla import capabilities, formats
 from pytest_sparse_mla.attention.conventions import check_lse_convention, route_for
+
+_TRITON_MODULE = "pytest_sparse_mla.attention._triton_forward"
 
 __all__ = [
     "SparseMlaOutput",
@@ -112,40 +113,19 @@ def default_chunk_tokens(device: torch.device) -> int:
 
 
 def triton_forward_module() -> ModuleType:
-    """Import and return the Triton kernel module (``attention._triton_forward``).
-
-    When ``TRITON_INTERPRET`` is unset and torch sees no CUDA device, sets ``TRITON_INTERPRET=1``
-    first so the kernel is decorated as interpreted (Triton reads it at decoration time; the same
-    rule as ``page_split.triton_backend``). The module's ``INTERPRETED`` says which mode it got.
+    """Import and return the Triton kernel module (``attention._triton_forward``), interpreted when
+    torch sees no CUDA device (``capabilities.load_triton_kernels``).
 
     Raises:
         ImportError: triton is not installed.
     """
-    if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
-        os.environ["TRITON_INTERPRET"] = "1"
-    from pytest_sparse_mla.attention import _triton_forward
-
-    return _triton_forward
+    return capabilities.load_triton_kernels(_TRITON_MODULE)
 
 
 def triton_unavailable_reason(device: torch.device | str) -> str | None:
-    """Why ``backend="triton"`` cannot run on ``device`` here, or ``None`` when it can.
-
-    Reasons: triton is not installed; ``device`` is the CPU but the kernel was decorated as compiled
-    (``TRITON_INTERPRET`` unset while CUDA was visible); a device that is neither CPU nor CUDA.
-    """
-    dev = torch.device(device)
-    if dev.type not in ("cpu", "cuda"):
-        return f"the Triton backend runs on CUDA (or interpreted on the CPU), not on {dev.type}"
-    try:
-        module = triton_forward_module()
-    except ImportError as exc:
-        return f"triton is not importable ({exc})"
-    if dev.type == "cpu" and not module.INTERPRETED:
-        return "Triton kernels on CPU tensors need TRITON_INTERPRET=1 before the first call"
-    if dev.type == "cuda" and module.INTERPRETED:
-        return "the Triton kernel was decorated under TRITON_INTERPRET=1 (CPU tensors only)"
-    return None
+    """Why ``backend="triton"`` cannot run on ``device`` here, or ``None`` when it can
+    (``capabilities.triton_unavailable_reason``)."""
+    return capabilities.triton_unavailable_reason(_TRITON_MODULE, torch.device(device))
 
 
 def resolve_backend(backend: str | None, device: torch.device | str) -> str:

@@ -67,12 +67,11 @@ constants ``SPLIT_BUFFER_NAME``, ``MASK_BUFFER_NAME``, ``WORKLIST_BUFFER_NAME``,
 
 from __future__ import annotations
 
-import os
 from types import ModuleType
 
 import torch
 
-from pytest_sparse_mla import formats
+from pytest_sparse_mla import capabilities, formats
 from pytest_sparse_mla.page_split import _torch
 from pytest_sparse_mla.page_split.buffers import (
     MASK_BUFFER_NAME,
@@ -97,6 +96,8 @@ from pytest_sparse_mla.page_split.geometry import (
     parse_split_source,
     split_offsets,
 )
+
+_TRITON_MODULE = "pytest_sparse_mla.page_split._triton"
 
 __all__ = [
     "BACKENDS",
@@ -129,36 +130,19 @@ BACKENDS: tuple[str, ...] = ("torch", "triton")
 
 
 def triton_backend() -> ModuleType:
-    """Import and return the Triton kernel module (:mod:`._triton`).
-
-    When ``TRITON_INTERPRET`` is unset and torch sees no CUDA device, sets ``TRITON_INTERPRET=1``
-    first so the kernels are decorated as interpreted (Triton reads it at decoration time). The
-    module's ``INTERPRETED`` attribute says which mode it got.
+    """Import and return the Triton kernel module (:mod:`._triton`), interpreted when torch sees no
+    CUDA device (``capabilities.load_triton_kernels``).
 
     Raises:
         ImportError: triton is not installed.
     """
-    if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
-        os.environ["TRITON_INTERPRET"] = "1"
-    from pytest_sparse_mla.page_split import _triton
-
-    return _triton
+    return capabilities.load_triton_kernels(_TRITON_MODULE)
 
 
 def triton_unavailable_reason(device: torch.device | str) -> str | None:
-    """Why ``backend="triton"`` cannot run on ``device`` here, or ``None`` when it can.
-
-    Reasons: triton is not installed; ``device`` is the CPU but the kernels were decorated as
-    compiled (``TRITON_INTERPRET`` was unset while CUDA was visible). Imports the kernel module
-    (see :func:`triton_backend`).
-    """
-    try:
-        module = triton_backend()
-    except ImportError as exc:
-        return f"triton is not importable ({exc})"
-    if torch.device(device).type == "cpu" and not module.INTERPRETED:
-        return "Triton kernels on CPU tensors need TRITON_INTERPRET=1 before the first split"
-    return None
+    """Why ``backend="triton"`` cannot run on ``device`` here, or ``None`` when it can
+    (``capabilities.triton_unavailable_reason``)."""
+    return capabilities.triton_unavailable_reason(_TRITON_MODULE, torch.device(device))
 
 
 def _backend_module(backend: object) -> ModuleType:
