@@ -31,7 +31,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--configs", default=None, help="';'-separated h,dv,warps,stages tuples")
     args = parser.parse_args()
+    configs = CONFIGS
+    if args.configs:
+        configs = [tuple(int(v) for v in c.split(",")) for c in args.configs.split(";")]
     dev = torch.device("cuda")
     module = ref.triton_forward_module()
     kwargs = _inputs(dev, args.tokens)
@@ -39,7 +43,7 @@ def main() -> None:
     oracle = oracle_forward(**_slice(kwargs, CHECK_TOKENS, "cpu"))
     shipped = module.DEFAULT_CONFIG
     results = []
-    for config in CONFIGS:
+    for config in configs:
         module.DEFAULT_CONFIG = config
         try:
             res = sparse_mla_forward(**check, backend="triton", return_fp32=True)

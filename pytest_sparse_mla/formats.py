@@ -121,6 +121,14 @@ class PackedFormat:
         return self.bytes_per_token
 
     @property
+    def bf16_exact(self) -> bool:
+        """Whether every dequantized value is exactly a BF16 number: DSV4 (E4M3 codes, 4
+        significant bits, times UE8M0 power-of-two scales; BF16 RoPE) yes, except products below
+        BF16's smallest subnormal step 2**-133 (scale bytes 0-2, scales under 2**-124, which no
+        packer rule writes); DSV3.2 no (its fp32 scales may be any float)."""
+        return self.layout == "footer"
+
+    @property
     def scale_bytes_per_token(self) -> int:
         """Scale bytes per token: 8 for DSV4 (7 UE8M0 + 1 pad), 16 for DSV3.2 (4 fp32)."""
         if self.layout == "footer":

@@ -17,6 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pytest_sparse_mla import formats
 from pytest_sparse_mla.attention import oracle_forward, sparse_mla_forward
 from pytest_sparse_mla.attention.cases import AttentionCase, case_params, inputs_on
 
@@ -151,6 +152,33 @@ def test_triton_backend_within_1e5_of_oracle(case, sparse_mla_tolerances, sparse
     sparse_mla_tolerances.assert_close(res.output_fp32, expected.output, "output_fp32", what="fp32 output")
     sparse_mla_tolerances.assert_close(res.lse, expected.lse, "lse", what="lse")
     assert torch.equal(res.output, res.output_fp32.to(torch.bfloat16))
+
+
+@pytest.mark.sparse_mla_tolerance(profile="tight")
+def test_triton_backend_dsv32_with_arbitrary_fp32_scales(
+    sparse_mla_tolerances, sparse_mla_generator, sparse_mla_device
+):
+    """DSV3.2 scales are any fp32 (the packers write powers of two): with scales times ``1 + u``
+    the dequantized values are no longer BF16 numbers, so the kernel runs on three BF16 pieces per
+    value (``_triton_forward.bf16_pieces``); still within 1e-5 of the float64 oracle. Scale bytes
+    by hand: DSV3.2 row ``t`` of a page holds its four little-endian fp32 scales at bytes
+    ``[t*656 + 512, t*656 + 528)``."""
+    _triton_or_skip(sparse_mla_device)
+    case = AttentionCase("dsv32-any-scale", 2, 8, 64, fmt="dsv3_2")
+    inputs = inputs_on(case, sparse_mla_generator, sparse_mla_device)
+    packed = inputs.cache.packed
+    ps, pages, stride = inputs.cache.page_block_size, inputs.cache.layout.num_pages, packed.stride(0)
+    raw = packed.as_strided((pages, stride), (stride, 1))
+    scale_bytes = raw[:, : ps * 656].reshape(pages, ps, 656)[..., 512:528]
+    scales = scale_bytes.contiguous().view(torch.float32)  # [pages, ps, 4]
+    factor = 1 + torch.rand(scales.shape, generator=sparse_mla_generator).to(sparse_mla_device)
+    scale_bytes.copy_((scales * factor).view(torch.uint8))
+    table = formats.unpack_dequantize(packed, "dsv3_2", page_block_size=ps)
+    assert not torch.equal(table.to(torch.bfloat16).float(), table)  # the three-piece path runs
+    res = inputs.run(sparse_mla_forward, backend="triton", return_fp32=True)
+    expected = inputs.run(oracle_forward)
+    sparse_mla_tolerances.assert_close(res.output_fp32, expected.output, "output_fp32", what="fp32 output")
+    sparse_mla_tolerances.assert_close(res.lse, expected.lse, "lse", what="lse")
 
 
 def test_triton_backend_padding_and_head_count_are_bitwise_neutral(sparse_mla_generator, sparse_mla_device):

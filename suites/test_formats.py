@@ -357,3 +357,32 @@ def test_scale_exponents_reject_impossible_group_maxima(amax: float) -> None:
 def test_pad_fill_must_be_a_byte() -> None:
     with pytest.raises(ValueError, match=r"fill=1\.5: expected a byte value"):
         formats.quantize_pack(torch.zeros(1, 64, 512, dtype=torch.bfloat16), "dsv4", pad_fill=1.5)  # type: ignore[arg-type]
+
+
+def test_dsv4_values_are_bf16_numbers_and_dsv3_2_need_not_be(sparse_mla_generator: torch.Generator) -> None:
+    """``PackedFormat.bf16_exact`` (what the Triton attention relies on): every DSV4 value is an
+    E4M3 code (4 significant bits) times a power of two, or a BF16 RoPE value, so rounding it to
+    BF16 changes nothing, for every finite E4M3 code under every scale byte from 3 (2**-124) to
+    254 (bytes written by hand here, not by the packer); a DSV3.2 fp32 scale of 0.1 breaks it."""
+    assert formats.DSV4.bf16_exact and not formats.DSV3_2.bf16_exact
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    codes = codes[~torch.isnan(codes.view(torch.float8_e4m3fn).float())]  # 254 finite codes
+    pages, ps = 63, 4  # 252 tokens: scale bytes 3..254, one per token
+    source = torch.zeros(pages, ps, 512, dtype=torch.bfloat16)
+    source[..., 448:] = torch.randn(pages, ps, 64, generator=sparse_mla_generator)
+    packed = formats.quantize_pack(source, "dsv4")
+    raw = packed.view(pages, -1)
+    raw[:, : ps * 576].reshape(pages, ps, 576)[..., :448] = codes[torch.arange(448) % codes.numel()]
+    footer = raw[:, ps * 576 : ps * 584].reshape(pages, ps, 8)
+    footer[..., :7] = torch.arange(3, 255, dtype=torch.int32).to(torch.uint8).view(pages, ps, 1)
+    values = formats.unpack_dequantize(packed, "dsv4")
+    nope = values[..., :448].abs()
+    assert float(nope[nope > 0].min()) == 2.0**-133  # code 0x01 (2**-9) under byte 3
+    assert bool(torch.isinf(nope).any())  # 448 * 2**127 overflows fp32 (and BF16) to inf
+    assert torch.equal(values.to(torch.bfloat16).float(), values)
+    packed32 = formats.quantize_pack(torch.zeros(1, 2, 576, dtype=torch.bfloat16), "dsv3_2")
+    rows32 = packed32.view(1, 2, 656)
+    rows32[..., :512] = 0x38  # E4M3 1.0
+    rows32[..., 512:528] = torch.tensor([0.1] * 4, dtype=torch.float32).view(torch.uint8)
+    values32 = formats.unpack_dequantize(packed32, "dsv3_2")
+    assert not torch.equal(values32.to(torch.bfloat16).float(), values32)

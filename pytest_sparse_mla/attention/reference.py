@@ -39,8 +39,10 @@ the table row and validity of every lane, out-of-range check) and the finalisati
 ``sigmoid(lse - sink)``, LSE convention) are shared; only the online-softmax loop differs.
 ``"torch"`` is the loop described above (CPU default). ``"triton"`` (CUDA default when triton
 imports; interpreted on the CPU under ``TRITON_INTERPRET=1``) runs it as one kernel launch per
-chunk of :data:`TRITON_CHUNK_TOKENS` tokens, in groups of 16 heads and 64-lane tiles with fp32
-IEEE dots (``attention._triton_forward``, whose docstring says why the same invariants hold).
+chunk of :data:`TRITON_CHUNK_TOKENS` tokens, in groups of 16 heads and 64-lane tiles, on BF16
+tensor cores with exact products and fp32 accumulation (keys and probabilities split into BF16
+pieces; ``attention._triton_forward``, whose docstring says why it stays within 1e-5 of the
+oracle and why the same invariants hold).
 H200 timings of both: ``docs/benchmarks.md``.
 """
 
@@ -285,7 +287,7 @@ def sparse_mla_forward(
         backend: ``"torch"`` (the batched-GEMM loop below) or ``"triton"`` (the inner loop as one
             Triton kernel per chunk, ``attention._triton_forward``); ``None`` picks ``"triton"``
             for CUDA tensors when triton imports, else ``"torch"`` (see :func:`resolve_backend`).
-            Both compute the same math in fp32 IEEE arithmetic with the same invariants; their
+            Both compute the same math to fp32 accuracy with the same invariants; their
             bits differ (different summation orders).
 
     Returns:
@@ -390,7 +392,9 @@ def sparse_mla_forward(
     )  # fmt: skip
     finish = _Finaliser(attn_sink, lse_convention, lse_scale)
     if backend == "triton":
-        _triton_loop(q, table, rows, zero_row, sm_scale, d_v, chunk_tokens, finish, output, lse, output_fp32)
+        pieces = triton_forward_module().bf16_pieces(table, f.bf16_exact)
+        del table
+        _triton_loop(q, pieces, rows, zero_row, sm_scale, d_v, chunk_tokens, finish, output, lse, output_fp32)
     else:
         _torch_loop(q, table, rows, valid, sm_scale, d_v, chunk_tokens, finish, output, lse, output_fp32)
     return SparseMlaOutput(output, lse, route, output_fp32, grid)
@@ -480,7 +484,7 @@ class _Finaliser:
 
 def _triton_loop(
     q: torch.Tensor,
-    table: torch.Tensor,
+    pieces: torch.Tensor,
     rows: torch.Tensor,
     zero_row: int,
     sm_scale: float,
@@ -499,7 +503,8 @@ def _triton_loop(
     tc = min(num_tokens, chunk_tokens or TRITON_CHUNK_TOKENS)
     for start in range(0, num_tokens, tc):
         stop = min(num_tokens, start + tc)
-        run_max, run_sum, acc = module.online_softmax(q[start:stop], table, rows32[start:stop], zero_row, sm_scale, d_v)
+        chunk_q, chunk_rows = q[start:stop], rows32[start:stop]
+        run_max, run_sum, acc = module.online_softmax(chunk_q, pieces, chunk_rows, zero_row, sm_scale, d_v)
         out, lse_out = finish(run_max.unsqueeze(-1), run_sum.unsqueeze(-1), acc, sink)
         output[start:stop] = out
         if output_fp32 is not None:
