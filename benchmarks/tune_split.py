@@ -182,12 +182,14 @@ def main() -> int:
     W, C = T.WorklistConfig, T.CopyConfig
     worklist_configs = [
         T.WORKLIST_CONFIG,  # 16 warps, 4 programs per SM, mark block 256
-        W(C(4096, 16, True), 4),
-        W(C(4096, 32, False), 2),
-        W(C(4096, 32, False), 1),
-        W(C(4096, 8, True), 4),
-        W(C(4096, 16, False), 4, 1024),
-        W(C(4096, 16, False), 4, 1024, True),
+        W(C(4096, 16, False), 8),
+        W(C(4096, 16, False), 16),
+        W(C(4096, 16, False), 32),
+        W(C(4096, 16, False), 64),
+        W(C(4096, 32, False), 16),
+        W(C(4096, 32, False), 64),
+        W(C(4096, 8, False), 32),
+        W(C(4096, 8, False), 64),
     ]
 
     def label(c) -> str:
