@@ -181,21 +181,18 @@ def main() -> int:
     scratch = torch.zeros(T.worklist_scratch_shape(P), dtype=torch.int32, device=dev)
     W, C = T.WorklistConfig, T.CopyConfig
     worklist_configs = [
-        T.WORKLIST_CONFIG,  # 16 warps, 4 programs per SM, mark block 256
-        W(C(4096, 16, False), 8),
-        W(C(4096, 16, False), 16),
-        W(C(4096, 16, False), 32),
-        W(C(4096, 16, False), 64),
-        W(C(4096, 32, False), 16),
-        W(C(4096, 32, False), 64),
-        W(C(4096, 8, False), 32),
-        W(C(4096, 8, False), 64),
+        T.WORKLIST_CONFIG,  # 16 programs of 16 warps per SM, mark block 256, dependent launch
+        W(C(4096, 16, False), 4, pdl=False),  # the earlier default
+        W(C(4096, 16, False), 4, pdl=True),
+        W(C(4096, 16, False), 8, pdl=True),
+        W(C(4096, 16, False), 16, pdl=False),
+        W(C(4096, 32, False), 8, pdl=True),
     ]
 
     def label(c) -> str:
         return (
             f"worklist {c.copy.block}/{c.copy.num_warps}w/{'ev' if c.copy.evict else '-'} "
-            f"{c.programs_per_sm}/SM mark{c.mark_block}{'+check' if c.check_first else ''}"
+            f"{c.programs_per_sm}/SM mark{c.mark_block}{'+check' if c.check_first else ''}{' pdl' if c.pdl else ''}"
         )
 
     variants = {

@@ -549,7 +549,7 @@ def test_triton_touched_split_leaves_its_scratch_clean(sparse_mla_generator, spa
         mask = registry.lookup(MASK_BUFFER_NAME, dev)[:num_pages]
         assert mask.tolist() == [int(p in touched) for p in range(num_pages)], f"step {i}"
         scratch = registry.backend_scratch.lookup(WORKLIST_BUFFER_NAME, dev)
-        assert scratch.dtype == torch.int32 and tuple(scratch.shape) == (4, 2)  # [P + 1, 2], grow-only
+        assert scratch.dtype == torch.int32 and tuple(scratch.shape) == (5, 2)  # [P + 2, 2], grow-only
         assert not scratch.is_inference()
         # Counter, done counter and claims are back to 0; column 1 below row 0 holds stale worklist
         # slots, which are never read past the counter.

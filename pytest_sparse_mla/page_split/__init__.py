@@ -41,16 +41,17 @@ Backends. ``"torch"`` (:mod:`._torch`): readable strided-view copies. ``"triton"
   97% of a device-to-device copy on an H200 (1.07 GB pool);
 * touched split: a worklist instead of a program per sub-page, two launches, no memset. The mark
   kernel claims each touched page with an int32 atomic exchange and appends first claims to a
-  device-side worklist (one atomic add per mark program on a device counter); the copy kernel runs
-  a fixed grid (``min(P*ratio, programs_per_sm * SMs)``, ``_triton.WORKLIST_CONFIG``), reads the
-  counter on the device and loops over the (page, sub-page) items, then rewrites the int8 mask
-  from the claims and resets the scratch. Why: with one program per sub-page, 28,672 programs
-  that mostly exit cost 18.9 us on an H200, and a 1% split took 5.2x its ideal time. Measured on
-  an H200 (2026-11-29, ``docs/benchmarks.md``): 1% of pages 2.5-2.6x ideal (target 3x met), 10%
-  1.27-1.28x (target 1.2x missed: the persistent copy loop moves bytes at ~1.15x the copy time),
-  100% 1.14-1.15x (the old grid: 1.05x; a full split: 1.03x). The scratch (int32
-  ``[P + 1, 2]``) is ``registry.backend_scratch``'s ``flash_mla_sm120_worklist{key_suffix}:{dev}``;
-  the registry's int8 mask stays the public artefact.
+  device-side worklist (one atomic add per mark program on a device counter); its last program
+  publishes the count. The copy kernel (a programmatic dependent launch on sm_90+) runs a fixed
+  grid (``min(P*ratio, programs_per_sm * SMs)``, ``_triton.WORKLIST_CONFIG``), reads the count on
+  the device and loops over the (page, sub-page) items, then rewrites the int8 mask from the
+  claims and resets them. Why: with one program per sub-page, 28,672 programs that mostly exit
+  cost 18.9 us on an H200, and a 1% split took 5.2x its ideal time. Measured on an H200
+  (2026-11-29, ``docs/benchmarks.md``): 1% of pages 2.5x ideal (target 3x met), 10% 1.24x
+  (target 1.2x missed; one ``torch.index_select`` gather of the same pages alone takes 1.12x),
+  100% 1.14x (the old grid: 1.05x; a full split: 1.03x). The scratch (int32 ``[P + 2, 2]``) is
+  ``registry.backend_scratch``'s ``flash_mla_sm120_worklist{key_suffix}:{dev}``; the registry's
+  int8 mask stays the public artefact.
 
 Both backends are byte-identical (``suites/test_page_split.py``).
 

@@ -27,23 +27,29 @@ exit cost 18.9 us on an H200 even with nothing marked, and the mask zero + mark 
    from 0 to 1 is the page's only first marker; a program counts its first markers, reserves that
    many worklist slots with one atomic add on a device-side counter and writes the pages there
    (slot = base + exclusive prefix sum). Each touched page enters the worklist exactly once, in
-   arbitrary order.
+   arbitrary order. The last mark program to finish (an acq_rel atomic "done" counter reaches the
+   mark grid size - 1) publishes the count for the copy and resets both counters.
 2. Copy (fixed grid ``G = min(P*ratio, programs_per_sm * SMs)``; interpreted: 3): program ``g``
-   reads the counter ``n`` on the device and copies the items ``g, g+G, g+2G, ... < n*ratio``
-   (item ``i`` = page ``worklist[i // ratio]``, sub-page ``i % ratio``) with the full split's
-   sub-page copy (same lanes, offsets and int64 widening), prefetching the next item's page. Then
-   it writes its share of the public int8 mask (``mask[p] = claim[p] != 0`` for all ``P`` pages,
-   so the mask is rewritten every call) and resets those claims to 0. The last program to finish
-   (an acq_rel atomic "done" counter reaches ``G - 1``) resets the counter and itself, so the
-   counters and claims are clean for the next call without a memset (the worklist slots keep
-   stale page numbers, never read past the counter).
+   reads the published count ``n`` on the device and copies the items ``g, g+G, g+2G, ... <
+   n*ratio`` (item ``i`` = page ``worklist[i // ratio]``, sub-page ``i % ratio``) with the full
+   split's sub-page copy (same lanes, offsets and int64 widening), prefetching the next item's
+   page. Then it writes its share of the public int8 mask (``mask[p] = claim[p] != 0`` for all
+   ``P`` pages, so the mask is rewritten every call) and resets those claims to 0. So counters
+   and claims are clean for the next call without a memset (the worklist slots keep stale page
+   numbers, never read past the count), and the copy programs do no atomics.
+3. On sm_90+ (Triton with ``gdc_wait``) the copy is a programmatic dependent launch
+   (``WorklistConfig.pdl``): the mark lets it be scheduled at once (``griddepcontrol
+   .launch_dependents``) and every copy program waits for the whole mark grid and its writes
+   (``griddepcontrol.wait``) before it reads the scratch; the launch gap between the two grids
+   is hidden.
 
 The grids depend on shapes only (``numel``, ``P``, the SM count), nothing reads device memory on
 the host and the scratch address is stable (registry), so a touched split can be captured in a
 CUDA graph and replayed with other index values. The scratch is the registry's
-``backend_scratch`` buffer ``flash_mla_sm120_worklist{key_suffix}:{dev}``, int32 ``[P + 1, 2]``:
-row 0 = (counter, done); row ``1 + p`` = (claim of page ``p``, worklist slot ``p``). Claims and
-slots share a row so that a prefix of a grown buffer keeps every claim of every ``P`` at zero.
+``backend_scratch`` buffer ``flash_mla_sm120_worklist{key_suffix}:{dev}``, int32 ``[P + 2, 2]``:
+row 0 = (counter, done); row ``1 + p`` = (claim of page ``p``, worklist slot ``p``); column 1 of
+row ``P + 1`` = the published count. Claims and slots share a row, and the count sits in a slot
+column, so that a prefix of a grown buffer keeps every claim of every ``P`` at zero.
 Should the copy launch raise (e.g. a compile error) after the mark ran, the scratch is zeroed
 before the error propagates. The kernels of the first design remain as
 :func:`mark_touched_pages` (the ``touched_page_mask`` API) and :func:`copy_sub_pages` with a mask
@@ -51,15 +57,13 @@ before the error propagates. The kernels of the first design remain as
 
 Measured (H200, 2026-11-29, torch 2.11, Triton 3.6; 7,168 source pages of 256 tokens, [64, 512]
 int32 indices, CUDA graph of 8 splits, per split; ``docs/benchmarks.md``): with
-:data:`WORKLIST_CONFIG` 4.2-4.5 us with nothing touched (was 21 us), 13.1-13.2 us = 2.5-2.6x ideal
-at 1% (was 26 us, 5.0-5.2x: target met), 65.6-65.8 us = 1.27-1.28x at 10% (was 65-66 us, 1.27x:
-target 1.2x missed) and 590-593 us = 1.14-1.15x at 100% (was 537-540 us, 1.04-1.05x). The fixed
-cost is gone; what is left at 10% is the copy loop's bandwidth: a fixed grid of persistent
-programs moves the touched bytes at about 1.15x the copy time, against 1.04x for one short
-program per sub-page, and neither 1-4 programs per SM, 8-32 warps, cache hints, contiguous
-instead of strided items, a page-ordered worklist (an extra scan launch), sorted indices nor
-double buffering (item ``i + G`` loaded before item ``i`` is stored) moved it past run-to-run
-noise. A caller that touches most pages should split without indices (1.03x).
+:data:`WORKLIST_CONFIG` (16 copy programs of 16 warps per SM, dependent launch) 5.4 us with
+nothing touched (first design: 21 us), 12.7 us = 2.5x ideal at 1% (was 26 us, 5.0-5.2x: target
+3x met), 63.6 us = 1.24x at 10% (first design 65-66 us, 1.27-1.28x; target 1.2x missed) and
+586 us = 1.14x at 100% (first design 537-540 us, 1.04-1.05x). What is left at 10% is the copy
+itself: ``torch.index_select`` of the same random pages (one tuned gather, no marking) takes
+1.12x the ideal on the same machine. A caller that touches most pages should split without
+indices (1.03x).
 """
 
 from __future__ import annotations
@@ -71,6 +75,14 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+try:  # programmatic dependent launch (sm_90+): WorklistConfig.pdl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    _HAS_GDC = True
+except ImportError:  # pragma: no cover - older triton: an ordinary launch (same bytes)
+    gdc_launch_dependents = gdc_wait = None
+    _HAS_GDC = False
 
 from pytest_sparse_mla.page_split.geometry import (
     DST_PAGE_BLOCK_SIZE,
@@ -156,12 +168,16 @@ class WorklistConfig:
         check_first: the mark reads a page's claim from L2 and skips the atomic exchange when the
             page is already claimed (measured slower on decode-sized index tensors; see
             docs/benchmarks.md).
+        pdl: launch the copy as a programmatic dependent launch of the mark (sm_90+ and a Triton
+            with ``triton.language.extra.cuda.gdc_wait``; elsewhere, and when interpreted, an
+            ordinary launch: same bytes).
     """
 
     copy: CopyConfig = CopyConfig(block=4096, num_warps=16, evict=False)
-    programs_per_sm: int = 4
+    programs_per_sm: int = 16
     mark_block: int = 256
     check_first: bool = False
+    pdl: bool = True
 
     def __post_init__(self) -> None:
         pps = self.programs_per_sm
@@ -281,11 +297,16 @@ def _mark_worklist_kernel(
     ws_ptr,
     numel,
     num_src_pages,
+    num_programs,
     SRC_PBS: tl.constexpr,
     BLOCK: tl.constexpr,
     CHECK_FIRST: tl.constexpr,
+    GDC: tl.constexpr,
 ):
-    # ws: int32 [P + 1, 2]; row 0 = (count, done), row 1 + p = (claim of page p, worklist slot p).
+    # ws: int32 [P + 2, 2]; row 0 = (count, done), row 1 + p = (claim of page p, worklist slot p),
+    # row P + 1 column 1 = the count published for the copy launch.
+    if GDC:
+        gdc_launch_dependents()  # the copy grid may be scheduled now; it waits for this grid's end
     pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     inside = offs < numel
@@ -303,6 +324,13 @@ def _mark_worklist_kernel(
         base = tl.atomic_add(ws_ptr, n_first, sem="relaxed")
         slot = (base + tl.cumsum(first, axis=0) - 1).to(tl.int64)
         tl.store(ws_ptr + 3 + slot * 2, page.to(tl.int32), mask=first != 0)
+    # The last mark program to finish (acq_rel "done" counter) sees every reservation: it publishes
+    # the count for the copy launch and resets both counters, so the copy needs no atomics.
+    done = tl.atomic_add(ws_ptr + 1, 1, sem="acq_rel")
+    if done == num_programs - 1:
+        count = tl.atomic_xchg(ws_ptr, 0, sem="acq_rel")
+        tl.store(ws_ptr + (num_src_pages + 1) * 2 + 1, count)
+        tl.store(ws_ptr + 1, 0)
 
 
 @triton.jit
@@ -325,9 +353,12 @@ def _worklist_copy_kernel(
     LOAD_EVICT: tl.constexpr,
     STORE_CACHE: tl.constexpr,
     MASK_BLOCK: tl.constexpr,
+    GDC: tl.constexpr,
 ):
+    if GDC:
+        gdc_wait()  # the mark grid has completed and its writes are visible
     g = tl.program_id(0)
-    n = tl.load(ws_ptr) * RATIO  # worklist items (page, sub) of this call
+    n = tl.load(ws_ptr + (num_src_pages + 1) * 2 + 1) * RATIO  # worklist items (page, sub) of this call
     # Program g copies items g, g+G, g+2G, ... < n, prefetching the next item's page. The first
     # slot load is bounded by P, not by the counter, so it does not wait for it; slots past the
     # counter are never used.
@@ -358,11 +389,6 @@ def _worklist_copy_kernel(
         claimed = tl.load(ws_ptr + 2 + pages * 2, mask=ok, other=0)
         tl.store(mask_ptr + pages, (claimed != 0).to(tl.int8), mask=ok)
         tl.store(ws_ptr + 2 + pages * 2, tl.zeros([MASK_BLOCK], tl.int32), mask=ok & (claimed != 0))
-    # Every program read the counter before its acq_rel increment: the last one resets both.
-    done = tl.atomic_add(ws_ptr + 1, 1, sem="acq_rel")
-    if done == num_programs - 1:
-        tl.store(ws_ptr, 0)
-        tl.store(ws_ptr + 1, 0)
 
 
 @triton.jit
@@ -464,11 +490,22 @@ def copy_sub_pages(
 
 
 def worklist_scratch_shape(num_src_pages: int) -> tuple[int, int]:
-    """Shape of the int32 scratch of :func:`split_touched_pages`: ``(num_src_pages + 1, 2)``."""
-    return (num_src_pages + 1, 2)
+    """Shape of the int32 scratch of :func:`split_touched_pages`: ``(num_src_pages + 2, 2)``."""
+    return (num_src_pages + 2, 2)
 
 
 _SM_COUNTS: dict[int, int] = {}
+_COMPUTE_MAJOR: dict[int, int] = {}
+
+
+def _compute_major(device: torch.device) -> int:
+    """Compute capability major of a CUDA ``device`` (cached; 0 for other devices)."""
+    if device.type != "cuda":
+        return 0
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _COMPUTE_MAJOR:
+        _COMPUTE_MAJOR[index] = torch.cuda.get_device_capability(index)[0]
+    return _COMPUTE_MAJOR[index]
 
 
 def _copy_programs(device: torch.device, num_dst_pages: int, programs_per_sm: int) -> int:
@@ -529,15 +566,19 @@ def split_touched_pages(
     numel = indices.numel()
     programs = _copy_programs(dst.device, source.num_dst_pages, config.programs_per_sm)
     copy_args = config.copy.kernel_args()
+    gdc = config.pdl and _HAS_GDC and not INTERPRETED and _compute_major(dst.device) >= 9
+    mark_programs = triton.cdiv(numel, config.mark_block)
     with _device_guard(dst.device):
-        _mark_worklist_kernel[(triton.cdiv(numel, config.mark_block),)](
+        _mark_worklist_kernel[(mark_programs,)](
             indices,
             scratch,
             numel,
             num_src,
+            mark_programs,
             SRC_PBS=ps,
             BLOCK=config.mark_block,
             CHECK_FIRST=config.check_first,
+            GDC=gdc,
             num_warps=_NUM_WARPS,
         )
         try:
@@ -555,6 +596,8 @@ def split_touched_pages(
                 DATA_LANES=_DATA_LANES,
                 SCALE_LANES=_SCALE_LANES,
                 MASK_BLOCK=_MASK_BLOCK,
+                GDC=gdc,
+                launch_pdl=gdc,
                 **copy_args,
             )
         except BaseException:
