@@ -105,9 +105,28 @@ def _existing_file(option: str, value: str | None, rootpath: Path) -> Path | Non
     return path
 
 
+def _golden_dir(config: pytest.Config) -> Path | None:
+    cli = config.getoption("sparse_mla_golden_dir")
+    value = cli or config.getini("sparse_mla_golden_dir")
+    if not value:
+        return None
+    path = Path(value).resolve()
+    if not path.is_dir() and not config.getoption("update_snapshots", default=False):
+        name = "--sparse-mla-golden-dir" if cli else "ini sparse_mla_golden_dir"
+        raise pytest.UsageError(
+            f"{name}={value!r}: no such directory ({path}); expected an existing golden root, "
+            "or --snapshot-update to write goldens there"
+        )
+    return path
+
+
 def from_config(config: pytest.Config) -> SparseMlaOptions:
-    """Parse every option from ``config`` (command line first, then ini values)."""
-    golden = config.getoption("sparse_mla_golden_dir") or config.getini("sparse_mla_golden_dir")
+    """Parse every option from ``config`` (command line first, then ini values).
+
+    Raises:
+        pytest.UsageError: a bad device, grid release or seed, a missing xfail/skip file, or a
+            golden directory that does not exist (unless ``--snapshot-update`` will create it).
+    """
     report = config.getoption("sparse_mla_deployment_report")
     seed_text = config.getoption("sparse_mla_seed")
     try:
@@ -120,7 +139,7 @@ def from_config(config: pytest.Config) -> SparseMlaOptions:
         impl=config.getoption("sparse_mla_impl") or config.getini("sparse_mla_impl") or "reference",
         grid=parse_grid(config.getoption("sparse_mla_grid")),
         require_gpu=bool(config.getoption("sparse_mla_require_gpu")),
-        golden_dir=Path(golden).resolve() if golden else None,
+        golden_dir=_golden_dir(config),
         xfail_file=_existing_file(
             "--sparse-mla-xfail-file", config.getoption("sparse_mla_xfail_file"), config.rootpath
         ),

@@ -325,7 +325,11 @@ def test_same_named_modules_of_two_suites_never_claim_each_others_files(project:
 def test_golden_dir_option_and_ini_point_elsewhere(project: pytest.Pytester) -> None:
     project.makepyfile(test_float=FLOAT_TEST)
     run(project, "--snapshot-update", golden="first").assert_outcomes(passed=1)
-    result = run(project, golden="second")  # nothing there yet
+    result = run(project, golden="second")  # no such directory: refused before any test runs
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--sparse-mla-golden-dir='second': no such directory*--snapshot-update*"])
+    (project.path / "second").mkdir()
+    result = run(project, golden="second")  # an empty golden root
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*Snapshot 'test_output[[]output[]]' does not exist!*"])
     shutil.copytree(project.path / "first", project.path / "second", dirs_exist_ok=True)
