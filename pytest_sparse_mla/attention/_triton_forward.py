@@ -21,7 +21,8 @@ Arithmetic: fp32 results from BF16 tensor cores with exact products (:func:`bf16
 * The fp32 probabilities are split the same way, ``p = p1 + p2 + p3`` (each BF16, ``p1 = bf16(p)``,
   ``p2 = bf16(p - p1)``, ``p3 = bf16(p - p1 - p2)``: within 2**-24 relative of ``p``), and
   ``acc += p1 @ V + p2 @ V + p3 @ V`` (DSV3.2: the six piece products of total order <= 2).
-  So every product is exact and only the fp32 accumulation rounds: measured on an H200 at
+  So every product computed is exact and only the fp32 accumulation rounds (the pieces and the
+  DSV3.2 products left out are below 2**-24 relative): measured on an H200 at
   T=4096/H=64/topk 128+512, the fp32 output is within 3.6e-8 absolute and 1.8e-6 relative (norm)
   of the float64 oracle and the LSE within 1.5e-7 relative (``docs/benchmarks.md``), against the
   1e-5 target. DSV4 values off BF16's subnormal grid (steps of 2**-133; only from UE8M0 scale
@@ -29,9 +30,11 @@ Arithmetic: fp32 results from BF16 tensor cores with exact products (:func:`bf16
 
 Kernel (:func:`online_softmax`): one program per (token, group of :data:`HEAD_GROUP` = 16 heads,
 output slice of ``dv_block`` value dims). Heads past ``num_heads`` load zero queries and are never
-stored. The program holds its queries and walks the token's lanes in tiles of 64 (fixed,
-independent of topk); each gathered key tile is loaded once and serves as the value tile too
-(``V = K[:, :512]``):
+stored. The program walks the token's lanes in tiles of 64 (fixed, independent of topk). DSV4
+(one piece, ``d_qk == d_v``): it holds its queries, and each gathered 64 x 512 key tile is loaded
+once and is the value tile too (``V = K``). DSV3.2 (RoPE dims past ``d_v``, or three pieces): the
+scores are summed over 64-dim chunks and the value pieces are loaded one at a time, so shared
+memory stays bounded (and the loop is not software-pipelined). In both:
 
 * a lane is valid iff its table row is not the zero row; masked lanes get score ``-inf``;
 * fp32 online softmax in natural-log units: ``m' = max(m, max s)``, shift ``max(m', fp32 lowest)``

@@ -597,7 +597,7 @@ def split_touched_pages(
                 SCALE_LANES=_SCALE_LANES,
                 MASK_BLOCK=_MASK_BLOCK,
                 GDC=gdc,
-                launch_pdl=gdc,
+                **({"launch_pdl": True} if gdc else {}),
                 **copy_args,
             )
         except BaseException:
