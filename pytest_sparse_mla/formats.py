@@ -43,8 +43,9 @@ index is ``page * ps + slot``.
 
 Non-finite inputs: :func:`quantize_pack` rejects NaN/inf in the BF16 source with ``ValueError``
 (the FP8 code of a non-finite value is not specified by the FlashMLA/FlashInfer writers, so a
-golden built from it would freeze undefined behaviour). :func:`unpack_dequantize` decodes whatever
-bytes it is given (a 0xFF scale byte decodes to +inf, as in the kernels).
+golden built from it would freeze undefined behaviour), and NoPE values of magnitude ``>= 248 *
+2**120`` (:data:`NOPE_OVERFLOW`), which would quantize to a code that dequantizes to inf.
+:func:`unpack_dequantize` decodes whatever bytes it is given (a 0xFF scale byte decodes to +inf, as in the kernels).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from typing import Literal
 import torch
 
 __all__ = [
+    "NOPE_OVERFLOW",
     "PackedFormat",
     "DSV4",
     "DSV3_2",
@@ -443,6 +445,12 @@ def scale_exponents(amax: torch.Tensor, rule: ScaleRule = "flashmla") -> torch.T
     return _pow2_exponent_ceil(x)
 
 
+#: The smallest NoPE magnitude whose quantized value overflows fp32 on dequantization: with the
+#: scale 2**120 (either rule) the E4M3 rounding of 248 is 256 (a tie, to even), and 256 * 2**120
+#: = 2**128 is inf; :func:`quantize_pack` refuses such sources (BF16 0x7F78 and above).
+NOPE_OVERFLOW = 248.0 * 2.0**120
+
+
 def _check_source(source: torch.Tensor, f: PackedFormat) -> None:
     if not isinstance(source, torch.Tensor):
         raise TypeError(f"source: expected a torch.Tensor, got {type(source).__name__}")
@@ -462,6 +470,14 @@ def _check_source(source: torch.Tensor, f: PackedFormat) -> None:
         raise ValueError(
             f"source holds {count} non-finite value(s) (first at [page, slot, dim] = {bad}); "
             "NaN/inf have no specified FP8 encoding, so packing refuses them"
+        )
+    big = source[..., : f.d_nope].abs() >= NOPE_OVERFLOW
+    if bool(big.any()):
+        bad = big.nonzero()[0].tolist()
+        raise ValueError(
+            f"source holds {int(big.sum())} NoPE value(s) with |x| >= 248 * 2**120 = {NOPE_OVERFLOW:.6g} "
+            f"(first at [page, slot, dim] = {bad}): the scale is 2**120 and x / 2**120 rounds to the "
+            "E4M3 code 256, which dequantizes to 2**128 = inf in fp32; expected |x| < 248 * 2**120"
         )
 
 
@@ -503,7 +519,8 @@ def quantize_pack(
 
     Raises:
         TypeError: ``source`` is not a BF16 tensor.
-        ValueError: wrong shape, non-finite values, bad stride, form or scale rule.
+        ValueError: wrong shape, non-finite values, NoPE values ``>=`` :data:`NOPE_OVERFLOW` in
+            magnitude (they would dequantize to inf), bad stride, form or scale rule.
     """
     f = get_format(fmt)
     _check_source(source, f)

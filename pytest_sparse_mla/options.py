@@ -106,11 +106,16 @@ def _existing_file(option: str, value: str | None, rootpath: Path) -> Path | Non
 
 
 def _golden_dir(config: pytest.Config) -> Path | None:
+    """CLI paths are relative to the working directory, ini paths to the ini file (pytest's rule
+    for ``paths`` ini values)."""
     cli = config.getoption("sparse_mla_golden_dir")
     value = cli or config.getini("sparse_mla_golden_dir")
     if not value:
         return None
-    path = Path(value).resolve()
+    path = Path(value)
+    if not cli and not path.is_absolute():
+        path = (config.inipath.parent if config.inipath else config.rootpath) / path
+    path = path.resolve()
     if not path.is_dir() and not config.getoption("update_snapshots", default=False):
         name = "--sparse-mla-golden-dir" if cli else "ini sparse_mla_golden_dir"
         raise pytest.UsageError(
@@ -120,14 +125,25 @@ def _golden_dir(config: pytest.Config) -> Path | None:
     return path
 
 
+def _check_report_json(config: pytest.Config) -> None:
+    value = config.getoption("sparse_mla_report_json", None)
+    if value and not Path(value).resolve().parent.is_dir():
+        raise pytest.UsageError(
+            f"--sparse-mla-report-json={value!r}: no such directory {Path(value).resolve().parent}; "
+            "expected a file path in an existing directory"
+        )
+
+
 def from_config(config: pytest.Config) -> SparseMlaOptions:
     """Parse every option from ``config`` (command line first, then ini values).
 
     Raises:
-        pytest.UsageError: a bad device, grid release or seed, a missing xfail/skip file, or a
-            golden directory that does not exist (unless ``--snapshot-update`` will create it).
+        pytest.UsageError: a bad device, grid release or seed, a missing xfail/skip file, a
+            report path in a missing directory, or a golden directory that does not exist (unless
+            ``--snapshot-update`` will create it).
     """
     report = config.getoption("sparse_mla_deployment_report")
+    _check_report_json(config)
     seed_text = config.getoption("sparse_mla_seed")
     try:
         seed = int(seed_text)

@@ -181,6 +181,18 @@ def test_triton_backend_dsv32_with_arbitrary_fp32_scales(
     sparse_mla_tolerances.assert_close(res.lse, expected.lse, "lse", what="lse")
 
 
+def test_triton_backend_takes_a_query_view_with_a_strided_last_dim(sparse_mla_generator, sparse_mla_device):
+    """A ``q`` view whose last dim is not contiguous (legal for the torch backend) gives the same
+    bits on the Triton backend as its contiguous copy."""
+    _triton_or_skip(sparse_mla_device)
+    inputs = inputs_on(AttentionCase("tri-view", 2, 8, 64), sparse_mla_generator, sparse_mla_device)
+    view = inputs.q.permute(2, 0, 1).contiguous().permute(1, 2, 0)
+    assert view.stride(2) != 1 and torch.equal(view, inputs.q)
+    base = inputs.run(sparse_mla_forward, backend="triton")
+    res = sparse_mla_forward(view, inputs.cache.packed, inputs.indices, **inputs.kwargs(), backend="triton")
+    assert torch.equal(res.output, base.output) and torch.equal(res.lse, base.lse)
+
+
 def test_triton_backend_padding_and_head_count_are_bitwise_neutral(sparse_mla_generator, sparse_mla_device):
     """-1 padding of both rows and 8 real heads inside a 24-head query: same bits (tiny shapes, so
     the interpreted kernel runs on the CPU too)."""

@@ -386,3 +386,24 @@ def test_dsv4_values_are_bf16_numbers_and_dsv3_2_need_not_be(sparse_mla_generato
     rows32[..., 512:528] = torch.tensor([0.1] * 4, dtype=torch.float32).view(torch.uint8)
     values32 = formats.unpack_dequantize(packed32, "dsv3_2")
     assert not torch.equal(values32.to(torch.bfloat16).float(), values32)
+
+
+@pytest.mark.parametrize("fmt", ["dsv4", "dsv3_2"])
+@pytest.mark.parametrize("rule", ["flashmla", "sglang"])
+def test_nope_values_that_would_dequantize_to_inf_are_rejected(fmt: str, rule: str) -> None:
+    """By hand: for amax in [240 * 2**120, 448 * 2**120) both rules pick the scale 2**120; x / 2**120
+    = 248 is the E4M3 tie between 240 and 256 and rounds to even (256), and 256 * 2**120 = 2**128 is
+    inf in fp32. BF16 0x7F78 is 248 * 2**120 (refused); 0x7F77 is 247 * 2**120 (packs, rounds to 240)."""
+    f = formats.FORMATS[fmt]
+    assert formats.NOPE_OVERFLOW == float(torch.tensor(0x7F78, dtype=torch.int16).view(torch.bfloat16))
+    source = torch.zeros(1, 2, f.d_qk, dtype=torch.bfloat16)
+    source.view(torch.int16)[0, 1, 5] = 0x7F78
+    with pytest.raises(ValueError, match=r"1 NoPE value\(s\) with \|x\| >= 248 \* 2\*\*120 .*\[0, 1, 5\]"):
+        formats.quantize_pack(source, fmt, scale_rule=rule)
+    source.view(torch.int16)[0, 1, 5] = 0x7F77
+    values = formats.unpack_dequantize(formats.quantize_pack(source, fmt, scale_rule=rule), fmt)
+    assert float(values[0, 1, 5]) == 240.0 * 2.0**120
+    source.view(torch.int16)[0, 1, 5] = 0
+    source.view(torch.int16)[0, 1, f.d_nope] = 0x7F78  # a RoPE value is stored as BF16: fine
+    values = formats.unpack_dequantize(formats.quantize_pack(source, fmt, scale_rule=rule), fmt)
+    assert float(values[0, 1, f.d_nope]) == 248.0 * 2.0**120

@@ -281,6 +281,7 @@ def test_public_helpers_read_the_session(pytester: pytest.Pytester) -> None:
         """
     )
     pytester.makepyfile("def test_ok():\n    pass\n")
+    (pytester.path / "gold").mkdir()
     result = pytester.runpytest(
         "-p", "sparse_mla", "--sparse-mla-grid", "flashinfer==0.6.17", "--sparse-mla-golden-dir", "gold"
     )

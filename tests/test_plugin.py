@@ -126,6 +126,7 @@ def test_require_gpu_turns_gpu_skips_into_failures(pytester: pytest.Pytester) ->
         (["--sparse-mla-grid", "flashinfer==0.6.13"], "*--sparse-mla-grid='flashinfer==0.6.13': *0.6.14*"),
         (["--sparse-mla-xfail-file", "missing.txt"], "*--sparse-mla-xfail-file='missing.txt': no such file*"),
         (["--sparse-mla-golden-dir", "no-goldens"], "*--sparse-mla-golden-dir='no-goldens': no such directory*"),
+        (["--sparse-mla-report-json", "no-dir/r.json"], "*--sparse-mla-report-json='no-dir/r.json': no such dir*"),
     ],
 )
 def test_bad_options_are_usage_errors(pytester: pytest.Pytester, args: list[str], message: str) -> None:

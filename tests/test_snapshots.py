@@ -340,6 +340,13 @@ def test_golden_dir_option_and_ini_point_elsewhere(project: pytest.Pytester) -> 
     result = project.runpytest("-p", "sparse_mla")
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines([f"sparse-mla: goldens: {project.path / 'first'}"])
+    # An ini path is relative to the ini file, wherever pytest is started (pytest's rule).
+    (project.path / "elsewhere").mkdir()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(project.path / "elsewhere")
+        result = project.runpytest("-p", "sparse_mla", str(project.path / "test_float.py"))
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines([f"sparse-mla: goldens: {project.path / 'first'}"])
 
 
 def test_tensor_snapshot_skips_without_syrupy(project: pytest.Pytester) -> None:

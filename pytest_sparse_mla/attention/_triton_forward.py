@@ -193,9 +193,16 @@ def bf16_pieces(table: torch.Tensor, exact: bool) -> torch.Tensor:
             ``lo = bf16(x - hi - mid)`` (non-finite values keep ``hi`` and get zero ``mid``/``lo``).
 
     Returns:
-        ``[1 or 3, R, d_qk]`` BF16 with ``sum(pieces) == table`` within 2**-24 relative.
+        ``[1 or 3, R, d_qk]`` BF16 with ``sum(pieces) == table`` within 2**-24 relative (with
+        ``exact=True`` on values that are not BF16 numbers: rounded to BF16, the caller's promise).
+
+    Raises:
+        ValueError: ``table`` is not a 2-D fp32 tensor.
     """
-    hi = table.to(torch.bfloat16)
+    if not isinstance(table, torch.Tensor) or table.dtype != torch.float32 or table.dim() != 2:
+        got = f"{table.dtype} {tuple(table.shape)}" if isinstance(table, torch.Tensor) else type(table).__name__
+        raise ValueError(f"bf16_pieces: table: expected a 2-D torch.float32 tensor, got {got}")
+    hi = table.to(torch.bfloat16).contiguous()
     if exact:
         return hi.unsqueeze(0)
     rem = torch.where(torch.isfinite(table), table - hi.float(), 0.0)
@@ -220,7 +227,8 @@ def online_softmax(
         pieces: ``[1 or 3, R, d_qk]`` contiguous BF16 table pieces (:func:`bf16_pieces`); row
             ``zero_row`` is all zero.
         rows: ``[T, L]`` int32 table row per lane, ``L`` a multiple of 64, unit lane stride;
-            invalid lanes hold ``zero_row``.
+            invalid lanes hold ``zero_row``; every value must be a row of ``pieces`` (not checked:
+            that would need a host sync; ``sparse_mla_forward`` builds them in range).
         zero_row: index of the shared zero row (every other entry of ``rows`` is a valid lane).
         sm_scale: score scale (natural-log units).
         d_v: value dims (512, a power of two): the first ``d_v`` dims of each row; ``d_qk - d_v``
@@ -232,12 +240,31 @@ def online_softmax(
         row without valid lanes), the sum of ``exp(s - run_max)`` and the unnormalised output.
 
     Raises:
-        ValueError: ``L`` not a multiple of 64, ``d_v`` not a multiple of ``dv_block``, a dtype,
-            piece count or stride the kernel does not take.
+        ValueError: shapes that do not agree (``rows`` not ``T`` long, ``pieces`` not ``d_qk``
+            wide, ``d_v > d_qk``), ``L`` not a multiple of 64, ``d_v`` not a multiple of
+            ``dv_block``, a dtype, piece count, config or stride the kernel does not take.
     """
     block_h, dv_block, num_warps, num_stages = config or DEFAULT_CONFIG
+    if q.dim() != 3 or pieces.dim() != 3 or rows.dim() != 2:
+        raise ValueError(
+            f"online_softmax: expected q [T, H, d_qk], pieces [1 or 3, R, d_qk] and rows [T, L]; got "
+            f"q.shape={tuple(q.shape)}, pieces.shape={tuple(pieces.shape)}, rows.shape={tuple(rows.shape)}"
+        )
     num_tokens, num_heads, d_qk = (int(v) for v in q.shape)
     num_lanes = int(rows.shape[1])
+    if int(rows.shape[0]) != num_tokens or int(pieces.shape[2]) != d_qk or not 0 < d_v <= d_qk:
+        raise ValueError(
+            f"online_softmax: rows.shape[0]={int(rows.shape[0])} must be T={num_tokens}, "
+            f"pieces.shape[2]={int(pieces.shape[2])} must be d_qk={d_qk}, and 0 < d_v={d_v} <= d_qk"
+        )
+    if rows.dtype != torch.int32 or not 0 <= zero_row < int(pieces.shape[1]):
+        raise ValueError(
+            f"online_softmax: rows.dtype={rows.dtype} must be torch.int32 and zero_row={zero_row} a row "
+            f"of the {int(pieces.shape[1])}-row table (row values are not checked: no host sync)"
+        )
+    for name, value in (("head_group", block_h), ("dv_block", dv_block)):
+        if value < 16 or value & (value - 1):
+            raise ValueError(f"online_softmax: config {name}={value}: expected a power of two >= 16")
     if num_lanes % LANE_TILE or d_v % dv_block or d_qk % _D_CHUNK:
         raise ValueError(
             f"online_softmax: lanes={num_lanes} must be a multiple of {LANE_TILE}, d_v={d_v} of "

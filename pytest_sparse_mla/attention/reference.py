@@ -498,6 +498,8 @@ def _triton_loop(
     """``backend="triton"``: one kernel launch (``_triton_forward.online_softmax``) per chunk."""
     module = triton_forward_module()
     num_tokens = int(q.shape[0])
+    if q.stride(2) != 1:  # the kernel reads query rows with unit stride (any other strides are fine)
+        q = q.contiguous()
     rows32 = rows.to(torch.int32)
     sink = finish.attn_sink.view(1, -1, 1) if finish.attn_sink is not None else None
     tc = min(num_tokens, chunk_tokens or TRITON_CHUNK_TOKENS)
