@@ -452,6 +452,20 @@ def test_split_of_a_pool_past_2_31_bytes_on_gpu(page_split_backend, masked):
             assert_sub_page_copied(src_flat, dst_flat, geo, p, s)
 
 
+def capture_graph(fn):  # type: ignore[no-untyped-def]
+    """Run ``fn`` once on a side stream (warm-up), then capture one call in a CUDA graph; returns
+    ``(graph, output of the captured call)``."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
 @pytest.mark.requires_cuda
 def test_split_is_sync_free_and_graph_capturable(page_split_backend, packed_kv_cache_factory):
     """No device-to-host sync (torch sync debug mode 'error'); the Triton path replays in a graph."""
@@ -476,14 +490,7 @@ def test_split_is_sync_free_and_graph_capturable(page_split_backend, packed_kv_c
         torch.cuda.set_sync_debug_mode("default")
     if page_split_backend != "triton":
         return
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = run()
+    graph, out = capture_graph(run)
     pool.copy_(second.packed)
     indices.copy_(torch.tensor([[300, -1, -1]], dtype=torch.int32))  # page 1 only
     split_buffer(registry, device).fill_(CANARY)
@@ -577,14 +584,7 @@ def test_triton_touched_split_graph_replays_with_changing_indices():
         return page_split(pool, src_page_block_size=256, touched_indices=indices, registry=registry, backend="triton")
 
     run()  # allocate, compile
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
+    graph, _ = capture_graph(run)
     page_sets = [[], [99], [0, 1, 2, 50], list(range(100)), [7] * 3, [98, 3, 64, 12, 12, 90, 31]]
     page_sets += [torch.randperm(100, generator=gen)[:k].tolist() for k in (10, 37, 80)]
     for pages in page_sets:

@@ -360,8 +360,8 @@ def _worklist_copy_kernel(
     g = tl.program_id(0)
     n = tl.load(ws_ptr + (num_src_pages + 1) * 2 + 1) * RATIO  # worklist items (page, sub) of this call
     # Program g copies items g, g+G, g+2G, ... < n, prefetching the next item's page. The first
-    # slot load is bounded by P, not by the counter, so it does not wait for it; slots past the
-    # counter are never used.
+    # slot load is bounded by P, not by the count, so it does not wait for it; slots past the
+    # count are never used.
     page = tl.load(ws_ptr + 3 + (g // RATIO).to(tl.int64) * 2)  # g < P*ratio: in bounds
     for item in range(g, n, num_programs):
         nxt = item + num_programs
@@ -494,28 +494,22 @@ def worklist_scratch_shape(num_src_pages: int) -> tuple[int, int]:
     return (num_src_pages + 2, 2)
 
 
-_SM_COUNTS: dict[int, int] = {}
-_COMPUTE_MAJOR: dict[int, int] = {}
+_DEVICE_PROPERTIES: dict[int, object] = {}
 
 
-def _compute_major(device: torch.device) -> int:
-    """Compute capability major of a CUDA ``device`` (cached; 0 for other devices)."""
-    if device.type != "cuda":
-        return 0
+def _cuda_properties(device: torch.device) -> object:
+    """``torch.cuda.get_device_properties`` of a CUDA ``device``, read once per device index."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _COMPUTE_MAJOR:
-        _COMPUTE_MAJOR[index] = torch.cuda.get_device_capability(index)[0]
-    return _COMPUTE_MAJOR[index]
+    if index not in _DEVICE_PROPERTIES:
+        _DEVICE_PROPERTIES[index] = torch.cuda.get_device_properties(index)
+    return _DEVICE_PROPERTIES[index]
 
 
 def _copy_programs(device: torch.device, num_dst_pages: int, programs_per_sm: int) -> int:
     """Grid of the worklist copy: ``min(num_dst_pages, programs_per_sm * SMs)`` (shapes only)."""
     if device.type != "cuda":
         return min(num_dst_pages, _INTERPRETED_PROGRAMS)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNTS:
-        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return min(num_dst_pages, programs_per_sm * _SM_COUNTS[index])
+    return min(num_dst_pages, programs_per_sm * _cuda_properties(device).multi_processor_count)  # type: ignore[attr-defined]
 
 
 def split_touched_pages(
@@ -566,7 +560,7 @@ def split_touched_pages(
     numel = indices.numel()
     programs = _copy_programs(dst.device, source.num_dst_pages, config.programs_per_sm)
     copy_args = config.copy.kernel_args()
-    gdc = config.pdl and _HAS_GDC and not INTERPRETED and _compute_major(dst.device) >= 9
+    gdc = config.pdl and _HAS_GDC and not INTERPRETED and _cuda_properties(dst.device).major >= 9  # type: ignore[attr-defined]
     mark_programs = triton.cdiv(numel, config.mark_block)
     with _device_guard(dst.device):
         _mark_worklist_kernel[(mark_programs,)](
