@@ -424,6 +424,14 @@ def _decode(cfg: SparseMlaConfig, fam: GridFamily) -> list[str]:
     return reasons
 
 
+def _prefill_miss_message(cpp_model: str, cfg: SparseMlaConfig, variant: int | None = None) -> str:
+    """The C++ prefill-miss text (``errors.prefill_unsupported_message``) for ``cfg``."""
+    return errors.prefill_unsupported_message(
+        cpp_model, cfg.num_heads, cfg.topk, cfg.page_block_size, cfg.topk_extra, cfg.extra_page_block_size,
+        variant=variant,
+    )
+
+
 def _prefill(cfg: SparseMlaConfig, fam: GridFamily) -> _Prefill:
     data = fam.data["prefill"]
     p = data[cfg.model]
@@ -620,14 +628,7 @@ def _evaluate(cfg: SparseMlaConfig, fam: GridFamily, release: str) -> Verdict:
         if pf.reasons:
             return fail(
                 errors.InternalError,
-                errors.prefill_unsupported_message(
-                    model.cpp,
-                    cfg.num_heads,
-                    cfg.topk,
-                    cfg.page_block_size,
-                    cfg.topk_extra,
-                    cfg.extra_page_block_size,
-                ),
+                _prefill_miss_message(model.cpp, cfg),
                 f"{pf.route}: " + "; ".join(pf.reasons),
             )
         return ok(pf.route, pf.compute_mode, unchecked=pf.unchecked_page)
@@ -663,15 +664,7 @@ def _evaluate(cfg: SparseMlaConfig, fam: GridFamily, release: str) -> Verdict:
         if pf.extra_page_miss:
             return fail(
                 errors.InternalError,
-                errors.prefill_unsupported_message(
-                    model.cpp,
-                    cfg.num_heads,
-                    cfg.topk,
-                    cfg.page_block_size,
-                    cfg.topk_extra,
-                    cfg.extra_page_block_size,
-                    variant=pf.variant,
-                ),
+                _prefill_miss_message(model.cpp, cfg, pf.variant),
                 f"{pf.route}: {pf.extra_page_miss} (checked only in C++; the planner picks "
                 f"variant {pf.variant})",
             )
