@@ -453,7 +453,7 @@ class _Finaliser:
     """Turns a chunk's online-softmax state into outputs, elementwise, for both backends.
 
     ``out = acc / sum`` (``sum == 0``: divide by 1, so empty rows give 0), times
-    ``sigmoid(lse_e - sink)`` with a sink, where ``lse_e = max + log(sum)`` (natural log, ``-inf``
+    ``sigmoid(lse_e - sink)`` with a sink (0 for an empty row, so a ``-inf`` sink gives 0, not NaN), where ``lse_e = max + log(sum)`` (natural log, ``-inf``
     for an empty row); LSE per ``attention.conventions``. Every step is elementwise, so the result of
     one head does not depend on the other heads or on the tensor layout.
     """
@@ -468,10 +468,13 @@ class _Finaliser:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``run_max``/``run_sum`` ``[..., 1]``, ``acc`` ``[..., d_v]``, ``sink`` broadcastable to
         ``run_max`` (or ``None``); returns ``(out [..., d_v], lse [..., 1])`` fp32."""
-        out = acc / torch.where(run_sum == 0, torch.ones_like(run_sum), run_sum)
+        empty = run_sum == 0
+        out = acc / torch.where(empty, torch.ones_like(run_sum), run_sum)
         lse_e = run_max + run_sum.log()  # -inf for empty rows
         if sink is not None:
-            out.mul_(torch.sigmoid(lse_e - sink))
+            # An empty row's output is 0 whatever the sink; with a -inf sink, sigmoid(-inf - -inf)
+            # would be NaN, so the factor of an empty row is 0 instead.
+            out.mul_(torch.where(empty, torch.zeros_like(lse_e), torch.sigmoid(lse_e - sink)))
             lse_full = torch.logaddexp(lse_e, sink.expand_as(lse_e))
         else:
             lse_full = lse_e
