@@ -453,8 +453,9 @@ class _Finaliser:
     """Turns a chunk's online-softmax state into outputs, elementwise, for both backends.
 
     ``out = acc / sum`` (``sum == 0``: divide by 1, so empty rows give 0), times
-    ``sigmoid(lse_e - sink)`` with a sink (0 for an empty row, so a ``-inf`` sink gives 0, not NaN), where ``lse_e = max + log(sum)`` (natural log, ``-inf``
-    for an empty row); LSE per ``attention.conventions``. Every step is elementwise, so the result of
+    ``sigmoid(lse_e - sink)`` with a sink (0 for an empty row, so a ``-inf`` sink gives 0, not
+    NaN), where ``lse_e = max + log(sum)`` (natural log, ``-inf`` for an empty row); LSE per
+    ``attention.conventions``. Every step is elementwise, so the result of
     one head does not depend on the other heads or on the tensor layout.
     """
 
