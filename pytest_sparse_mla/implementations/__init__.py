@@ -29,6 +29,11 @@ attribute                  meaning
                            ``pytest_sparse_mla.tolerances``
 ``skip_reason``            ``skip_reason(capability: str, device: str) -> str | None``: why a
                            capability cannot run on ``device`` (``"cpu"``/``"cuda"``) here
+``flashinfer_release``     ``str | None``: the FlashInfer release (``"0.6.17"``) whose SM120
+                           dispatch grid ``sparse_mla_forward`` follows. Declared, a shape that
+                           release lacks must raise its upstream error type and exact text, and
+                           a shape it serves must run (``suites/test_dispatch_grid.py``, tables
+                           in ``pytest_sparse_mla.dispatch``); ``None``/absent: that suite skips
 =========================  ======================================================================
 
 Selecting one: ``--sparse-mla-impl NAME`` (or the ``sparse_mla_impl`` ini key), where NAME is a
@@ -112,6 +117,11 @@ class ReferenceImplementation:
     def __init__(self, grid_release: str | None = None) -> None:
         self.grid_release = grid_release
 
+    @property
+    def flashinfer_release(self) -> str | None:
+        """Protocol attribute: the release whose grid ``sparse_mla_forward`` enforces (``grid_release``)."""
+        return self.grid_release
+
     def pack(self, source: Any, fmt: Any = "dsv4", **kwargs: Any) -> Any:
         """``formats.quantize_pack`` (BF16 ``[P, ps, d_qk]`` -> packed uint8 cache)."""
         from pytest_sparse_mla import formats
@@ -187,6 +197,11 @@ class FlashInferImplementation:
 
     name = "flashinfer"
     tolerance_profile = "kernel"
+
+    @property
+    def flashinfer_release(self) -> str | None:
+        """Protocol attribute: the installed flashinfer-python version (its grid is the one that runs)."""
+        return capabilities.probe().flashinfer_version
 
     def skip_reason(self, capability: str, device: str) -> str | None:
         """Why FlashInfer cannot run here: not installed, not on CUDA, or not an SM12x GPU."""
