@@ -213,24 +213,24 @@ def sparse_mla_impl(request: pytest.FixtureRequest, sparse_mla_device: torch.dev
 
 @pytest.fixture
 def sparse_mla_tolerances(request: pytest.FixtureRequest) -> Any:
-    """The comparison tolerances in force for this test, per key and tolerance profile.
+    """The comparison model in force for this test: a
+    :class:`pytest_sparse_mla.tolerances.SparseMlaTolerances`.
 
-    A :class:`pytest_sparse_mla.tolerances.SparseMlaTolerances`: ``tol["output"]`` etc. are
-    ``(atol, rtol)`` pairs and ``tol.assert_close(actual, expected, "lse")`` compares in float64.
-
-    Keys: ``output`` / ``output_fp32`` / ``lse`` (implementation vs the float64 oracle),
-    ``self_output`` / ``self_lse`` (two runs of one implementation that are equal in exact
-    arithmetic). The profile is the implementation's ``tolerance_profile`` (``"tight"`` for the
-    bundled reference: 1e-5 relative in fp32 plus BF16 rounding; ``"kernel"`` otherwise:
-    ``atol = rtol = 5e-2`` as FlashInfer's SM120 tests), overridden per suite by a
-    ``sparse_mla_tolerance(profile=..., key=(atol, rtol))`` marker and per profile by the
-    ``sparse_mla_tolerances`` ini option (``PROFILE.KEY = ATOL RTOL`` lines).
+    ``tol.check_result(result, oracle)`` compares a forward result with an ``OracleOutput``
+    (scale-aware: elementwise bound scaled by ``sum_j w_j |V_j|``, per-row and overall normwise
+    relative error, cosine, LSE in absolute natural-log units); ``tol.check_invariant(a, b)``
+    compares two results of one implementation. The profile follows the implementation's
+    ``compute_mode`` (``"exact"`` -> ``tight``, ``"bf16"`` -> ``kernel``, ``"fp8"`` ->
+    ``kernel-fp8``) or its ``tolerance_profile``, overridden per suite by a
+    ``sparse_mla_tolerance(profile=..., PARAMETER=VALUE)`` marker and per profile by the
+    ``sparse_mla_tolerances`` ini option (``PROFILE.PARAMETER = VALUE`` lines). The derivation of
+    every bound is in ``pytest_sparse_mla.tolerances``.
     """
     from pytest_sparse_mla import implementations, tolerances
 
     impl = implementations.get_implementation(request.config)
     return tolerances.resolve(
-        getattr(impl, "tolerance_profile", None),
+        tolerances.profile_for(impl),
         tolerances.ini_tolerances(request.config),
         list(request.node.iter_markers(tolerances.MARKER)),
     )

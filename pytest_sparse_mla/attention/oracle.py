@@ -13,8 +13,15 @@ rules are specified and tested there) and then, one query token at a time, in fl
    convention (``attention.conventions``).
 
 Only rows a token validly references are read, so bytes of unreferenced or masked slots (NaN,
-0xFF) cannot reach the result. Sources for the semantics: ``shared/reference/dsv4-format-and-math.md``
-sections 2.2 to 2.6. The loop over tokens is deliberate: simple beats fast here.
+0xFF) cannot reach the result. Semantics: FlashMLA's ``tests/ref.py`` (deepseek-ai/FlashMLA) and
+FlashInfer's ``tests/attention/test_sparse_mla_sm120.py`` reference (flashinfer-ai/flashinfer).
+The loop over tokens is deliberate: simple beats fast here.
+
+Beside the result the oracle returns each row's *sensitivity* to rounding (:class:`ErrorScales`),
+which ``pytest_sparse_mla.tolerances`` turns into scale-aware bounds: the absolute-weighted value
+``sum_j w_j |V_j|`` (the classic forward-error scale of a dot product, Higham, *Accuracy and
+Stability of Numerical Algorithms*, 2nd ed., section 3.1), its RMS counterpart
+``sqrt(sum_j w_j**2 |V_j|**2)``, and the largest absolute score ``sm_scale * sum_d |q_d k_d|``.
 """
 
 from __future__ import annotations
@@ -27,7 +34,31 @@ import torch
 from pytest_sparse_mla import formats
 from pytest_sparse_mla.attention.conventions import check_lse_convention
 
-__all__ = ["OracleOutput", "oracle_forward"]
+__all__ = ["ErrorScales", "OracleOutput", "oracle_forward"]
+
+
+@dataclass(frozen=True)
+class ErrorScales:
+    """How sensitive each output row is to rounding, computed by the oracle in float64.
+
+    With ``w_j`` the softmax weight of candidate ``j`` (the sink included in the denominator, so
+    ``sum_j w_j <= 1``) and ``V_j`` its value row:
+
+    Attributes:
+        abs_weighted: ``[T, H, d_v]`` float64, ``sum_j w_j |V_j|`` elementwise: a relative error
+            ``u`` in every ``w_j`` moves an output element by at most ``u`` times this.
+        rms_weighted: ``[T, H]`` float64, ``sqrt(sum_j w_j**2 ||V_j||**2)`` (l2 over ``d_v``):
+            the typical size of the same error when the per-candidate errors are independent.
+        score_magnitude: ``[T, H]`` float64, ``max_j sm_scale * sum_d |q_d| |K_jd|`` in natural-log
+            units (0 for an empty row): a relative error ``u`` in every product of the score
+            moves a logit by at most ``u`` times this.
+        max_candidates: the largest number of valid lanes of any row (the accumulation length).
+    """
+
+    abs_weighted: torch.Tensor
+    rms_weighted: torch.Tensor
+    score_magnitude: torch.Tensor
+    max_candidates: int
 
 
 @dataclass(frozen=True)
@@ -37,10 +68,15 @@ class OracleOutput:
     Attributes:
         output: ``[num_tokens, num_heads, 512]`` float64.
         lse: ``[num_tokens, num_heads]`` float64 in the requested convention.
+        lse_convention, lse_scale: the convention ``lse`` is in (``attention.conventions``).
+        scales: the rows' :class:`ErrorScales`.
     """
 
     output: torch.Tensor
     lse: torch.Tensor
+    lse_convention: str = "flashinfer"
+    lse_scale: float = 1.0
+    scales: ErrorScales | None = None
 
 
 def _valid_lanes(indices: torch.Tensor, length: torch.Tensor | None, token: int) -> torch.Tensor:
@@ -85,7 +121,8 @@ def oracle_forward(
             the math only; it has no dispatch grid and processes one token at a time).
 
     Returns:
-        :class:`OracleOutput` (float64 output ``[T, H, 512]`` and LSE ``[T, H]``).
+        :class:`OracleOutput` (float64 output ``[T, H, 512]``, LSE ``[T, H]``, its convention and
+        the rows' :class:`ErrorScales`).
 
     Raises:
         ValueError: ``extra_kv_cache`` without ``extra_indices`` or the reverse; a valid index at
@@ -117,6 +154,10 @@ def oracle_forward(
     sink = attn_sink.to(torch.float64) if attn_sink is not None else None
     output = torch.zeros((num_tokens, num_heads, f.d_v), dtype=torch.float64, device=device)
     lse = torch.empty((num_tokens, num_heads), dtype=torch.float64, device=device)
+    abs_weighted = torch.zeros_like(output)
+    rms_weighted = torch.zeros((num_tokens, num_heads), dtype=torch.float64, device=device)
+    score_magnitude = torch.zeros((num_tokens, num_heads), dtype=torch.float64, device=device)
+    max_candidates = 0
     for t in range(num_tokens):
         candidates = _valid_lanes(indices, topk_length, t)
         if candidates.numel() and int(candidates.max()) >= main.shape[0]:
@@ -127,6 +168,7 @@ def oracle_forward(
             if extra_candidates.numel() and int(extra_candidates.max()) >= num_extra:
                 raise ValueError(f"extra_indices: token {t} references a row past the extra cache")
             candidates = torch.cat([candidates, extra_candidates + main.shape[0]])
+        max_candidates = max(max_candidates, int(candidates.numel()))
         if candidates.numel() == 0:
             lse_e = torch.full((num_heads,), -math.inf, dtype=torch.float64, device=device)
         else:
@@ -137,11 +179,17 @@ def oracle_forward(
             weights = counts.to(torch.float64) * torch.exp(scores - top)  # [H, U]
             total = weights.sum(dim=1)  # sum_j exp(s_j - top)
             denominator = total + (torch.exp(sink - top[:, 0]) if sink is not None else 0.0)
-            output[t] = (weights @ rows[:, : f.d_v]) / denominator.unsqueeze(1)
+            values = rows[:, : f.d_v]
+            output[t] = (weights @ values) / denominator.unsqueeze(1)
             lse_e = top[:, 0] + torch.log(total)
+            w = weights / denominator.unsqueeze(1)  # [H, U], a duplicate's lanes share its weight
+            abs_weighted[t] = w @ values.abs()
+            rms_weighted[t] = ((w * w / counts) @ (values * values).sum(dim=1)).sqrt()
+            score_magnitude[t] = ((q64[t].abs() @ rows.abs().T) * abs(sm_scale)).max(dim=1).values
         if lse_convention == "flashmla":
             lse[t] = torch.where(torch.isinf(lse_e) & (lse_e < 0), math.inf, lse_e)
             continue
         lse_full = torch.logaddexp(lse_e, sink) if sink is not None else lse_e
         lse[t] = lse_full / math.log(2.0) * lse_scale
-    return OracleOutput(output, lse)
+    scales = ErrorScales(abs_weighted, rms_weighted, score_magnitude, max_candidates)
+    return OracleOutput(output, lse, lse_convention, lse_scale, scales)

@@ -25,8 +25,11 @@ attribute                  meaning
                            lse_scale=1.0, ...) -> result`` with ``result.output`` ``[T, H, 512]``
                            BF16 and ``result.lse`` ``[T, H]`` fp32 (``result.route`` optional),
                            the signature of ``pytest_sparse_mla.attention.sparse_mla_forward``
-``tolerance_profile``      ``"tight"`` or ``"kernel"`` (default) or a profile of your own; see
-                           ``pytest_sparse_mla.tolerances``
+``compute_mode``           ``"exact"`` (fp32 throughout), ``"bf16"`` (default: BF16 P and
+                           partials, like FlashMLA) or ``"fp8"`` (E4M3 Q and P, like FlashInfer's
+                           SM120 kernels): selects the tolerance profile (``tight``, ``kernel``,
+                           ``kernel-fp8``); see ``pytest_sparse_mla.tolerances``
+``tolerance_profile``      a profile name that overrides ``compute_mode``
 ``skip_reason``            ``skip_reason(capability: str, device: str) -> str | None``: why a
                            capability cannot run on ``device`` (``"cpu"``/``"cuda"``) here
 ``flashinfer_release``     ``str | None``: the FlashInfer release (``"0.6.17"``) whose SM120
@@ -49,18 +52,19 @@ Built-ins
 
 * ``reference``: ``formats.quantize_pack``, the torch page split, the bundled reference attention
   (``attention.sparse_mla_forward``; under ``--sparse-mla-grid X`` it enforces release X's dispatch
-  grid). Tolerance profile ``"tight"``.
+  grid). Compute mode ``"exact"`` (profile ``tight``).
 * ``triton``: the Triton page split (skipped where ``page_split.triton_unavailable_reason`` says
   it cannot run: no triton, or CPU tensors without ``TRITON_INTERPRET=1``); ``pack`` and attention
   are the reference's, so suites that split and then attend test the Triton split end to end.
-  Tolerance profile ``"tight"``.
+  Compute mode ``"exact"``.
 * ``flashinfer``: an adapter over FlashInfer's SM120 sparse-MLA entry
   ``_sparse_mla_sm120_paged_attention`` (module ``flashinfer.mla._sparse_mla_sm120._api`` from
   0.7.1, ``flashinfer.mla._sparse_mla_sm120`` before; signature in
   ``shared/reference/dsv4-format-and-math.md`` section 4.2). It provides ``sparse_mla_forward``
   only (FlashInfer ships no DSV4-584 writer and no page split) and is skipped unless
   flashinfer-python is installed, the suites run on CUDA and the GPU is SM12x (FlashInfer's gate:
-  ``flashinfer/utils.py`` ``is_sm12x_supported``). Tolerance profile ``"kernel"``.
+  ``flashinfer/utils.py`` ``is_sm12x_supported``). Compute mode ``"fp8"`` (its kernels quantize
+  Q and P to E4M3; profile ``kernel-fp8``).
 
 This module is a plugin module (``plugin._PLUGIN_MODULES``): its ``pytest_configure`` resolves the
 implementation once (a bad ``--sparse-mla-impl`` is a usage error before any test runs, so hook
@@ -111,7 +115,7 @@ class ReferenceImplementation:
     """
 
     name = "reference"
-    tolerance_profile = "tight"
+    compute_mode = "exact"
     split_backend = "torch"
 
     def __init__(self, grid_release: str | None = None) -> None:
@@ -196,7 +200,7 @@ class FlashInferImplementation:
     """
 
     name = "flashinfer"
-    tolerance_profile = "kernel"
+    compute_mode = "fp8"
 
     @property
     def flashinfer_release(self) -> str | None:
