@@ -6,7 +6,7 @@ Run explicitly, never by default (``testpaths`` excludes this folder and ``addop
     pytest -p sparse_mla benchmarks --benchmark-only -p no:xdist --sparse-mla-require-gpu
 
 pytest-benchmark disables itself under xdist (pytest-benchmark ``session.py``), hence
-``-p no:xdist``. Every item collected here gets the ``benchmark_suite`` marker.
+``-p no:xdist``. Every item collected here gets the ``sparse_mla_benchmark`` marker.
 
 Timing (``shared/reference/pytest-plugin-anchors.md`` section 4): kernels launch asynchronously,
 so each timed callable ends with ``torch.cuda.synchronize()`` for pytest-benchmark's own wall-clock
@@ -33,11 +33,11 @@ from bench_utils import SPLIT_ONE_WAY_BYTES, CopyBaseline, cuda_median_ms, machi
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark every benchmark collected from this folder ``benchmark_suite``."""
+    """Mark every benchmark collected from this folder ``sparse_mla_benchmark``."""
     here = Path(__file__).parent
     for item in items:
         if here in Path(str(item.fspath)).parents:
-            item.add_marker(pytest.mark.benchmark_suite)
+            item.add_marker(pytest.mark.sparse_mla_benchmark)
 
 
 def pytest_benchmark_update_machine_info(config: pytest.Config, machine_info: dict[str, Any]) -> None:

@@ -33,12 +33,13 @@ MAIN_PAGES, EXTRA_PAGES = 128, 256  # 8,192 main tokens, 16,384 C4 tokens
 SM_SCALE = 512**-0.5
 CHECK_TOKENS = 8
 
+CUDA = pytest.mark.sparse_mla_requires_cuda
 CASES = [
-    pytest.param("cuda", 4096, None, "triton", id="cuda-triton-prefill-T4096", marks=pytest.mark.requires_cuda),
-    pytest.param("cuda", 64, None, "triton", id="cuda-triton-decode-T64", marks=pytest.mark.requires_cuda),
-    pytest.param("cuda", 4096, None, "torch", id="cuda-torch-prefill-T4096", marks=pytest.mark.requires_cuda),
-    pytest.param("cuda", 4096, 4096, "torch", id="cuda-torch-prefill-T4096-one-chunk", marks=pytest.mark.requires_cuda),
-    pytest.param("cuda", 64, None, "torch", id="cuda-torch-decode-T64", marks=pytest.mark.requires_cuda),
+    pytest.param("cuda", 4096, None, "triton", id="cuda-triton-prefill-T4096", marks=CUDA),
+    pytest.param("cuda", 64, None, "triton", id="cuda-triton-decode-T64", marks=CUDA),
+    pytest.param("cuda", 4096, None, "torch", id="cuda-torch-prefill-T4096", marks=CUDA),
+    pytest.param("cuda", 4096, 4096, "torch", id="cuda-torch-prefill-T4096-one-chunk", marks=CUDA),
+    pytest.param("cuda", 64, None, "torch", id="cuda-torch-decode-T64", marks=CUDA),
     pytest.param("cpu", 1024, None, "torch", id="cpu-prefill-T1024"),
 ]
 

@@ -18,7 +18,7 @@ from bench_utils import cuda_median_ms, record, synced
 
 from pytest_sparse_mla import data, formats
 
-pytestmark = pytest.mark.requires_cuda
+pytestmark = pytest.mark.sparse_mla_requires_cuda
 
 PAGES, PS = 4_096, 64
 

@@ -29,7 +29,7 @@ from pytest_sparse_mla.page_split import (
     page_split,
 )
 
-pytestmark = pytest.mark.requires_cuda
+pytestmark = pytest.mark.sparse_mla_requires_cuda
 
 PS = 256
 SRC_STRIDE = 149_760

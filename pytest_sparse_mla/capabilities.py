@@ -9,21 +9,23 @@ Versions are compared with :mod:`packaging` (``Version`` / ``SpecifierSet``), ne
 comparing CUDA versions lexically ("12.10" < "12.3") is a known anti-pattern (sgl-project/sglang:
 sgl-kernel/tests/test_flashmla.py ``is_sm90_supported``).
 
-Markers (registered by the plugin in ``pytest_configure``):
+Markers (registered by the plugin in ``pytest_configure`` when it is active; namespaced so that a
+project's own ``requires_torch`` marker is never claimed):
 
-============================================  ===============================================
-``requires_cuda``                             a CUDA device is visible to torch
-``requires_sm(spec)``                         compute capability matches ``spec``: ``"12.0"``
-                                              (exact), ``"==12.*"`` (family), ``">=9.0"``
-``requires_cuda_version(spec)``               torch's CUDA toolkit version matches ``spec``
-``requires_torch(spec)``                      installed torch version matches ``spec``
-``requires_triton(spec="")``                  triton is installed (and matches ``spec``)
-``requires_flashinfer(spec="")``              flashinfer-python is installed (and matches)
-============================================  ===============================================
+==============================================  =============================================
+``sparse_mla_requires_cuda``                    a CUDA device is visible to torch
+``sparse_mla_requires_sm(spec)``                compute capability matches ``spec``: ``"12.0"``
+                                                (exact), ``"==12.*"`` (family), ``">=9.0"``
+``sparse_mla_requires_cuda_version(spec)``      torch's CUDA toolkit version matches ``spec``
+``sparse_mla_requires_torch(spec)``             installed torch version matches ``spec``
+``sparse_mla_requires_triton(spec="")``         triton is installed (and matches ``spec``)
+``sparse_mla_requires_flashinfer(spec="")``     flashinfer-python is installed (and matches)
+==============================================  =============================================
 
 FlashInfer's own gate for the SM120 sparse-MLA kernels is compute capability 12.x with CUDA >= 12.8
 (flashinfer-ai/flashinfer: flashinfer/utils.py ``is_sm120a_supported`` / ``is_sm12x_supported``),
-so an SM120 test is typically marked ``requires_sm("==12.*")`` and ``requires_cuda_version(">=12.8")``.
+so an SM120 test is typically marked ``sparse_mla_requires_sm("==12.*")`` and
+``sparse_mla_requires_cuda_version(">=12.8")``.
 """
 
 from __future__ import annotations
@@ -49,23 +51,28 @@ __all__ = [
 
 #: marker name -> one-line description (registered with ``config.addinivalue_line``).
 MARKERS: dict[str, str] = {
-    "requires_cuda": "requires_cuda: skip unless torch sees a CUDA device",
-    "requires_sm": "requires_sm(spec): skip unless the GPU compute capability matches spec, "
+    "sparse_mla_requires_cuda": "sparse_mla_requires_cuda: skip unless torch sees a CUDA device",
+    "sparse_mla_requires_sm": "sparse_mla_requires_sm(spec): skip unless the GPU compute capability "
+    "matches spec, "
     "e.g. '12.0' (exact), '==12.*' (SM12x family), '>=9.0'",
-    "requires_cuda_version": "requires_cuda_version(spec): skip unless torch's CUDA toolkit "
+    "sparse_mla_requires_cuda_version": "sparse_mla_requires_cuda_version(spec): skip unless torch's "
+    "CUDA toolkit "
     "version matches spec, e.g. '>=12.8'",
-    "requires_torch": "requires_torch(spec): skip unless the torch version matches spec",
-    "requires_triton": "requires_triton(spec=''): skip unless triton is installed (and matches)",
-    "requires_flashinfer": "requires_flashinfer(spec=''): skip unless flashinfer-python is "
+    "sparse_mla_requires_torch": "sparse_mla_requires_torch(spec): skip unless the torch version matches spec",
+    "sparse_mla_requires_triton": "sparse_mla_requires_triton(spec=''): skip unless triton is installed "
+    "(and matches)",
+    "sparse_mla_requires_flashinfer": "sparse_mla_requires_flashinfer(spec=''): skip unless flashinfer-python is "
     "installed (and its version matches spec, e.g. '>=0.6.18')",
     "sparse_mla_needs": "sparse_mla_needs(*capabilities): skip unless the implementation under "
     "test provides every named capability (pack, page_split, sparse_mla_forward, ...)",
-    "benchmark_suite": "benchmark_suite: a pytest-benchmark measurement; excluded from the "
-    "default run (--benchmark-skip), run with --benchmark-only",
+    "sparse_mla_benchmark": "sparse_mla_benchmark: a pytest-benchmark measurement of the benchmarks/ "
+    "folder (run with --benchmark-only)",
 }
 
 #: markers whose miss means "no usable GPU" (turned into errors by --sparse-mla-require-gpu).
-_GPU_MARKERS = frozenset({"requires_cuda", "requires_sm", "requires_cuda_version"})
+_GPU_MARKERS = frozenset(
+    {"sparse_mla_requires_cuda", "sparse_mla_requires_sm", "sparse_mla_requires_cuda_version"}
+)
 
 
 @dataclass(frozen=True)
@@ -173,7 +180,9 @@ def parse_sm_spec(spec: str | float | int | tuple[int, int]) -> str:
 
     if isinstance(spec, tuple):
         if len(spec) != 2 or not all(isinstance(v, int) for v in spec):
-            raise ValueError(f"requires_sm: spec={spec!r}; expected a (major, minor) tuple of ints")
+            raise ValueError(
+                f"sparse_mla_requires_sm: spec={spec!r}; expected a (major, minor) tuple of ints"
+            )
         text = f"=={spec[0]}.{spec[1]}"
     else:
         text = str(spec).strip()
@@ -183,7 +192,7 @@ def parse_sm_spec(spec: str | float | int | tuple[int, int]) -> str:
         SpecifierSet(text)
     except InvalidSpecifier as exc:
         raise ValueError(
-            f"requires_sm: spec={spec!r} is not a compute-capability specifier; "
+            f"sparse_mla_requires_sm: spec={spec!r} is not a compute-capability specifier; "
             "expected e.g. '12.0', '==12.*' or '>=9.0'"
         ) from exc
     return text
@@ -220,21 +229,23 @@ def evaluate_marker(name: str, mark: Any, caps: Capabilities) -> str | None:
         except InvalidSpecifier as exc:
             raise ValueError(f"{name}: spec={spec!r} is not a version specifier") from exc
 
-    if name == "requires_cuda":
+    if name == "sparse_mla_requires_cuda":
         if not caps.cuda_available:
             return f"requires a CUDA device; found none (torch {caps.torch_version}, " \
                 f"CUDA build {caps.cuda_version or 'none'})"
         return None
-    if name == "requires_sm":
+    if name == "sparse_mla_requires_sm":
         if not mark.args and "spec" not in mark.kwargs:
-            raise ValueError("requires_sm: missing spec; expected e.g. requires_sm('12.0')")
+            raise ValueError(
+                "sparse_mla_requires_sm: missing spec; expected e.g. sparse_mla_requires_sm('12.0')"
+            )
         spec = parse_sm_spec(mark.args[0] if mark.args else mark.kwargs["spec"])
         if caps.sm is None:
             return f"requires compute capability {spec}; found no CUDA device"
         if not _matches(caps.sm, spec):
             return f"requires compute capability {spec}; found {caps.sm} ({caps.device_name})"
         return None
-    if name == "requires_cuda_version":
+    if name == "sparse_mla_requires_cuda_version":
         spec = _spec_arg(mark)
         check_spec(spec)
         if caps.cuda_version is None:
@@ -243,9 +254,9 @@ def evaluate_marker(name: str, mark: Any, caps: Capabilities) -> str | None:
             return f"requires CUDA toolkit {spec}; found {caps.cuda_version}"
         return None
     packages = {
-        "requires_torch": ("torch", caps.torch_version),
-        "requires_triton": ("triton", caps.triton_version),
-        "requires_flashinfer": ("flashinfer-python", caps.flashinfer_version),
+        "sparse_mla_requires_torch": ("torch", caps.torch_version),
+        "sparse_mla_requires_triton": ("triton", caps.triton_version),
+        "sparse_mla_requires_flashinfer": ("flashinfer-python", caps.flashinfer_version),
     }
     if name in packages:
         package, found = packages[name]

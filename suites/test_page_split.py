@@ -406,7 +406,7 @@ def test_triton_kernel_offsets_do_not_wrap(sparse_mla_device):
     assert got.tolist() == expected
 
 
-@pytest.mark.requires_cuda
+@pytest.mark.sparse_mla_requires_cuda
 @pytest.mark.parametrize("masked", [True, False], ids=["masked", "full"])
 def test_split_of_a_pool_past_2_31_bytes_on_gpu(page_split_backend, masked):
     """Allocates the 14,340 x 149,760 B pool (2.15 GB) and a 57,360 x 37,440 B destination between
@@ -466,7 +466,7 @@ def capture_graph(fn):  # type: ignore[no-untyped-def]
     return graph, out
 
 
-@pytest.mark.requires_cuda
+@pytest.mark.sparse_mla_requires_cuda
 def test_split_is_sync_free_and_graph_capturable(page_split_backend, packed_kv_cache_factory):
     """No device-to-host sync (torch sync debug mode 'error'); the Triton path replays in a graph."""
     device = torch.device("cuda", torch.cuda.current_device())
@@ -565,7 +565,7 @@ def test_triton_touched_split_leaves_its_scratch_clean(sparse_mla_generator, spa
     assert registry.backend_scratch.keys() == [f"{WORKLIST_BUFFER_NAME}:{dev}"]
 
 
-@pytest.mark.requires_cuda
+@pytest.mark.sparse_mla_requires_cuda
 def test_triton_touched_split_graph_replays_with_changing_indices():
     """One captured touched split of a 100-page pool (400 destination pages: more than the copy
     grid, so programs loop), replayed with new index values: none, one, a few, all pages, repeats,

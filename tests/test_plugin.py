@@ -53,8 +53,8 @@ def test_capability_markers_are_registered_for_strict_markers(pytester: pytest.P
         """
         import pytest
 
-        @pytest.mark.requires_triton
-        @pytest.mark.requires_torch(">=2.0")
+        @pytest.mark.sparse_mla_requires_triton
+        @pytest.mark.sparse_mla_requires_torch(">=2.0")
         def test_ok():
             assert True
         """
@@ -62,7 +62,7 @@ def test_capability_markers_are_registered_for_strict_markers(pytester: pytest.P
     result = pytester.runpytest("-p", "sparse_mla", "--strict-markers")
     result.assert_outcomes(passed=1)
     markers = pytester.runpytest("-p", "sparse_mla", "--markers")
-    markers.stdout.fnmatch_lines(["@pytest.mark.requires_sm(spec)*", "@pytest.mark.requires_flashinfer*"])
+    markers.stdout.fnmatch_lines(["@pytest.mark.sparse_mla_requires_sm(spec)*", "@pytest.mark.sparse_mla_requires_flashinfer*"])
 
 
 @pytest.mark.skipif(not CPU_ONLY, reason="checks the skip reasons of a machine without a GPU")
@@ -71,15 +71,15 @@ def test_skips_on_a_cpu_machine_carry_their_reasons(pytester: pytest.Pytester) -
         """
         import pytest
 
-        @pytest.mark.requires_cuda
+        @pytest.mark.sparse_mla_requires_cuda
         def test_cuda():
             assert False, "must not run"
 
-        @pytest.mark.requires_sm("12.0")
+        @pytest.mark.sparse_mla_requires_sm("12.0")
         def test_sm120():
             assert False, "must not run"
 
-        @pytest.mark.requires_flashinfer(">=99.0")
+        @pytest.mark.sparse_mla_requires_flashinfer(">=99.0")
         def test_flashinfer():
             assert False, "must not run"
         """
@@ -88,9 +88,9 @@ def test_skips_on_a_cpu_machine_carry_their_reasons(pytester: pytest.Pytester) -
     result.assert_outcomes(skipped=3)
     result.stdout.fnmatch_lines_random(
         [
-            "*requires_cuda: requires a CUDA device; found none (torch *",
-            "*requires_sm: requires compute capability ==12.0; found no CUDA device*",
-            "*requires_flashinfer: requires flashinfer-python>=99.0; *",
+            "*sparse_mla_requires_cuda: requires a CUDA device; found none (torch *",
+            "*sparse_mla_requires_sm: requires compute capability ==12.0; found no CUDA device*",
+            "*sparse_mla_requires_flashinfer: requires flashinfer-python>=99.0; *",
         ]
     )
 
@@ -101,7 +101,7 @@ def test_require_gpu_turns_gpu_skips_into_failures(pytester: pytest.Pytester) ->
         """
         import pytest
 
-        @pytest.mark.requires_cuda
+        @pytest.mark.sparse_mla_requires_cuda
         def test_cuda():
             pass
 
@@ -141,14 +141,14 @@ def test_malformed_marker_spec_is_a_usage_error(pytester: pytest.Pytester) -> No
         """
         import pytest
 
-        @pytest.mark.requires_sm("twelve")
+        @pytest.mark.sparse_mla_requires_sm("twelve")
         def test_x():
             pass
         """
     )
     result = pytester.runpytest("-p", "sparse_mla")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["*requires_sm: spec='twelve' is not a compute-capability specifier*"])
+    result.stderr.fnmatch_lines(["*sparse_mla_requires_sm: spec='twelve' is not a compute-capability specifier*"])
 
 
 # --- marker evaluation against fake capabilities (no GPU needed) ----------------------------------
@@ -172,21 +172,21 @@ RTX_PRO_6000 = capabilities.Capabilities(
 @pytest.mark.parametrize(
     "caps, name, mark, expected",
     [
-        (H200, "requires_sm", _mark("12.0"), "requires compute capability ==12.0; found 9.0 (NVIDIA H200)"),
-        (RTX_PRO_6000, "requires_sm", _mark("12.0"), None),
-        (RTX_PRO_6000, "requires_sm", _mark("==12.*"), None),
-        (RTX_PRO_6000, "requires_sm", _mark("12"), None),
-        (H200, "requires_sm", _mark(">=9.0"), None),
-        (H200, "requires_sm", _mark((9, 0)), None),
+        (H200, "sparse_mla_requires_sm", _mark("12.0"), "requires compute capability ==12.0; found 9.0 (NVIDIA H200)"),
+        (RTX_PRO_6000, "sparse_mla_requires_sm", _mark("12.0"), None),
+        (RTX_PRO_6000, "sparse_mla_requires_sm", _mark("==12.*"), None),
+        (RTX_PRO_6000, "sparse_mla_requires_sm", _mark("12"), None),
+        (H200, "sparse_mla_requires_sm", _mark(">=9.0"), None),
+        (H200, "sparse_mla_requires_sm", _mark((9, 0)), None),
         # "12.10" >= "12.8" is False as strings; versions compare numerically.
-        (RTX_PRO_6000, "requires_cuda_version", _mark(">=12.8"), None),
-        (H200, "requires_cuda_version", _mark("<13"), "requires CUDA toolkit <13; found 13.0"),
-        (H200, "requires_flashinfer", _mark(">=0.6.18"), "requires flashinfer-python>=0.6.18; not installed"),
-        (RTX_PRO_6000, "requires_flashinfer", _mark(">=0.6.18"), None),  # post release counts
-        (RTX_PRO_6000, "requires_flashinfer", _mark(">=0.7"), "requires flashinfer-python>=0.7; found 0.6.18.post1"),
-        (H200, "requires_torch", _mark(">=2.11"), None),  # the +cu130 local tag is ignored
-        (H200, "requires_triton", _mark(), None),
-        (H200, "requires_cuda", _mark(), None),
+        (RTX_PRO_6000, "sparse_mla_requires_cuda_version", _mark(">=12.8"), None),
+        (H200, "sparse_mla_requires_cuda_version", _mark("<13"), "requires CUDA toolkit <13; found 13.0"),
+        (H200, "sparse_mla_requires_flashinfer", _mark(">=0.6.18"), "requires flashinfer-python>=0.6.18; not installed"),
+        (RTX_PRO_6000, "sparse_mla_requires_flashinfer", _mark(">=0.6.18"), None),  # post release counts
+        (RTX_PRO_6000, "sparse_mla_requires_flashinfer", _mark(">=0.7"), "requires flashinfer-python>=0.7; found 0.6.18.post1"),
+        (H200, "sparse_mla_requires_torch", _mark(">=2.11"), None),  # the +cu130 local tag is ignored
+        (H200, "sparse_mla_requires_triton", _mark(), None),
+        (H200, "sparse_mla_requires_cuda", _mark(), None),
     ],
 )
 def test_marker_evaluation_on_fake_machines(caps, name, mark, expected) -> None:  # type: ignore[no-untyped-def]

@@ -299,8 +299,8 @@ def deployment_cases() -> tuple[AttentionCase, ...]:
 
 
 def case_params(cases: tuple[AttentionCase, ...]) -> list[Any]:
-    """``pytest.param`` per case, id = ``case.name``; large cases carry ``requires_cuda``."""
-    return [pytest.param(c, id=c.name, marks=[pytest.mark.requires_cuda] if c.large else []) for c in cases]
+    """``pytest.param`` per case, id = ``case.name``; large cases carry ``sparse_mla_requires_cuda``."""
+    return [pytest.param(c, id=c.name, marks=[pytest.mark.sparse_mla_requires_cuda] if c.large else []) for c in cases]
 
 
 def inputs_on(case: AttentionCase, generator: torch.Generator, device: torch.device) -> AttentionInputs:
