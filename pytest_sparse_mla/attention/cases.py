@@ -21,6 +21,7 @@ them to the device, so a seed gives the same inputs on CPU and CUDA.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -33,6 +34,7 @@ from pytest_sparse_mla import data, deployments, formats
 __all__ = [
     "AttentionCase",
     "AttentionInputs",
+    "CONFORMANCE_CASES",
     "FLASHINFER_CASES",
     "STALE_INDEX",
     "case_params",
@@ -61,6 +63,25 @@ class AttentionCase:
             tensor); lanes past it are overwritten with :data:`STALE_INDEX`.
         fmt, page_stride, form, distribution: cache format and layout (see ``formats``, ``data``).
         large: too big for CPU in a suite; run only on CUDA.
+        query: ``"random"`` (the distribution's queries: logits around 0.01, a nearly uniform
+            softmax), ``"peaked"`` (each (token, head) query aligned with one chosen valid
+            candidate, alternating between the main and the extra cache by head, so that candidate
+            scores ``peak`` natural-log units while the others score about ``N(0, 0.35)``) or
+            ``"flat"`` (queries scaled by ``2**-10``: every logit within about ``1e-4`` of 0).
+        peak: the chosen candidate's logit for ``query="peaked"`` (8: about 95% of the weight over
+            128 candidates; 30: one dominant key).
+        sink_kind: with ``with_sink``: ``"randn"`` (``randn(H) * 2``, FlashInfer's draw),
+            ``"large"`` (per head, the median over tokens of the row's natural-log LSE plus a
+            uniform offset in ``[-1, 1]``: the sink carries about as much mass as the candidates)
+            or ``"mixed-inf"`` (``"large"`` on odd heads, ``-inf`` on even heads).
+        extra_value_scale: a power of two multiplying the extra cache's source rows (mixed
+            magnitudes across the caches).
+        layer, num_layers: the main cache is layer ``layer`` of a pool of ``num_layers`` per-layer
+            caches sharing each page (a ``[P, ps, ...]`` view with storage offset
+            ``layer * page_stride`` bytes and page stride ``num_layers * page_stride``; the other
+            layers hold other valid data), as serving engines lay out per-layer pools.
+        extra_layer, extra_num_layers, extra_page_stride: the same for the extra cache
+            (``extra_page_stride`` ``None`` = ``page_stride``).
     """
 
     name: str
@@ -82,6 +103,15 @@ class AttentionCase:
     form: str = "nhd"
     distribution: str = "flashinfer"
     large: bool = False
+    query: str = "random"
+    peak: float = 8.0
+    sink_kind: str = "randn"
+    extra_value_scale: float = 1.0
+    layer: int = 0
+    num_layers: int = 1
+    extra_layer: int = 0
+    extra_num_layers: int = 1
+    extra_page_stride: formats.StrideSpec | None = None
 
     @property
     def dual(self) -> bool:
@@ -147,25 +177,113 @@ def _lengths_and_stale(indices: torch.Tensor, length: int | None) -> tuple[torch
     return out, torch.full((num_tokens,), length, dtype=torch.int32)
 
 
+QUERIES: tuple[str, ...] = ("random", "peaked", "flat")
+SINK_KINDS: tuple[str, ...] = ("randn", "large", "mixed-inf")
+
+
+def _cache(
+    generator: torch.Generator,
+    f: formats.PackedFormat,
+    *,
+    num_pages: int,
+    page_block_size: int,
+    page_stride: formats.StrideSpec,
+    form: str,
+    distribution: str,
+    value_scale: float,
+    layer: int,
+    num_layers: int,
+    device: torch.device | str,
+) -> data.PackedKVCache:
+    """A packed cache, optionally with scaled rows and as one layer of a multi-layer page pool."""
+    if not 0 <= layer < num_layers:
+        raise ValueError(f"layer={layer}: expected 0 <= layer < num_layers={num_layers}")
+    source = data.latent((num_pages, page_block_size, f.d_qk), generator, distribution=distribution)
+    if value_scale != 1.0:
+        source = (source.float() * value_scale).to(torch.bfloat16)  # a power of two: exact
+    layers = []
+    for index in range(num_layers):
+        rows = source if index == layer else data.latent(source.shape, generator, distribution=distribution)
+        packed = formats.quantize_pack(rows, f, page_stride=page_stride, form="2d")
+        stride = packed.stride(0)
+        layers.append(packed.as_strided((num_pages, stride), (stride, 1), packed.storage_offset()))
+    pool = torch.cat(layers, dim=1).to(device)  # page p: layer 0's bytes, layer 1's, ...
+    width = layers[0].shape[1]
+    packed = formats.as_form(pool[:, layer * width : (layer + 1) * width], f, page_block_size, form)
+    dequantized = formats.unpack_dequantize(
+        formats.as_form(layers[layer], f, page_block_size, form), f, page_block_size=page_block_size
+    )
+    layout = formats.parse_cache(packed, f, page_block_size=page_block_size)
+    return data.PackedKVCache(f, packed, source.to(device), dequantized.to(device), layout)
+
+
+def _peaked_queries(
+    q: torch.Tensor,
+    caches: list[tuple[data.PackedKVCache, torch.Tensor, torch.Tensor | None]],
+    sm_scale: float,
+    peak: float,
+) -> torch.Tensor:
+    """Queries aligned with one valid candidate per (token, head): head ``h`` picks cache
+    ``h % len(caches)`` (falling back to the other when its row has no valid lane) and that row's
+    ``(h // len(caches)) % n``-th valid lane; ``q += peak / (sm_scale * ||k||) * k / ||k||``."""
+    out = q.float().clone()
+    num_tokens, num_heads = q.shape[0], q.shape[1]
+    tables = [cache.flat_dequantized().cpu().double() for cache, _, _ in caches]
+    for t in range(num_tokens):
+        valid = []
+        for _cache_obj, indices, lengths in caches:
+            row = indices[t].cpu().long()
+            if lengths is not None:
+                row = row[: max(0, min(int(lengths[t]), row.numel()))]
+            valid.append(row[row >= 0])
+        for h in range(num_heads):
+            order = [h % len(caches), *(i for i in range(len(caches)) if i != h % len(caches))]
+            which = next((i for i in order if valid[i].numel()), None)
+            if which is None:
+                continue
+            lanes = valid[which]
+            k = tables[which][int(lanes[(h // len(caches)) % lanes.numel()])]
+            norm = float(k.norm())
+            if norm > 0:
+                out[t, h] += (peak / (sm_scale * norm) * k / norm).float()
+    return out.to(torch.bfloat16)
+
+
+def _large_sink(inputs: AttentionInputs, generator: torch.Generator, kind: str) -> torch.Tensor:
+    """Per-head sinks comparable to the candidates' mass: median over tokens of the natural-log LSE
+    (from the float64 oracle, without a sink) plus ``U(-1, 1)``; ``-inf`` on even heads for
+    ``"mixed-inf"``. Heads whose every row is empty get 0."""
+    from pytest_sparse_mla.attention.oracle import oracle_forward
+
+    res = inputs.run(oracle_forward, attn_sink=None, lse_convention="flashmla")
+    lse = res.lse.cpu()
+    lse = torch.where(torch.isinf(lse), torch.nan, lse)
+    median = lse.nanmedian(dim=0).values.nan_to_num(nan=0.0)
+    sink = (median + torch.rand(median.shape, generator=generator, dtype=torch.float64) * 2 - 1).to(torch.float32)
+    if kind == "mixed-inf":
+        sink[0::2] = -math.inf
+    return sink
+
+
 def make_inputs(
     case: AttentionCase, generator: torch.Generator, *, device: torch.device | str = "cpu"
 ) -> AttentionInputs:
     """Draw the tensors of ``case`` from ``generator`` (CPU) and move them to ``device``.
 
     Raises:
-        ValueError, TypeError: as ``data.make_packed_cache`` / ``data.sparse_indices``.
+        ValueError, TypeError: as ``data.make_packed_cache`` / ``data.sparse_indices``; an unknown
+            ``query`` or ``sink_kind``.
     """
+    if case.query not in QUERIES:
+        raise ValueError(f"query={case.query!r}: expected one of {QUERIES}")
+    if case.sink_kind not in SINK_KINDS:
+        raise ValueError(f"sink_kind={case.sink_kind!r}: expected one of {SINK_KINDS}")
     f = formats.get_format(case.fmt)
-    cache = data.make_packed_cache(
-        generator,
-        fmt=f,
-        num_pages=case.num_pages,
-        page_block_size=case.page_block_size,
-        page_stride=case.page_stride,
-        form=case.form,
-        distribution=case.distribution,
-        device=device,
-    )
+    cache = _cache(
+        generator, f, num_pages=case.num_pages, page_block_size=case.page_block_size,
+        page_stride=case.page_stride, form=case.form, distribution=case.distribution, value_scale=1.0,
+        layer=case.layer, num_layers=case.num_layers, device=device,
+    )  # fmt: skip
     q = data.latent((case.num_tokens, case.num_heads, f.d_qk), generator, distribution=case.distribution)
     indices = data.sparse_indices(
         case.num_tokens, case.topk, cache.num_tokens, generator, masked_fraction=case.masked_fraction
@@ -174,16 +292,12 @@ def make_inputs(
     sink = data.attn_sink(case.num_heads, generator) if case.with_sink else None
     extra = extra_indices = extra_lengths = None
     if case.dual:
-        extra = data.make_packed_cache(
-            generator,
-            fmt=f,
-            num_pages=case.extra_num_pages,
-            page_block_size=case.extra_page_block_size,
-            page_stride=case.page_stride,
-            form=case.form,
-            distribution=case.distribution,
-            device=device,
-        )
+        extra = _cache(
+            generator, f, num_pages=case.extra_num_pages, page_block_size=case.extra_page_block_size,
+            page_stride=case.extra_page_stride if case.extra_page_stride is not None else case.page_stride,
+            form=case.form, distribution=case.distribution, value_scale=case.extra_value_scale,
+            layer=case.extra_layer, num_layers=case.extra_num_layers, device=device,
+        )  # fmt: skip
         extra_indices = data.sparse_indices(
             case.num_tokens, case.topk_extra, extra.num_tokens, generator,
             masked_fraction=case.extra_masked_fraction,
@@ -193,18 +307,29 @@ def make_inputs(
     def dev(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t.to(device)
 
-    return AttentionInputs(
+    sm_scale = f.d_qk**-0.5
+    if case.query == "peaked":
+        sources = [(cache, indices, lengths)]
+        if extra is not None and extra_indices is not None:
+            sources.append((extra, extra_indices, extra_lengths))
+        q = _peaked_queries(q, sources, sm_scale, case.peak)
+    elif case.query == "flat":
+        q = (q.float() * 2.0**-10).to(torch.bfloat16)
+    inputs = AttentionInputs(
         case=case,
         q=q.to(device),
         cache=cache,
         indices=indices.to(device),
-        sm_scale=f.d_qk**-0.5,
+        sm_scale=sm_scale,
         topk_length=dev(lengths),
         attn_sink=dev(sink),
         extra=extra,
         extra_indices=dev(extra_indices),
         extra_topk_length=dev(extra_lengths),
     )
+    if case.with_sink and case.sink_kind != "randn":
+        inputs = replace(inputs, attn_sink=_large_sink(inputs, generator, case.sink_kind).to(device))
+    return inputs
 
 
 def _fi(name: str, num_tokens: int, num_heads: int, topk: int, **kw: Any) -> AttentionCase:
@@ -260,6 +385,50 @@ FLASHINFER_CASES: tuple[AttentionCase, ...] = (
     # DSV3.2 (d_qk 576, inline scales, V = first 512 dims)
     _fi("dsv32-h16-k128", 4, 16, 128, fmt="dsv3_2"),
     _fi("dsv32-h64-k2048", 64, 64, 2048, fmt="dsv3_2", num_pages=64, large=True),
+)  # fmt: skip
+
+
+def _cf(name: str, num_tokens: int, num_heads: int, topk: int, **kw: Any) -> AttentionCase:
+    return AttentionCase(f"cf-{name}", num_tokens, num_heads, topk, **kw)
+
+
+_C4 = {"topk_extra": 128, "extra_page_block_size": 64, "extra_num_pages": 4}
+_C128 = {"topk_extra": 128, "extra_page_block_size": 2, "extra_num_pages": 128}
+
+#: Data that makes each error class visible (the FlashInfer distribution's logits are about 0.01,
+#: a nearly uniform softmax under which a wrong score scale, a dropped sink or a wrong row hides).
+CONFORMANCE_CASES: tuple[AttentionCase, ...] = (
+    # queries aligned with chosen candidates in each cache: wrong scale / wrong row moves the softmax
+    _cf("peaked-dual-c4", 8, 16, 128, query="peaked", **_C4),
+    _cf("peaked-dual-c128-large-sink", 8, 16, 128, query="peaked", sink_kind="large", **_C128),
+    _cf("peaked-dsv32", 8, 16, 128, query="peaked", fmt="dsv3_2", sink_kind="large"),
+    _cf("dominant-key", 8, 16, 128, query="peaked", peak=30.0, **_C4),
+    _cf("dominant-key-dsv32", 8, 16, 128, query="peaked", peak=30.0, fmt="dsv3_2"),
+    _cf("near-uniform", 8, 16, 128, query="flat", sink_kind="large", **_C4),
+    # sinks
+    _cf("mixed-inf-sink", 8, 16, 128, query="peaked", sink_kind="mixed-inf", **_C4),
+    _cf("mixed-inf-sink-dsv32", 8, 16, 128, query="peaked", sink_kind="mixed-inf", fmt="dsv3_2"),
+    # mixed magnitudes across the caches (powers of two: exact in BF16)
+    _cf("extra-x64", 8, 16, 128, query="peaked", extra_value_scale=64.0, sink_kind="large", **_C4),
+    _cf("extra-x1/64", 8, 16, 128, query="peaked", extra_value_scale=2.0**-6, **_C128),
+    # head counts: 1 and non-multiples of 16
+    _cf("heads-1", 8, 1, 128, query="peaked", **_C4),
+    _cf("heads-5", 8, 5, 128, query="peaked", **_C128),
+    _cf("heads-17", 4, 17, 128, query="peaked", fmt="dsv3_2"),
+    _cf("heads-33", 4, 33, 128, query="peaked", **_C4),
+    # per-layer views (non-zero storage offsets) and page strides, chosen per cache
+    _cf("main-layer1of2-padded-extra-layer2of3-tight", 8, 16, 128, query="peaked", layer=1, num_layers=2,
+        extra_layer=2, extra_num_layers=3, extra_page_stride="tight", **_C4),
+    _cf("main-tight-extra-layer1of2-padded", 8, 16, 128, query="peaked", page_stride="tight",
+        extra_layer=1, extra_num_layers=2, extra_page_stride="padded", **_C128),
+    _cf("dsv32-layer1of3", 8, 16, 128, query="peaked", fmt="dsv3_2", layer=1, num_layers=3),
+    # topk_length truncation with stale padding, on peaked data
+    _cf("peaked-trunc-len100", 8, 16, 192, query="peaked", topk_length=100, extra_topk_length=50,
+        masked_fraction=0.0, **_C4),
+    # both sides of the decode/prefill boundary
+    _cf("peaked-T64", 64, 8, 128, query="peaked", sink_kind="large", **_C128),
+    _cf("peaked-T65", 65, 8, 128, query="peaked", sink_kind="large", **_C128),
+    _cf("peaked-T65-dsv32", 65, 8, 128, query="peaked", fmt="dsv3_2"),
 )  # fmt: skip
 
 
