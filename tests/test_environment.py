@@ -1,4 +1,7 @@
-"""What ran where: the device each test process uses (recorded in the junit XML / JSON report)."""
+"""Environment probe: the device each test process uses (recorded in the junit XML / JSON report).
+
+Run it with the suites on a GPU machine (``pytest -p sparse_mla -n 2 tests/test_environment.py suites``)
+to record which GPU each xdist worker saw."""
 
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ import pytest
 from pytest_sparse_mla import xdist_gpu
 
 
-@pytest.mark.requires_cuda
+@pytest.mark.sparse_mla_requires_cuda
 def test_each_xdist_worker_sees_exactly_its_pinned_gpu(
     pytestconfig: pytest.Config, record_property, sparse_mla_device, sparse_mla_capabilities  # type: ignore[no-untyped-def]
 ) -> None:

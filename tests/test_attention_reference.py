@@ -1,6 +1,7 @@
 """The bundled reference forward's own contract (``pytest_sparse_mla.attention.sparse_mla_forward``).
 
-These tests exercise the bundled reference whatever ``--sparse-mla-impl`` selects:
+Self-tests of the bundled reference (they call it directly, whatever ``--sparse-mla-impl``
+selects; the conformance suites under ``suites/`` judge the selected implementation):
 
 * its fp32 output (before BF16 rounding) and LSE are within 1e-5 relative of the float64 oracle at
   DeepSeek-V4 shapes, and its BF16 output is that fp32 output rounded once;
@@ -8,8 +9,9 @@ These tests exercise the bundled reference whatever ``--sparse-mla-impl`` select
   bounds-check: undefined behaviour, ``shared/reference/dsv4-format-and-math.md`` 2.2);
 * chunking over tokens (the memory bound) does not change the result;
 * with a FlashInfer release (``grid_release=`` / ``--sparse-mla-grid``) it raises that release's
-  exact error for a shape the release cannot run, with the published text
-  (``shared/reference/dispatch-grid.md``), and records the release's verdict otherwise.
+  exact error for a shape the release cannot run, with the published text, and records the
+  release's verdict otherwise (``suites/test_dispatch_grid.py`` holds any implementation that
+  declares ``flashinfer_release`` to the same rule).
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""An installed FlashInfer agrees with the bundled dispatch grids (issue 5, item 5).
+"""Self-test: an installed FlashInfer agrees with the bundled dispatch grids.
+
+This checks the bundled tables (``pytest_sparse_mla.dispatch``), not a selected implementation;
+an implementation that declares ``flashinfer_release`` is judged by ``suites/test_dispatch_grid.py``.
 
 * ``test_installed_flashinfer_matches_bundled_grid``: CPU only, needs flashinfer-python (skipped
   with the reason otherwise). Reads the release's own tables (0.6.x frozensets, 0.7.x envelopes,
@@ -35,7 +38,7 @@ def installed_flashinfer() -> introspect.InstalledFlashInfer:
         pytest.skip(f"cannot introspect FlashInfer here: {exc}")
 
 
-@pytest.mark.requires_flashinfer(">=0.6.14")
+@pytest.mark.sparse_mla_requires_flashinfer(">=0.6.14")
 @pytest.mark.parametrize("check", introspect.CHECKS)
 def test_installed_flashinfer_matches_bundled_grid(
     check: str, installed_flashinfer: introspect.InstalledFlashInfer, record_property  # type: ignore[no-untyped-def]
@@ -181,9 +184,9 @@ def _probe_cells() -> list[SparseMlaConfig]:
     return sorted(cells, key=lambda c: c.describe())
 
 
-@pytest.mark.requires_sm("==12.*")
-@pytest.mark.requires_cuda_version(">=12.8")
-@pytest.mark.requires_flashinfer(">=0.6.14")
+@pytest.mark.sparse_mla_requires_sm("==12.*")
+@pytest.mark.sparse_mla_requires_cuda_version(">=12.8")
+@pytest.mark.sparse_mla_requires_flashinfer(">=0.6.14")
 def test_sm120_kernel_probe(sparse_mla_device, sparse_mla_capabilities) -> None:  # type: ignore[no-untyped-def]
     """The real kernel on tiny inputs, one call per cell: supported cells run, unsupported ones
     raise the verdict's builtin base type with exactly its text. Never run on a CPU machine, so
