@@ -1,13 +1,17 @@
-"""Fixtures of pytest-sparse-mla, registered by the plugin (``pytest --fixtures -p sparse_mla`` lists them).
+"""Fixtures of pytest-sparse-mla (``pytest --fixtures -p sparse_mla`` lists them).
 
-Downstream suites use them by name; no import is needed once the plugin is loaded. This module
-imports torch lazily (inside fixture bodies), so loading the plugin stays light.
+The hooks module registers this module as a plugin in sessions that use the plugin (see
+``pytest_sparse_mla.options.activation``); downstream tests then use the fixtures by name, no import
+needed. Every fixture is typed, so a downstream test can annotate its arguments with the same types
+(``SparseMlaImplementation`` from ``pytest_sparse_mla.implementations.protocol``,
+``SparseMlaTolerances`` from ``pytest_sparse_mla.tolerances``, ...). torch, syrupy and the page
+split are imported inside fixture bodies, so loading the plugin stays light.
 """
 
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -16,8 +20,12 @@ from pytest_sparse_mla import capabilities, options
 
 if TYPE_CHECKING:
     import torch
+    from syrupy.assertion import SnapshotAssertion
 
     from pytest_sparse_mla.data import PackedKVCache
+    from pytest_sparse_mla.implementations.protocol import SparseMlaImplementation
+    from pytest_sparse_mla.page_split.buffers import BufferRegistry
+    from pytest_sparse_mla.tolerances import SparseMlaTolerances
 
 
 @pytest.fixture(scope="session")
@@ -66,10 +74,20 @@ def sparse_mla_device(
 
 @pytest.fixture
 def sparse_mla_seed(request: pytest.FixtureRequest, sparse_mla_options: options.SparseMlaOptions) -> int:
-    """A per-test seed (int in ``[0, 2**31)``): ``--sparse-mla-seed`` mixed with the test's node id
-    by CRC-32, so every test draws different data, reproducibly, on any xdist worker."""
-    node = zlib.crc32(request.node.nodeid.encode())
+    """A per-test seed (int in ``[0, 2**31)``): ``--sparse-mla-seed`` mixed by CRC-32 with the
+    test's *path-independent* id, ``<file name>::<test name>[<params>]`` (the node id without its
+    directories), so every test draws different data, reproducibly, on any xdist worker, and the
+    same data whether the suites run from a checkout or from an installed package in any folder."""
+    node = zlib.crc32(seed_id(request.node).encode())
     return (sparse_mla_options.seed * 1_000_003 + node) % (2**31)
+
+
+def seed_id(node: pytest.Item) -> str:
+    """``<file name>::<rest of the node id>``: the node id without the directories of its path
+    (``suites/test_x.py::t[a]`` and ``/venv/.../pytest_sparse_mla/suites/test_x.py::t[a]`` give
+    ``test_x.py::t[a]``)."""
+    path, sep, rest = node.nodeid.partition("::")
+    return f"{path.replace(chr(92), '/').rsplit('/', 1)[-1]}{sep}{rest}"
 
 
 @pytest.fixture
@@ -132,7 +150,7 @@ def packed_kv_cache_factory(
 
 
 @pytest.fixture
-def split_buffer_registry() -> Any:
+def split_buffer_registry() -> Iterator[BufferRegistry]:
     """A fresh, empty :class:`pytest_sparse_mla.page_split.BufferRegistry` for this test only.
 
     Pass it as ``page_split(..., registry=split_buffer_registry)``: the persistent split and mask
@@ -184,15 +202,17 @@ def split_pages(split_buffer_registry: Any, page_split_backend: str) -> Callable
     return partial(page_split, registry=split_buffer_registry, backend=page_split_backend)
 
 
-# --- implementation under test and tolerances (issue 4; pytest_sparse_mla.implementations) -------
+# --- implementation under test and tolerances (pytest_sparse_mla.implementations) --------------
 
 
 @pytest.fixture
-def sparse_mla_impl(request: pytest.FixtureRequest, sparse_mla_device: torch.device) -> Any:
+def sparse_mla_impl(request: pytest.FixtureRequest, sparse_mla_device: torch.device) -> SparseMlaImplementation:
     """The implementation under test, selected by ``--sparse-mla-impl`` (default ``reference``).
 
-    An object following the protocol of :mod:`pytest_sparse_mla.implementations` (optional
-    ``pack``, ``page_split``, ``sparse_mla_forward``; ``name``; ``tolerance_profile``). The test is
+    An object following the protocol of :mod:`pytest_sparse_mla.implementations.protocol`
+    (``pack``, ``page_split``, ``sparse_mla_forward``, each optional; ``name``;
+    ``tolerance_profile``), typed as :class:`~pytest_sparse_mla.implementations.protocol.SparseMlaImplementation`:
+    the capabilities the test names in ``sparse_mla_needs(...)`` are there. The test is
     skipped, with the reason, when the implementation lacks a capability named by the test's
     ``sparse_mla_needs(...)`` markers or says it cannot run it on :func:`sparse_mla_device`
     (e.g. the ``flashinfer`` adapter without an SM12x GPU).
@@ -208,11 +228,12 @@ def sparse_mla_impl(request: pytest.FixtureRequest, sparse_mla_device: torch.dev
     )
     if reason is not None:
         pytest.skip(reason)
-    return impl
+    typed: SparseMlaImplementation = impl
+    return typed
 
 
 @pytest.fixture
-def sparse_mla_tolerances(request: pytest.FixtureRequest) -> Any:
+def sparse_mla_tolerances(request: pytest.FixtureRequest) -> SparseMlaTolerances:
     """The comparison model in force for this test: a
     :class:`pytest_sparse_mla.tolerances.SparseMlaTolerances`.
 
@@ -234,3 +255,39 @@ def sparse_mla_tolerances(request: pytest.FixtureRequest) -> Any:
         tolerances.ini_tolerances(request.config),
         list(request.node.iter_markers(tolerances.MARKER)),
     )
+
+
+# --- golden snapshots (pytest_sparse_mla.snapshots) -------------------------------------------
+
+
+@pytest.fixture
+def tensor_snapshot(request: pytest.FixtureRequest) -> SnapshotAssertion:
+    """syrupy's ``snapshot`` using :class:`pytest_sparse_mla.snapshots.TensorSnapshotExtension`.
+
+    Compare a tensor with its golden file, naming each snapshot of a test::
+
+        from pytest_sparse_mla.snapshots import close, exact
+
+        assert tensor_snapshot(name="packed") == exact(cache.packed)
+        assert tensor_snapshot(name="output") == close(res.output, atol=2e-3, rtol=1e-2)
+
+    ``exact`` compares shape, dtype, strides and the SHA-256 of the raw bytes; ``close`` compares
+    shape, dtype and values within ``atol + rtol * |golden|``. Files:
+    ``<golden root>/<suite>/<module>/<test>[<name>].tensor.json``; the root is
+    ``--sparse-mla-golden-dir`` / ini ``sparse_mla_golden_dir`` or
+    ``snapshots.default_golden_dir()``. Write or refresh goldens with ``--snapshot-update`` (one
+    process only).
+
+    Skips the test when syrupy is not installed (the reason names the version this package pins)
+    or its plugin is disabled (``-p no:syrupy``).
+    """
+    from pytest_sparse_mla import snapshot_plugin
+
+    try:
+        from pytest_sparse_mla.snapshot_extension import TensorSnapshotExtension
+    except ImportError as exc:
+        pytest.skip(snapshot_plugin.syrupy_missing_reason(exc))
+    if not request.config.pluginmanager.hasplugin("syrupy"):
+        pytest.skip("golden snapshots need the syrupy pytest plugin (disabled with -p no:syrupy?)")
+    snapshot: SnapshotAssertion = request.getfixturevalue("snapshot")
+    return snapshot.use_extension(TensorSnapshotExtension)

@@ -203,7 +203,10 @@ def _cache(
         source = (source.float() * value_scale).to(torch.bfloat16)  # a power of two: exact
     layers = []
     for index in range(num_layers):
-        rows = source if index == layer else data.latent(source.shape, generator, distribution=distribution)
+        # Other layers come from their own generator, so the case's other draws do not depend on
+        # the layer count (the same rows, queries and indices as a one-layer cache).
+        other = torch.Generator().manual_seed(0x5A17 + index)
+        rows = source if index == layer else data.latent(source.shape, other, distribution=distribution)
         packed = formats.quantize_pack(rows, f, page_stride=page_stride, form="2d")
         stride = packed.stride(0)
         layers.append(packed.as_strided((num_pages, stride), (stride, 1), packed.storage_offset()))
