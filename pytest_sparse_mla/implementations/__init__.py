@@ -39,13 +39,20 @@ attribute                  meaning
                            in ``pytest_sparse_mla.dispatch``); ``None``/absent: that suite skips
 =========================  ======================================================================
 
-Selecting one: ``--sparse-mla-impl NAME`` (or the ``sparse_mla_impl`` ini key), where NAME is a
-built-in, a name registered through the ``pytest_sparse_mla_implementations(config)`` hook
-(``hookspecs.py``; hook names may replace built-ins), or ``package.module:attribute`` (a dotted
-attribute path; a class found there is instantiated without arguments; ``package.module`` alone
-uses the module object). Unknown names raise ``pytest.UsageError`` listing the valid ones. The
-pattern is array-api-tests' (data-apis/array-api-tests: one suite, the implementation chosen at
-run time).
+The same protocol as ``typing.Protocol`` classes (``Packer``, ``PageSplitter``,
+``SparseMlaForward``, the result type ``SparseMlaResult``) is in
+:mod:`pytest_sparse_mla.implementations.protocol`, for downstream type checking; the capability
+check below uses them.
+
+Selecting one: ``--sparse-mla-impl NAME`` (or the ``sparse_mla_impl`` ini key), where NAME is, in
+this order: a built-in; a name registered through the ``pytest_sparse_mla_implementations(config)``
+hook (``hookspecs.py``; hook names may replace built-ins) or an installed package's entry point;
+``module`` or ``package.module`` (the module object), importable from ``sys.path`` or found in the
+rootdir, the ini file's folder, the current folder, a test path's folder or beside a loaded
+``conftest.py`` (``implementations.locate``); or ``module:attribute`` (a dotted attribute path; a
+class found there is instantiated without arguments). A miss raises ``pytest.UsageError`` listing
+every form that would have worked. The pattern is array-api-tests' (data-apis/array-api-tests: one
+suite, the implementation chosen at run time).
 
 Built-ins
 =========
@@ -66,20 +73,29 @@ Built-ins
   ``flashinfer/utils.py`` ``is_sm12x_supported``). Compute mode ``"fp8"`` (its kernels quantize
   Q and P to E4M3; profile ``kernel-fp8``).
 
-This module is a plugin module (``plugin._PLUGIN_MODULES``): its ``pytest_configure`` resolves the
-implementation once (a bad ``--sparse-mla-impl`` is a usage error before any test runs, so hook
-implementations belong in a plugin or an initial ``conftest.py``), and its
-``pytest_collection_modifyitems`` turns ``sparse_mla_needs`` markers into skips. It imports torch
-only inside functions (an import string may import whatever its module imports).
+* ``sglang-triton``, ``sglang-torch`` (``implementations.sglang``): SGLang's Triton and PyTorch
+  DeepSeek-V4 sparse decode and its page split, executed from the installed ``sglang`` wheel
+  without importing its server stack. ``flashmla`` (``implementations.flashmla``): FlashMLA's
+  SM90/SM100 sparse decode (``T <= 64``) and sparse prefill, from a built ``flash_mla``. Each
+  declares what its peer takes (``declaration`` / ``declarations``) and answers
+  ``unsupported_reason(capability, *args, **kwargs)`` (a reason to skip, or ``None``) before a
+  call; the call raises ``_peer.UnsupportedByPeer`` (a ``NotImplementedError``) with the same text,
+  and ``_peer.UnsafeForPeer`` for valid inputs the peer would mishandle out of bounds.
+
+The hooks module (``pytest_sparse_mla.plugin``) calls :func:`configure` from ``pytest_configure``
+(the implementation is resolved once, so a bad ``--sparse-mla-impl`` is a usage error before any
+test runs; hook implementations therefore belong in a plugin or an initial ``conftest.py``) and
+:func:`skip_unservable` from ``pytest_collection_modifyitems`` (``sparse_mla_needs`` markers become
+skips). This module imports torch only inside functions (an import string may import whatever its
+module imports).
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -98,6 +114,8 @@ __all__ = [
     "needs_of",
     "skip_reason_for",
     "session_device",
+    "configure",
+    "skip_unservable",
 ]
 
 #: capabilities an implementation may provide.
@@ -302,12 +320,28 @@ class FlashInferImplementation:
         return SparseMlaOutput(output, lse, route_for(num_tokens))
 
 
+def _peer_adapter(module: str, cls: str) -> Callable[[pytest.Config], Any]:
+    """Factory of a peer adapter class in ``implementations.<module>`` (imported on first use)."""
+    return lambda config: getattr(importlib.import_module(f"{__name__}.{module}"), cls)()
+
+
 #: built-in name -> factory(config).
 BUILTINS: dict[str, Callable[[pytest.Config], Any]] = {
     "reference": lambda config: ReferenceImplementation(options.get_options(config).grid),
     "triton": lambda config: TritonImplementation(options.get_options(config).grid),
     "flashinfer": lambda config: FlashInferImplementation(),
+    "sglang-triton": _peer_adapter("sglang", "SglangTritonImplementation"),
+    "sglang-torch": _peer_adapter("sglang", "SglangTorchImplementation"),
+    "flashmla": _peer_adapter("flashmla", "FlashMlaImplementation"),
 }
+
+
+if TYPE_CHECKING:  # the built-ins type-check against the protocol (mypy --strict, lint lane)
+    from pytest_sparse_mla.implementations.protocol import SparseMlaForward, SparseMlaImplementation
+
+    _REFERENCE: SparseMlaImplementation = ReferenceImplementation()
+    _TRITON: SparseMlaImplementation = TritonImplementation()
+    _FLASHINFER: SparseMlaForward = FlashInferImplementation()
 
 
 def available_implementations(config: pytest.Config) -> dict[str, Any]:
@@ -332,18 +366,22 @@ def available_implementations(config: pytest.Config) -> dict[str, Any]:
     return names
 
 
-def _importable(module_name: str) -> bool:
-    """Whether ``module_name`` can be found on ``sys.path`` now (without importing it fully)."""
-    try:
-        return importlib.util.find_spec(module_name) is not None
-    except (ImportError, ValueError):
-        return False
+def _import_object(spec: str, config: pytest.Config | None = None) -> Any:
+    """Import ``module[:attribute]`` (from ``sys.path``, else from ``locate.search_dirs``).
 
+    Raises:
+        locate.ModuleMissing: the module exists nowhere (the caller lists every form).
+        pytest.UsageError: it failed to import, or has no such attribute.
+    """
+    from pytest_sparse_mla.implementations import locate
 
-def _import_object(spec: str) -> Any:
     module_name, _, attribute = spec.partition(":")
+    if not locate.is_module_path(module_name):
+        raise locate.ModuleMissing(f"{module_name!r} is not a module path", name=module_name)
     try:
-        obj: Any = importlib.import_module(module_name)
+        obj: Any = locate.import_module(module_name, locate.search_dirs(config) if config is not None else [])
+    except locate.ModuleMissing:
+        raise
     except ImportError as exc:
         raise pytest.UsageError(f"--sparse-mla-impl={spec!r}: cannot import module {module_name!r} ({exc})") from None
     for part in attribute.split(".") if attribute else ():
@@ -365,7 +403,11 @@ def implementation_name(impl: Any, default: str = "") -> str:
 
 
 def _check_provides_something(impl: Any, spec: str) -> None:
-    provided = [cap for cap in CAPABILITIES if callable(getattr(impl, cap, None))]
+    from pytest_sparse_mla.implementations.protocol import CAPABILITY_PROTOCOLS
+
+    provided = [
+        cap for cap, proto in CAPABILITY_PROTOCOLS.items() if isinstance(impl, proto) and callable(getattr(impl, cap))
+    ]
     if not provided:
         raise pytest.UsageError(
             f"--sparse-mla-impl={spec!r}: {impl!r} provides none of {', '.join(CAPABILITIES)} "
@@ -380,19 +422,32 @@ def resolve_implementation(spec: str, config: pytest.Config) -> Any:
         pytest.UsageError: unknown name (the message lists the valid ones), an import string that
             does not import, or an object that provides no capability.
     """
+    from pytest_sparse_mla import entry_points
+    from pytest_sparse_mla.implementations import locate
+
     names = available_implementations(config)
     if spec in names:
         entry = names[spec]
         impl = entry(config) if spec in BUILTINS and entry is BUILTINS[spec] else entry
         if isinstance(impl, str):
-            impl = _import_object(impl)
-    elif ":" in spec or "." in spec:
-        impl = _import_object(spec)
+            try:
+                impl = _import_object(impl)
+            except locate.ModuleMissing as exc:
+                raise pytest.UsageError(f"--sparse-mla-impl={spec!r}: {impl!r} does not import ({exc})") from None
     else:
-        raise pytest.UsageError(
-            f"--sparse-mla-impl={spec!r}: unknown implementation; expected one of "
-            f"{', '.join(sorted(names))} or 'package.module:attribute'"
-        )
+        try:
+            impl = _import_object(spec, config)
+        except locate.ModuleMissing:
+            declared = set(entry_points.entry_point_specs())
+            raise pytest.UsageError(
+                locate.miss_message(
+                    spec,
+                    builtins=BUILTINS,
+                    entry_points=declared,
+                    hook_names=set(names) - set(BUILTINS) - declared,
+                    dirs=locate.search_dirs(config),
+                )
+            ) from None
     _check_provides_something(impl, spec)
     return impl
 
@@ -458,27 +513,23 @@ def session_device(config: pytest.Config) -> str:
     return "cuda" if capabilities.probe().cuda_available else "cpu"
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    """Resolve ``--sparse-mla-impl`` now, so a bad value is a usage error before any test runs
-    (and before pytest-xdist starts workers). Hook implementations must therefore live in a
-    plugin or an initial (rootdir / test-path) ``conftest.py``. An import string whose module
-    does not import yet is retried at collection, once test directories are on ``sys.path``."""
-    spec = options.get_options(config).impl
-    if (":" in spec or "." in spec) and not _importable(spec.partition(":")[0]):
-        return  # retried at collection (or a hook-registered name with a dot, resolved there)
+def configure(config: pytest.Config) -> None:
+    """Resolve ``--sparse-mla-impl`` now (from ``pytest_configure``), so a bad value is a usage
+    error before any test runs and before pytest-xdist starts workers. Hook implementations must
+    therefore live in a plugin or an initial (rootdir / test-path) ``conftest.py``; a local module
+    is looked for in the folders of ``locate.search_dirs``."""
     get_implementation(config)
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Resolve the implementation (usage errors surface here) and skip items whose
-    ``sparse_mla_needs`` it cannot serve."""
+def skip_unservable(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip items whose ``sparse_mla_needs`` the implementation cannot serve (from
+    ``pytest_collection_modifyitems``)."""
     needing = [
         item
         for item in items
         if item.get_closest_marker(NEEDS_MARKER) is not None or "sparse_mla_impl" in getattr(item, "fixturenames", ())
     ]
-    explicit = bool(config.getoption("sparse_mla_impl", None) or config.getini("sparse_mla_impl"))
-    if not needing and not explicit:
+    if not needing and not options.get_options(config).impl_given:
         return
     impl = get_implementation(config)
     device = session_device(config)

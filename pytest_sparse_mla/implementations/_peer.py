@@ -1,0 +1,281 @@
+"""What the peer adapters (``sglang.py``, ``flashmla.py``) share: their declarations, the errors
+they raise for inputs the peer cannot take, the cache view they hand to a peer, index checks and
+the LSE conversion.
+
+Two kinds of refusal, so a suite can tell "the peer lacks this" from "the peer gets this wrong":
+
+* :class:`UnsupportedByPeer` (a ``NotImplementedError``): the call needs a capability the peer does
+  not have (a head count, a format, a top-k width, an extra cache, ...). The same text comes back from
+  the adapter's ``unsupported_reason(capability, *args, **kwargs)`` before the call, so a suite can
+  skip instead of failing (``pytest.skip(reason)``).
+* :class:`UnsafeForPeer` (a ``RuntimeError``): the inputs are valid for this project, but the peer's
+  kernel would read or write out of bounds on them (for instance FlashMLA's decode masks only ``-1``
+  and turns ``-2`` into a page index of about 67 million). Running it would kill the CUDA context of
+  the whole test session, so the adapter refuses, and the test fails with the peer's limit in the
+  message: that is a real discrepancy (a convention or a bug), listed in the peer's xfail file.
+
+Everything here imports torch lazily, inside functions: the adapters' modules are imported when
+the plugin resolves ``--sparse-mla-impl`` and must stay light.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "UnsupportedByPeer",
+    "UnsafeForPeer",
+    "PeerDeclaration",
+    "PeerResult",
+    "index_rows",
+    "nhd_view",
+    "valid_lanes",
+    "check_valid_lanes_in_range",
+    "lse_to_convention",
+]
+
+
+class UnsupportedByPeer(NotImplementedError):
+    """The peer lacks a capability the call needs; ``str(error)`` names the peer's limit and source.
+
+    Suites may turn it into a skip; ``unsupported_reason`` returns the same text before the call.
+    """
+
+
+class UnsafeForPeer(RuntimeError):
+    """Valid project input that the peer's kernel would mishandle out of bounds (so it is not run).
+
+    The message names the peer's convention or bug, the argument and the offending value.
+    """
+
+
+@dataclass(frozen=True)
+class PeerDeclaration:
+    """What one peer adapter declares it supports (read by ``unsupported_reason`` and the docs).
+
+    Attributes:
+        peer: the peer and its entry points, e.g. ``"SGLang 0.5.23 flash_mla_sparse_decode_triton"``.
+        formats: packed formats the forward takes (``"dsv4"``, ``"dsv3_2"``).
+        num_heads: head counts the forward takes, or ``None`` for any ``H >= 1``.
+        topk_multiple: the main and extra index widths must be multiples of this (1: any width).
+        extra_cache_formats: formats for which an extra cache is supported.
+        topk_length_formats: formats for which ``topk_length`` / ``extra_topk_length`` are supported.
+        masked_indices: ``"negative"`` (every negative lane is masked) or ``"minus_one"`` (only ``-1``).
+        lanes_past_topk_length: ``"ignored"`` (never read) or ``"gathered"`` (read, then masked: they
+            must hold in-range indices).
+        lse: the peer's own LSE, in words (base, sink, empty rows, shape).
+        devices: where the forward runs (``"cuda"``; ``"cpu"`` where plain torch or the Triton
+            interpreter serves).
+        min_tokens: smallest ``num_tokens`` accepted.
+        page_split: what the page split takes, in words, or ``""`` without one.
+        notes: further facts (each with its public source).
+    """
+
+    peer: str
+    formats: tuple[str, ...]
+    num_heads: tuple[int, ...] | None
+    topk_multiple: int
+    extra_cache_formats: tuple[str, ...]
+    topk_length_formats: tuple[str, ...]
+    masked_indices: str
+    lanes_past_topk_length: str
+    lse: str
+    devices: tuple[str, ...]
+    min_tokens: int = 0
+    page_split: str = ""
+    notes: tuple[str, ...] = field(default=())
+
+    def as_dict(self) -> dict[str, Any]:
+        """The declaration as a JSON-ready dict (for ``docs/conformance.json``)."""
+        return {
+            "peer": self.peer,
+            "formats": list(self.formats),
+            "num_heads": None if self.num_heads is None else list(self.num_heads),
+            "topk_multiple": self.topk_multiple,
+            "extra_cache_formats": list(self.extra_cache_formats),
+            "topk_length_formats": list(self.topk_length_formats),
+            "masked_indices": self.masked_indices,
+            "lanes_past_topk_length": self.lanes_past_topk_length,
+            "lse": self.lse,
+            "devices": list(self.devices),
+            "min_tokens": self.min_tokens,
+            "page_split": self.page_split,
+            "notes": list(self.notes),
+        }
+
+    def forward_reason(
+        self,
+        *,
+        fmt: str,
+        num_tokens: int,
+        num_heads: int,
+        topk: int,
+        extra_topk: int | None,
+        has_topk_length: bool,
+        device: str,
+    ) -> str | None:
+        """Why the declared forward cannot take a call of this shape, or ``None`` (no value checks)."""
+        if device not in self.devices:
+            return f"{self.peer} runs on {'/'.join(self.devices)}, not on {device}"
+        if fmt not in self.formats:
+            return f"{self.peer} supports the {'/'.join(self.formats)} cache format(s), not {fmt}"
+        if num_tokens < self.min_tokens:
+            return f"{self.peer} needs num_tokens >= {self.min_tokens}, got {num_tokens}"
+        if self.num_heads is not None and num_heads not in self.num_heads:
+            heads = " or ".join(str(h) for h in self.num_heads)
+            return f"{self.peer} supports num_heads {heads}, got {num_heads}"
+        for name, width in (("topk", topk), ("extra_topk", extra_topk)):
+            if width is not None and width % self.topk_multiple:
+                return f"{self.peer} needs {name} to be a multiple of {self.topk_multiple}, got {width}"
+        if extra_topk is not None and fmt not in self.extra_cache_formats:
+            return f"{self.peer} takes no extra cache for {fmt}"
+        if has_topk_length and fmt not in self.topk_length_formats:
+            return f"{self.peer} takes no topk_length / extra_topk_length for {fmt}"
+        return None
+
+
+@dataclass(frozen=True)
+class PeerResult:
+    """Result of a peer adapter's ``sparse_mla_forward``.
+
+    Attributes:
+        output: ``[T, H, 512]`` BF16 output, as the peer wrote it.
+        lse: ``[T, H]`` fp32 LSE in the requested convention (converted from the peer's own,
+            :func:`lse_to_convention`).
+        route: ``"decode"`` / ``"prefill"`` where the adapter picks a kernel by ``num_tokens`` like
+            FlashInfer (``T <= 64`` decode), else ``None`` (one kernel for every ``T``).
+        entry: the peer function that ran, e.g. ``"flash_mla.flash_mla_with_kvcache"``.
+    """
+
+    output: Any
+    lse: Any
+    route: str | None
+    entry: str
+
+
+def index_rows(indices: Any, name: str, num_tokens: int) -> Any:
+    """``indices`` as a ``[T, topk]`` view (a ``[T, 1, topk]`` tensor is squeezed).
+
+    Raises:
+        TypeError: not a tensor. ValueError: not ``[T, topk]`` / ``[T, 1, topk]`` with ``T == num_tokens``.
+    """
+    import torch
+
+    if not isinstance(indices, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(indices).__name__}")
+    if indices.dim() == 3 and indices.shape[1] == 1:
+        indices = indices[:, 0]
+    if indices.dim() != 2 or indices.shape[0] != num_tokens:
+        raise ValueError(
+            f"{name}.shape={tuple(indices.shape)}: expected [num_tokens={num_tokens}, topk] or [num_tokens, 1, topk]"
+        )
+    return indices
+
+
+def nhd_view(cache: Any, fmt: Any, page_block_size: int | None, name: str) -> tuple[Any, Any]:
+    """The ``[P, ps, 1, B]`` NHD view of a packed cache (same bytes, storage offset and page stride).
+
+    SGLang and FlashMLA read ``k_cache.shape[1]`` as the page size and ``stride(0)`` as the page
+    stride of a 4-D ``[num_blocks, page_block_size, 1, bytes_per_token]`` tensor; the project's
+    2-D, 3-D and HND forms describe the same bytes, so this only changes the shape metadata.
+
+    Returns:
+        ``(view, layout)`` with ``layout`` the ``formats.CacheLayout``.
+
+    Raises:
+        TypeError, ValueError: as ``formats.parse_cache`` (naming ``name``).
+    """
+    import torch
+
+    from pytest_sparse_mla import formats
+
+    layout = formats.parse_cache(cache, fmt, page_block_size=page_block_size, name=name)
+    bpt = layout.fmt.bytes_per_token
+    view = torch.as_strided(
+        cache,
+        (layout.num_pages, layout.page_block_size, 1, bpt),
+        (layout.page_stride, layout.token_stride, layout.token_stride, 1),
+        cache.storage_offset(),
+    )
+    return view, layout
+
+
+def valid_lanes(indices: Any, topk_length: Any | None) -> Any:
+    """``[T, topk]`` bool: lane ``j`` of token ``t`` is a candidate (``index >= 0`` and ``j <
+    clamp(topk_length[t], 0, topk)``), the project's rule (``attention.sparse_mla_forward``)."""
+    import torch
+
+    valid = indices >= 0
+    if topk_length is not None:
+        lanes = torch.arange(indices.shape[1], device=indices.device)
+        valid &= lanes.unsqueeze(0) < topk_length.to(indices.device).long().clamp(min=0).unsqueeze(1)
+    return valid
+
+
+def check_valid_lanes_in_range(indices: Any, topk_length: Any | None, num_slots: int, name: str) -> None:
+    """Refuse a valid lane whose index is ``>= num_slots`` (one host sync).
+
+    The peers do not bound-check such lanes (undefined behaviour; the bundled reference raises the
+    same ``ValueError``).
+
+    Raises:
+        ValueError: naming ``name``, the first offending token, lane and value.
+    """
+    bad = valid_lanes(indices, topk_length) & (indices >= num_slots)
+    if bool(bad.any()):
+        t, j = (int(v) for v in bad.nonzero()[0])
+        raise ValueError(
+            f"{name}[{t}, {j}]={int(indices[t, j])}: a valid lane must index a slot < {num_slots} "
+            "(the cache's num_pages * page_block_size); the peers do not bound-check it"
+        )
+
+
+def lse_to_convention(
+    lse: Any,
+    *,
+    sink_included: bool,
+    attn_sink: Any | None,
+    lse_convention: str,
+    lse_scale: float,
+) -> Any:
+    """Convert a peer's natural-log LSE ``[T, H]`` to the project's ``lse_convention``.
+
+    Args:
+        lse: the peer's natural-log LSE. Without the sink (``sink_included=False``: FlashMLA,
+            SGLang's torch path) an empty row may be ``+inf`` (FlashMLA's "lonely query") or
+            ``-inf`` (SGLang's ``logsumexp`` of nothing): both mean "no candidate". With the sink
+            (``sink_included=True``: SGLang's Triton path, ``logaddexp(lse, sink)``) an empty row
+            equals the sink.
+        sink_included: whether ``lse`` already holds the sink.
+        attn_sink: ``[H]`` fp32 sink logits or ``None``.
+        lse_convention: ``"flashinfer"`` (base 2, sink included, times ``lse_scale``; empty
+            row ``-inf`` or ``sink * log2(e)``) or ``"flashmla"`` (natural log, sink excluded,
+            empty row ``+inf``); ``attention.conventions``.
+        lse_scale: the FlashInfer convention's factor.
+
+    Returns:
+        fp32 ``[T, H]``. Computed in float64. Removing the sink from a sink-including LSE,
+        ``ln(e**lse - e**sink)``, loses digits when the sink dominates (the peer rounded ``lse``
+        to fp32 first); a row whose ``lse`` rounded to the sink is reported as empty.
+    """
+    import torch
+
+    x = lse.to(torch.float64)
+    sink = None if attn_sink is None else attn_sink.to(device=x.device, dtype=torch.float64).unsqueeze(0)
+    if sink_included:
+        total = x
+        if sink is None:
+            excluded = x
+        else:
+            gap = torch.clamp(sink - total, max=0.0)  # rounding can put the sink a hair above total
+            excluded = torch.where(torch.isneginf(total), total, total + torch.log(-torch.expm1(gap)))
+    else:
+        excluded = torch.where(torch.isposinf(x), torch.full_like(x, -math.inf), x)
+        total = excluded if sink is None else torch.logaddexp(excluded, sink.expand_as(excluded))
+    if lse_convention == "flashinfer":
+        out = total / math.log(2.0) * lse_scale
+    else:
+        out = torch.where(torch.isneginf(excluded) | torch.isnan(excluded), math.inf, excluded)
+    return out.to(torch.float32)

@@ -1,0 +1,426 @@
+"""Built-in ``flashmla``: adapter over DeepSeek's FlashMLA sparse kernels (deepseek-ai/FlashMLA),
+imported from the built package (``import flash_mla``, its ``flash_mla.cuda`` extension).
+
+FlashMLA is not on a package index: build it from its source with CUTLASS at the commit it pins,
+e.g. for an H100/H200 ``FLASH_MLA_DISABLE_SM100=1 python setup.py build_ext --inplace`` (CUDA 13
+also needs ``$CUDA_HOME/include/cccl`` on ``CPLUS_INCLUDE_PATH``), then put the source directory on
+``PYTHONPATH`` (README, "Run the suites against SGLang or FlashMLA"; ``scripts/device_conformance.sh``).
+
+Routes (``route`` of the result), split at FlashInfer's decode cutoff like the bundled reference:
+
+* ``T <= 64``: **sparse decode**, ``flash_mla.flash_mla_with_kvcache(q [T, 1, H, d_qk], k_cache
+  [P, ps, 1, B], None, None, 512, get_mla_metadata()[0], None, softmax_scale, False,
+  is_fp8_kvcache=True, indices [T, 1, topk], attn_sink, extra_k_cache, extra_indices_in_kvcache,
+  topk_length, extra_topk_length)``: one "batch" per query token with ``s_q = 1``, so every token
+  has its own index row and ``topk_length``. The model type follows ``d_qk``: 512 = ``MODEL1`` (the
+  DSV4 584 B footer cache), 576 = ``V32`` (the DSV3.2 656 B inline cache). SM90 kernel
+  ``csrc/sm90/decode/sparse_fp8``: dequantizes to BF16, BF16 matrix products, fp32 split-K
+  partials combined by ``csrc/smxx/decode/combine``.
+* ``T > 64``: **sparse prefill**, ``flash_mla.flash_mla_sparse_fwd(q [T, H, d_qk], kv [N, 1, d_qk]
+  BF16, indices [T, 1, topk'], sm_scale, 512, attn_sink, topk_length)``. It reads a BF16 latent
+  table, not a packed cache, so the adapter dequantizes the packed caches with
+  ``formats.unpack_dequantize`` (exact: an E4M3 code times a power of two is a BF16 number) and,
+  with an extra cache, appends the extra table after the main one and shifts valid extra indices
+  by the main token count (FlashMLA's prefill has no extra cache; this is the "virtual table" of
+  FlashInfer's test reference). Index rows are padded with ``-1`` to a multiple of 128 (the kernel
+  asserts ``topk % (2*B_TOPK) == 0``); with an extra cache the two rows are joined and lanes past
+  ``topk_length`` / ``extra_topk_length`` become ``-1`` (one row has one prefix length), else
+  ``topk_length`` goes to the kernel.
+
+LSE: FlashMLA returns natural log without the sink, ``+inf`` for a row with no valid candidate
+(``(batch, heads, s_q)`` from decode, ``[s_q, heads]`` from prefill); :func:`_peer.lse_to_convention`
+converts it to the requested convention.
+
+What the adapter declares (``DECODE_DECLARATION``, ``PREFILL_DECLARATION``; source files above and
+``csrc/api/sparse_decode.h``, ``csrc/api/sparse_fwd.h``, ``flash_mla/flash_mla_interface.py``):
+``num_heads`` 64 or 128; ``topk`` and ``extra_topk`` multiples of 64; ``num_tokens >= 1``; the decode
+of DSV3.2 (V32) takes neither an extra cache nor ``topk_length``; the token stride must be exactly
+the format's bytes; CUDA on SM90 (this build) or SM100. It refuses with :class:`UnsafeForPeer` what
+the kernels would turn into out-of-bounds accesses instead of masking: a negative index other than
+``-1`` inside the valid prefix of a decode row (the decode kernel masks only ``-1``; README "Set
+invalid indices to -1"), a ``topk_length`` outside ``[0, topk]`` (FlashMLA does not clamp it: it
+sizes the work from the raw value), and decode index rows that do not start on an 8-byte boundary
+(the kernel reads index pairs as ``int2``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from typing import Any
+
+from pytest_sparse_mla import capabilities
+from pytest_sparse_mla.implementations._peer import (
+    PeerDeclaration,
+    PeerResult,
+    UnsafeForPeer,
+    UnsupportedByPeer,
+    check_valid_lanes_in_range,
+    index_rows,
+    lse_to_convention,
+    nhd_view,
+    valid_lanes,
+)
+
+__all__ = [
+    "FlashMlaImplementation",
+    "DECODE_DECLARATION",
+    "PREFILL_DECLARATION",
+    "flash_mla_module",
+]
+
+#: FlashMLA's top-k tile (``TOPK_BLOCK_SIZE`` of the decode, ``B_TOPK`` of the prefill).
+TOPK_TILE = 64
+#: The prefill kernel's index-row multiple (``topk % (2*B_TOPK) == 0``).
+PREFILL_ROW_MULTIPLE = 128
+_HINT = "build deepseek-ai/FlashMLA and put it on PYTHONPATH (README, 'Run the suites against SGLang or FlashMLA')"
+
+DECODE_DECLARATION = PeerDeclaration(
+    peer="FlashMLA flash_mla_with_kvcache (sparse FP8 decode)",
+    formats=("dsv4", "dsv3_2"),
+    num_heads=(64, 128),
+    topk_multiple=TOPK_TILE,
+    extra_cache_formats=("dsv4",),
+    topk_length_formats=("dsv4",),
+    masked_indices="minus_one",
+    lanes_past_topk_length="ignored",
+    lse="natural log, sink excluded, empty row +inf, (batch, heads, s_q)",
+    devices=("cuda",),
+    min_tokens=1,
+    notes=(
+        "used for num_tokens <= 64, one batch entry per token (s_q = 1)",
+        "MODEL1 (d_qk 512) = DSV4 584 B cache, any page size; V32 (d_qk 576) = DSV3.2 656 B cache "
+        "with no extra cache and no topk_length (KU_ASSERT in csrc/sm90/decode/sparse_fp8/splitkv_mla.cuh)",
+        "only -1 masks a lane; other negatives are refused as unsafe (they become huge page indices)",
+        "topk_length must lie in [0, topk]; index rows must start on 8-byte boundaries (int2 loads)",
+        "BF16 dequantization and matrix products, fp32 split-K partials",
+    ),
+)
+
+PREFILL_DECLARATION = PeerDeclaration(
+    peer="FlashMLA flash_mla_sparse_fwd (sparse BF16 prefill)",
+    formats=("dsv4", "dsv3_2"),
+    num_heads=(64, 128),
+    topk_multiple=TOPK_TILE,
+    extra_cache_formats=("dsv4", "dsv3_2"),
+    topk_length_formats=("dsv4", "dsv3_2"),
+    masked_indices="negative",
+    lanes_past_topk_length="ignored",
+    lse="natural log, sink excluded, empty row +inf, [s_q, heads]",
+    devices=("cuda",),
+    min_tokens=1,
+    notes=(
+        "used for num_tokens > 64; reads a BF16 table: the adapter dequantizes the packed caches "
+        "(exact) and appends the extra table after the main one",
+        "index rows padded with -1 to a multiple of 128; with an extra cache, lanes past the "
+        "lengths are set to -1 by the adapter",
+        "any negative index or one >= the table size masks a lane (README 'Invalid indices')",
+    ),
+)
+
+
+def flash_mla_module() -> Any:
+    """``import flash_mla`` (the built package with its ``flash_mla.cuda`` extension).
+
+    Raises:
+        ImportError: FlashMLA is not on the path, or its extension does not load (e.g. built for
+            another torch).
+    """
+    return importlib.import_module("flash_mla")
+
+
+def _find_flash_mla() -> bool:
+    try:
+        return importlib.util.find_spec("flash_mla") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+class FlashMlaImplementation:
+    """Built-in ``flashmla`` (see the module docstring for the routes, mapping and refusals)."""
+
+    name = "flashmla"
+    compute_mode = "bf16"
+    declarations = {"decode": DECODE_DECLARATION, "prefill": PREFILL_DECLARATION}
+
+    # ---- capability checks
+
+    def skip_reason(self, capability: str, device: str) -> str | None:
+        """Why FlashMLA cannot run here: not built/importable, not CUDA, or a GPU it has no kernels for."""
+        if capability != "sparse_mla_forward":
+            return None
+        if not _find_flash_mla():
+            return f"flashmla adapter: flash_mla is not importable ({_HINT})"
+        if device != "cuda":
+            return f"flashmla adapter: FlashMLA's kernels need CUDA tensors; the suites run on {device}"
+        caps = capabilities.probe()
+        if caps.compute_capability is None or caps.compute_capability[0] not in (9, 10):
+            return f"flashmla adapter: the sparse kernels need SM90a or SM100f; found {caps.sm} ({caps.device_name})"
+        try:
+            flash_mla_module()
+        except ImportError as exc:
+            return f"flashmla adapter: import flash_mla failed ({exc})"
+        return None
+
+    def unsupported_reason(self, capability: str, *args: Any, **kwargs: Any) -> str | None:
+        """Why FlashMLA cannot take this call (same arguments as the call), or ``None``.
+
+        Only shapes, formats and devices are read (no host sync); the call raises
+        :class:`UnsupportedByPeer` with the same text.
+        """
+        if capability != "sparse_mla_forward":
+            return f"flashmla provides no {capability!r}"
+        return self._forward_reason(*args, **kwargs)
+
+    @staticmethod
+    def route(num_tokens: int) -> str:
+        """``"decode"`` (``flash_mla_with_kvcache``) iff ``num_tokens <= 64``, else ``"prefill"``."""
+        from pytest_sparse_mla.attention.conventions import DECODE_MAX_TOKENS
+
+        return "decode" if num_tokens <= DECODE_MAX_TOKENS else "prefill"
+
+    def _forward_reason(
+        self,
+        q: Any,
+        kv_cache: Any,
+        indices: Any,
+        *,
+        fmt: str = "dsv4",
+        topk_length: Any = None,
+        extra_indices: Any = None,
+        extra_topk_length: Any = None,
+        **_: Any,
+    ) -> str | None:
+        from pytest_sparse_mla import formats
+
+        f = formats.get_format(fmt)
+        shape = tuple(getattr(q, "shape", ()))
+        num_tokens = int(shape[0]) if shape else 0
+        idx_shape = tuple(getattr(indices, "shape", ()))
+        extra_shape = tuple(getattr(extra_indices, "shape", ())) if extra_indices is not None else None
+        decl = self.declarations[self.route(num_tokens)]
+        reason = decl.forward_reason(
+            fmt=f.name,
+            num_tokens=num_tokens,
+            num_heads=int(shape[1]) if len(shape) > 1 else 0,
+            topk=int(idx_shape[-1]) if idx_shape else 0,
+            extra_topk=int(extra_shape[-1]) if extra_shape else None,
+            has_topk_length=topk_length is not None or extra_topk_length is not None,
+            device=str(getattr(getattr(q, "device", None), "type", "cpu")),
+        )
+        if reason is None and isinstance(getattr(kv_cache, "shape", None), tuple) and kv_cache.dim() >= 3:
+            token_axis = 2 if kv_cache.dim() == 4 and kv_cache.shape[1] == 1 else 1
+            if kv_cache.shape[token_axis] > 1 and kv_cache.stride(token_axis) != f.bytes_per_token:
+                reason = (
+                    f"{decl.peer} needs token rows of exactly {f.bytes_per_token} bytes "
+                    f"(stride(1) == bytes_per_token); kv_cache.stride({token_axis})={kv_cache.stride(token_axis)}"
+                )
+        return reason
+
+    # ---- the forward
+
+    def sparse_mla_forward(
+        self,
+        q: Any,
+        kv_cache: Any,
+        indices: Any,
+        *,
+        sm_scale: float,
+        fmt: str = "dsv4",
+        page_block_size: int | None = None,
+        topk_length: Any = None,
+        attn_sink: Any = None,
+        extra_kv_cache: Any = None,
+        extra_indices: Any = None,
+        extra_topk_length: Any = None,
+        extra_page_block_size: int | None = None,
+        lse_convention: str = "flashinfer",
+        lse_scale: float = 1.0,
+        grid_release: str | None = None,
+        chunk_tokens: int | None = None,
+        return_fp32: bool = False,
+        backend: str | None = None,
+    ) -> PeerResult:
+        """Run FlashMLA with the reference forward's signature (routes in the module docstring).
+
+        ``grid_release``, ``chunk_tokens`` and ``backend`` are ignored.
+
+        Returns:
+            :class:`PeerResult` with FlashMLA's BF16 output ``[T, H, 512]``, its LSE converted to
+            ``lse_convention``, ``route`` ``"decode"`` or ``"prefill"``.
+
+        Raises:
+            UnsupportedByPeer: as :meth:`unsupported_reason`.
+            UnsafeForPeer: the inputs the module docstring lists.
+            ValueError: ``return_fp32=True``; a bad LSE convention; a cache ``formats.parse_cache``
+                refuses; index rows not ``[T, topk]``; a valid lane past its cache.
+            ImportError: flash_mla does not import.
+            Whatever FlashMLA raises (``RuntimeError`` from its ``TORCH_CHECK`` / ``KU_ASSERT``).
+        """
+        from pytest_sparse_mla.attention.conventions import check_lse_convention
+
+        del grid_release, chunk_tokens, backend
+        lse_convention, lse_scale = check_lse_convention(lse_convention, lse_scale)
+        if return_fp32:
+            raise ValueError("return_fp32=True: FlashMLA returns a BF16 output only")
+        reason = self._forward_reason(
+            q, kv_cache, indices, fmt=fmt, topk_length=topk_length,
+            extra_indices=extra_indices, extra_topk_length=extra_topk_length,
+        )  # fmt: skip
+        if reason is not None:
+            raise UnsupportedByPeer(f"flashmla: {reason}")
+        num_tokens = int(q.shape[0])
+        kv4, layout = nhd_view(kv_cache, fmt, page_block_size, "kv_cache")
+        idx = index_rows(indices, "indices", num_tokens)
+        self._check_lengths(topk_length, idx.shape[1], "topk_length")
+        check_valid_lanes_in_range(idx, topk_length, layout.num_tokens, "indices")
+        extra = None
+        if extra_kv_cache is not None or extra_indices is not None:
+            if extra_kv_cache is None or extra_indices is None:
+                raise ValueError(
+                    "extra_kv_cache and extra_indices must be provided together (FlashMLA: "
+                    "'extra_indices_in_kvcache must be provided when extra_kcache is provided')"
+                )
+            ekv4, elayout = nhd_view(extra_kv_cache, fmt, extra_page_block_size, "extra_kv_cache")
+            eidx = index_rows(extra_indices, "extra_indices", num_tokens)
+            self._check_lengths(extra_topk_length, eidx.shape[1], "extra_topk_length")
+            check_valid_lanes_in_range(eidx, extra_topk_length, elayout.num_tokens, "extra_indices")
+            extra = (extra_kv_cache, ekv4, elayout, eidx)
+        route = self.route(num_tokens)
+        if route == "decode":
+            out, lse, entry = self._decode(
+                q, kv4, idx, topk_length, attn_sink, extra, extra_topk_length, float(sm_scale)
+            )
+        else:
+            out, lse, entry = self._prefill(
+                q, kv_cache, layout, idx, topk_length, attn_sink, extra, extra_topk_length, float(sm_scale)
+            )
+        lse = lse_to_convention(
+            lse, sink_included=False, attn_sink=attn_sink, lse_convention=lse_convention, lse_scale=lse_scale
+        )
+        return PeerResult(out, lse, route, entry)
+
+    @staticmethod
+    def _check_lengths(length: Any, topk: int, name: str) -> None:
+        if length is None:
+            return
+        bad = (length < 0) | (length > topk)
+        if bool(bad.any()):
+            t = int(bad.nonzero()[0, 0])
+            raise UnsafeForPeer(
+                f"flashmla: {name}[{t}]={int(length[t])} outside [0, {topk}]; FlashMLA does not clamp "
+                "it (flash_mla_interface.py: 'only the leftmost topk_length indices will be processed'), "
+                "its kernels size the work and read index lanes from the raw value"
+            )
+
+    @staticmethod
+    def _check_decode_rows(idx: Any, length: Any, name: str) -> None:
+        if idx.stride(0) % 2 or idx.data_ptr() % 8:
+            raise UnsafeForPeer(
+                f"flashmla: {name} rows start at {idx.data_ptr()} with row stride {idx.stride(0)}; "
+                "FlashMLA's decode reads index pairs as int2, so every row must start on an 8-byte boundary"
+            )
+        prefix = valid_lanes(idx.clamp(min=0), length)  # lanes inside the valid prefix
+        bad = prefix & (idx < -1)
+        if bool(bad.any()):
+            t, j = (int(v) for v in bad.nonzero()[0])
+            raise UnsafeForPeer(
+                f"flashmla: {name}[{t}, {j}]={int(idx[t, j])}; FlashMLA's sparse decode masks only -1 "
+                "(README: 'Set invalid indices to -1'; csrc/sm90/decode/sparse_fp8/splitkv_mla.cuh "
+                "token_index == -1) and reads any other negative value as page (uint32)index/page_size, "
+                "out of bounds (the project masks every negative index)"
+            )
+
+    def _decode(
+        self,
+        q: Any,
+        kv4: Any,
+        idx: Any,
+        topk_length: Any,
+        attn_sink: Any,
+        extra: Any,
+        extra_topk_length: Any,
+        sm_scale: float,
+    ) -> tuple[Any, Any, str]:
+        flash_mla = flash_mla_module()
+        self._check_decode_rows(idx, topk_length, "indices")
+        extra_kv4 = extra_idx3 = None
+        if extra is not None:
+            _, extra_kv4, _, eidx = extra
+            self._check_decode_rows(eidx, extra_topk_length, "extra_indices")
+            extra_idx3 = eidx.unsqueeze(1)
+        sched, _ = flash_mla.get_mla_metadata()
+        out, lse = flash_mla.flash_mla_with_kvcache(
+            q.unsqueeze(1),
+            kv4,
+            None,
+            None,
+            512,
+            sched,
+            None,
+            softmax_scale=sm_scale,
+            causal=False,
+            is_fp8_kvcache=True,
+            indices=idx.unsqueeze(1),
+            attn_sink=attn_sink,
+            extra_k_cache=extra_kv4,
+            extra_indices_in_kvcache=extra_idx3,
+            topk_length=None if topk_length is None else topk_length.contiguous(),
+            extra_topk_length=None if extra_topk_length is None else extra_topk_length.contiguous(),
+        )
+        return out[:, 0], lse[:, :, 0], "flash_mla.flash_mla_with_kvcache"
+
+    def _prefill(
+        self,
+        q: Any,
+        kv_cache: Any,
+        layout: Any,
+        idx: Any,
+        topk_length: Any,
+        attn_sink: Any,
+        extra: Any,
+        extra_topk_length: Any,
+        sm_scale: float,
+    ) -> tuple[Any, Any, str]:
+        import torch
+
+        from pytest_sparse_mla import formats
+
+        flash_mla = flash_mla_module()
+        d_qk = layout.fmt.d_qk
+        table = formats.unpack_dequantize(
+            kv_cache, layout.fmt, page_block_size=layout.page_block_size, dtype=torch.bfloat16
+        )
+        tables = [table.reshape(-1, d_qk)]
+        rows = idx
+        length = topk_length
+        if extra is not None:
+            extra_cache, _, elayout, eidx = extra
+            etable = formats.unpack_dequantize(
+                extra_cache, layout.fmt, page_block_size=elayout.page_block_size, dtype=torch.bfloat16
+            )
+            tables.append(etable.reshape(-1, d_qk))
+            minus_one = torch.full_like(idx, -1)
+            main_rows = torch.where(valid_lanes(idx, topk_length), idx, minus_one)
+            extra_rows = torch.where(valid_lanes(eidx, extra_topk_length), eidx + layout.num_tokens, -1)
+            rows = torch.cat([main_rows, extra_rows.to(idx.dtype)], dim=1)
+            length = None
+        width = -(-rows.shape[1] // PREFILL_ROW_MULTIPLE) * PREFILL_ROW_MULTIPLE
+        if width != rows.shape[1]:
+            padded = torch.full((rows.shape[0], width), -1, dtype=torch.int32, device=rows.device)
+            padded[:, : rows.shape[1]] = rows
+            rows = padded
+        kv = torch.cat(tables, dim=0).unsqueeze(1) if len(tables) > 1 else tables[0].unsqueeze(1)
+        out, _max_logits, lse = flash_mla.flash_mla_sparse_fwd(
+            q,
+            kv,
+            rows.unsqueeze(1),
+            sm_scale,
+            512,
+            attn_sink,
+            None if length is None else length.contiguous(),
+        )
+        return out, lse, "flash_mla.flash_mla_sparse_fwd"
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r}>"

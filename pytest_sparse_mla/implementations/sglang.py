@@ -1,0 +1,613 @@
+"""Built-ins ``sglang-triton`` and ``sglang-torch``: adapters over SGLang's DeepSeek-V4 sparse-MLA
+fallbacks, loaded from the installed ``sglang`` wheel (``pip install --no-deps sglang==0.5.23``).
+
+What runs (sgl-project/sglang, files of the installed package):
+
+* ``sglang-triton``: ``flash_mla_sparse_decode_triton`` of
+  ``sglang/kernels/ops/attention/flash_mla_sm120_triton.py``: a tiled Triton decode kernel, grid
+  ``(T, H)``, fp32 math on the 584 B footer cache; the main and the extra cache run as two launches
+  whose BF16 outputs are merged by LSE, then the sink scales the merged output (its LSE: natural
+  log, sink *included*, ``[T, H, 1]``).
+* ``sglang-torch``: ``_sm120_sparse_decode_fwd`` of ``sglang/kernels/ops/attention/flash_mla_sm120.py``:
+  gather + dequantize (NoPE to BF16) + fp32 einsum over main and extra candidates in one softmax
+  (its LSE: natural log, sink *excluded*, ``-inf`` for an empty row, ``[T, H, 1]``).
+* ``page_split`` (both adapters): ``_split_kv_pages_to_64`` of ``flash_mla_sm120.py`` with its
+  ``_page_mark_kernel`` (touched pages) and ``_page_split_kernel`` (8-byte lanes), the split SGLang
+  runs before FlashInfer's SM120 kernels (PR #27455, #32320), byte for byte as installed.
+
+Both paths are the bodies ``flash_mla_with_kvcache_sm120`` dispatches to
+(``SGLANG_SM120_FLASHMLA_BACKEND=triton|torch``); the adapters call them with the arguments that
+dispatcher passes: ``q [T, 1, H, 512]``, ``k_cache [P, ps, 1, 584]`` (page size ``shape[1]``, page
+stride ``stride(0)``), ``indices [T, 1, topk]``, ``topk_length [T]``, ``attn_sink [H]``,
+``head_dim_v=512``, ``softmax_scale``, then the extra cache, indices and length.
+
+How the peer is loaded without SGLang's server stack. ``import sglang`` runs its ``__init__``, which
+pulls the whole serving runtime (transformers patches, msgspec, the language frontend, ...). The
+adapters never import ``sglang``: :func:`sglang_root` finds the installed package directory with
+``importlib.util.find_spec("sglang")`` (which does not execute it), and :func:`load_module` executes
+the two files with ``importlib.util.spec_from_file_location`` under private names
+(``_sparse_mla_peer_sglang.<file>``). ``flash_mla_sm120_triton.py`` imports only torch and triton.
+``flash_mla_sm120.py`` also imports ``sglang.srt.environ.envs``, ``sglang.srt.utils.is_hip`` at
+import time and ``sglang.srt.runtime_context.get_resources`` inside the split; while it is executed
+and while the split runs, :func:`_sglang_stubs` puts small stand-ins for exactly those three modules
+(and empty parent packages) into ``sys.modules``, only under names not already imported, and removes
+them afterwards: ``envs.SGLANG_SM120_FLASHMLA_BACKEND.get()`` returns ``"torch"`` (the dispatcher is
+not used), ``is_hip()`` is ``False`` and ``get_resources().buffers`` is a dict view of the caller's
+``page_split.BufferRegistry`` (SGLang's keys ``flash_mla_sm120_split:{dev}`` and
+``flash_mla_sm120_mask:{dev}`` are the project's keys for ``key_suffix=""``). This is the way
+SGLang's own CPU unit test of the split scratch loads the module (sgl-project/sglang PR #39288,
+``test_sm120_split_scratch.py``: module loaded by path with stubbed ``sglang`` packages).
+
+Triton decides at decoration time whether kernels are compiled or interpreted; like
+``capabilities.load_triton_kernels``, the loader sets ``TRITON_INTERPRET=1`` before executing the
+files when it is unset and torch sees no CUDA device, so both adapters also run on a CPU.
+
+Mapping and refusals (each adapter's ``declaration`` and ``unsupported_reason``): DSV4 only (the
+kernels hard-code 448 + 64 dims and the footer layout); any head count, top-k width and page size.
+The adapter reads the cache geometry through ``formats.parse_cache`` (the project's 2-D, 3-D and HND
+forms become the NHD view SGLang reads, same bytes, storage offset and page stride), refuses a valid
+lane past the cache (``ValueError``, undefined behaviour in every peer), and for ``sglang-torch``
+refuses a lane *past* ``topk_length`` that holds an out-of-range index (:class:`UnsafeForPeer`: the
+torch path gathers every lane before masking, so on CUDA such a lane is a device-side assert that
+ends the test session). The split refuses ``key_suffix`` (SGLang has one scratch per device),
+another ``dst_page_stride`` than 37,440 and, outside CUDA-graph capture, touched indices past the
+pool (SGLang's mark kernel stores ``mask[t // ps]`` without a bound). Everything else is SGLang's
+own behaviour, judged by the suites.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import os
+import sys
+import types
+from collections.abc import Iterator, MutableMapping
+from pathlib import Path
+from typing import Any
+
+from pytest_sparse_mla import capabilities
+from pytest_sparse_mla.implementations._peer import (
+    PeerDeclaration,
+    PeerResult,
+    UnsafeForPeer,
+    UnsupportedByPeer,
+    check_valid_lanes_in_range,
+    index_rows,
+    lse_to_convention,
+    nhd_view,
+    valid_lanes,
+)
+
+__all__ = [
+    "SGLANG_FILES",
+    "SglangTritonImplementation",
+    "SglangTorchImplementation",
+    "sglang_root",
+    "sglang_version",
+    "load_module",
+    "TRITON_DECLARATION",
+    "TORCH_DECLARATION",
+    "SPLIT_DECLARATION",
+]
+
+#: Files of the installed ``sglang`` package the adapters execute (relative to its directory).
+SGLANG_FILES: dict[str, str] = {
+    "flash_mla_sm120_triton": "kernels/ops/attention/flash_mla_sm120_triton.py",
+    "flash_mla_sm120": "kernels/ops/attention/flash_mla_sm120.py",
+}
+_PRIVATE_PREFIX = "_sparse_mla_peer_sglang."
+#: SGLang's split destination page stride (``_BYTES_PER_DST_PAGE_PADDED``), fixed.
+_SGLANG_DST_PAGE_STRIDE = 37_440
+_INSTALL_HINT = "pip install --no-deps sglang==0.5.23"
+
+SPLIT_DECLARATION = (
+    "SGLang _split_kv_pages_to_64 (flash_mla_sm120.py): uint8 DSV4 cache of 128/256-token pages "
+    "(any page stride that is a multiple of 8) -> [P*ps/64, 64, 1, 584] views of one grow-only "
+    "torch.empty scratch per device (destination stride 37,440, no key_suffix); touched pages from "
+    "int32/int64 indices through _page_mark_kernel (indices must stay below num_pages*ps)"
+)
+
+_COMMON_NOTES = (
+    "DSV4 (584 B footer layout) only: the kernels hard-code 448 NoPE + 64 RoPE dims",
+    "no argument validation of its own (internal SGLang functions); the adapter checks only what "
+    "it reads to map the call (cache geometry, index rows) and lanes past the cache",
+)
+
+TRITON_DECLARATION = PeerDeclaration(
+    peer="SGLang flash_mla_sparse_decode_triton",
+    formats=("dsv4",),
+    num_heads=None,
+    topk_multiple=1,
+    extra_cache_formats=("dsv4",),
+    topk_length_formats=("dsv4",),
+    masked_indices="negative",
+    lanes_past_topk_length="ignored",
+    lse="natural log, sink included (logaddexp(lse, sink)), empty row -inf without a sink, [T, H, 1]",
+    devices=("cuda",),
+    page_split=SPLIT_DECLARATION,
+    notes=_COMMON_NOTES
+    + (
+        "fp32 math; main and extra cache attended by two launches, each output rounded to BF16, "
+        "merged by LSE (rounded again), then scaled by the sink (rounded again)",
+        "CUDA only: _tiled_sparse_decode_kernel is @triton.autotune'd and Triton's autotuner needs a "
+        "GPU driver even under TRITON_INTERPRET=1 (the page split runs interpreted on a CPU)",
+    ),
+)
+
+TORCH_DECLARATION = PeerDeclaration(
+    peer="SGLang _sm120_sparse_decode_fwd",
+    formats=("dsv4",),
+    num_heads=None,
+    topk_multiple=1,
+    extra_cache_formats=("dsv4",),
+    topk_length_formats=("dsv4",),
+    masked_indices="negative",
+    lanes_past_topk_length="gathered",
+    lse="natural log, sink excluded, empty row -inf, [T, H, 1]",
+    devices=("cuda", "cpu"),
+    page_split=SPLIT_DECLARATION,
+    notes=_COMMON_NOTES
+    + (
+        "NoPE dequantized to BF16 (exact), fp32 einsum over main + extra in one softmax, output rounded to BF16 once",
+        "gathers every lane (negatives clamped to 0, lanes past topk_length too) before masking: "
+        "those lanes must hold indices inside the cache",
+    ),
+)
+
+
+# --------------------------------------------------------------------------- loading the peer
+
+
+def sglang_root() -> Path:
+    """Directory of the installed ``sglang`` package, found without importing it.
+
+    Raises:
+        ImportError: sglang is not installed (or is not a regular package).
+    """
+    module = sys.modules.get("sglang")
+    spec = getattr(module, "__spec__", None) if module is not None else None
+    if spec is None:
+        try:
+            spec = importlib.util.find_spec("sglang")
+        except (ImportError, ValueError):
+            spec = None
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    if not locations:
+        raise ImportError(f"sglang is not installed ({_INSTALL_HINT})")
+    return Path(locations[0])
+
+
+def sglang_version() -> str | None:
+    """The installed sglang distribution's version (package metadata), or ``None``."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("sglang")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+class _Setting:
+    def __init__(self, value: Any) -> None:
+        self._value = value
+
+    def get(self) -> Any:
+        return self._value
+
+
+class _Envs:
+    """Stand-in for ``sglang.srt.environ.envs``: the only setting read is the SM120 backend."""
+
+    SGLANG_SM120_FLASHMLA_BACKEND = _Setting("torch")
+
+
+class _Resources:
+    def __init__(self, buffers: MutableMapping[str, Any]) -> None:
+        self.buffers = buffers
+
+
+class _RegistryBuffers(MutableMapping[str, Any]):
+    """SGLang's ``get_resources().buffers`` dict, backed by a ``page_split.BufferRegistry``.
+
+    A key ``"<name>:<device>"`` is ``registry.lookup(name, device)``; storing a tensor installs it
+    and records it in ``registry.allocation_log`` (SGLang allocates it, with ``torch.empty``).
+    """
+
+    def __init__(self, registry: Any) -> None:
+        self.registry = registry
+
+    @staticmethod
+    def _split(key: str) -> tuple[str, str]:
+        name, _, device = key.partition(":")
+        return name, device
+
+    def __getitem__(self, key: str) -> Any:
+        buf = self.registry.lookup(*self._split(key))
+        if buf is None:
+            raise KeyError(key)
+        return buf
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        name, device = self._split(key)
+        self.registry.install(name, device, value)
+        self.registry.allocation_log.append((key, tuple(value.shape), value.dtype))
+
+    def __delitem__(self, key: str) -> None:
+        self.registry.discard(*self._split(key))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.registry.keys())
+
+    def __len__(self) -> int:
+        return len(self.registry.keys())
+
+
+_CURRENT_BUFFERS: list[MutableMapping[str, Any]] = []
+
+
+def _get_resources() -> _Resources:
+    if not _CURRENT_BUFFERS:
+        raise RuntimeError("SGLang's split ran outside the adapter (no buffer registry bound)")
+    return _Resources(_CURRENT_BUFFERS[-1])
+
+
+def _stub_modules() -> dict[str, types.ModuleType]:
+    def package(name: str) -> types.ModuleType:
+        mod = types.ModuleType(name, "pytest-sparse-mla stand-in (see pytest_sparse_mla.implementations.sglang)")
+        mod.__path__ = []
+        return mod
+
+    environ = types.ModuleType("sglang.srt.environ")
+    environ.envs = _Envs()  # type: ignore[attr-defined]
+    utils = package("sglang.srt.utils")
+    utils.is_hip = lambda: False  # type: ignore[attr-defined]
+    runtime_context = types.ModuleType("sglang.srt.runtime_context")
+    runtime_context.get_resources = _get_resources  # type: ignore[attr-defined]
+    return {
+        "sglang": package("sglang"),
+        "sglang.srt": package("sglang.srt"),
+        "sglang.srt.environ": environ,
+        "sglang.srt.utils": utils,
+        "sglang.srt.runtime_context": runtime_context,
+    }
+
+
+@contextlib.contextmanager
+def _sglang_stubs(buffers: MutableMapping[str, Any] | None = None) -> Iterator[None]:
+    """Put the stand-in modules under names not yet in ``sys.modules``; bind ``buffers`` as
+    ``get_resources().buffers``; undo both on exit."""
+    added = []
+    for name, module in _stub_modules().items():
+        if name not in sys.modules:
+            sys.modules[name] = module
+            added.append(name)
+    if buffers is not None:
+        _CURRENT_BUFFERS.append(buffers)
+    try:
+        yield
+    finally:
+        if buffers is not None:
+            _CURRENT_BUFFERS.pop()
+        for name in added:
+            sys.modules.pop(name, None)
+
+
+@functools.cache
+def load_module(which: str) -> types.ModuleType:
+    """Execute the installed SGLang file ``SGLANG_FILES[which]`` under a private module name.
+
+    Sets ``TRITON_INTERPRET=1`` first when it is unset and torch sees no CUDA device (module
+    docstring). Records ``INTERPRETED`` on the module.
+
+    Raises:
+        ImportError: sglang (or triton) is not installed, or the file is missing from it.
+        KeyError: ``which`` is not a key of :data:`SGLANG_FILES`.
+    """
+    path = sglang_root() / SGLANG_FILES[which]
+    if not path.is_file():
+        raise ImportError(f"the installed sglang has no {SGLANG_FILES[which]} (looked at {path})")
+    if "TRITON_INTERPRET" not in os.environ and not capabilities.probe().cuda_available:
+        os.environ["TRITON_INTERPRET"] = "1"
+    name = _PRIVATE_PREFIX + which
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:  # pragma: no cover - a .py path always has a loader
+        raise ImportError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        with _sglang_stubs():
+            spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
+    module.INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"  # type: ignore[attr-defined]
+    return module
+
+
+# --------------------------------------------------------------------------- the adapters
+
+
+class _SglangBase:
+    """Shared mapping of both SGLang adapters (see the module docstring)."""
+
+    name = "sglang"
+    compute_mode = "bf16"
+    declaration: PeerDeclaration = TRITON_DECLARATION
+    #: key of :data:`SGLANG_FILES` holding the forward, its function name, whether its LSE has the sink.
+    _forward_file = "flash_mla_sm120_triton"
+    _forward_function = "flash_mla_sparse_decode_triton"
+    _lse_has_sink = True
+    _device_note = (
+        "its decode kernel is @triton.autotune'd, and the autotuner times configs on a GPU driver "
+        "even under TRITON_INTERPRET=1"
+    )
+
+    # ---- capability checks
+
+    def _load_reason(self, which: str) -> str | None:
+        try:
+            load_module(which)
+        except ImportError as exc:
+            return f"{self.name} adapter: {exc}"
+        return None
+
+    def _triton_reason(self, device: str) -> str | None:
+        module = load_module("flash_mla_sm120")
+        if device == "cpu" and not module.INTERPRETED:
+            return "SGLang's Triton kernels on CPU tensors need TRITON_INTERPRET=1 before the first call"
+        if device == "cuda" and module.INTERPRETED:
+            return "SGLang's Triton kernels were decorated under TRITON_INTERPRET=1 (CPU tensors only)"
+        return None
+
+    def skip_reason(self, capability: str, device: str) -> str | None:
+        """Why ``capability`` cannot run on ``device`` here: sglang missing, a device the path does
+        not run on, or Triton kernels compiled vs interpreted not matching the device."""
+        if capability == "page_split":
+            return self._load_reason("flash_mla_sm120") or self._triton_reason(device)
+        if capability != "sparse_mla_forward":
+            return None
+        reason = self._load_reason("flash_mla_sm120") or self._load_reason(self._forward_file)
+        if reason is not None:
+            return reason
+        if device not in self.declaration.devices:
+            return f"{self.declaration.peer} runs on {'/'.join(self.declaration.devices)} only ({self._device_note})"
+        return self._triton_reason(device) if self._forward_file.endswith("triton") else None
+
+    def unsupported_reason(self, capability: str, *args: Any, **kwargs: Any) -> str | None:
+        """Why the peer cannot take this call of ``capability`` (same arguments as the call), or ``None``.
+
+        Suites may ``pytest.skip`` with it; the call itself raises :class:`UnsupportedByPeer` with
+        the same text. Value checks that make an input *unsafe* are not reasons (the call raises).
+        """
+        if capability == "sparse_mla_forward":
+            return self._forward_reason(*args, **kwargs)
+        if capability == "page_split":
+            return self._split_reason(*args, **kwargs)
+        return f"{self.name} provides no {capability!r}"
+
+    def _forward_reason(
+        self,
+        q: Any,
+        kv_cache: Any,
+        indices: Any,
+        *,
+        fmt: str = "dsv4",
+        topk_length: Any = None,
+        extra_indices: Any = None,
+        extra_topk_length: Any = None,
+        **_: Any,
+    ) -> str | None:
+        from pytest_sparse_mla import formats
+
+        f = formats.get_format(fmt)
+        shape = tuple(getattr(q, "shape", ()))
+        idx_shape = tuple(getattr(indices, "shape", ()))
+        extra_shape = tuple(getattr(extra_indices, "shape", ())) if extra_indices is not None else None
+        return self.declaration.forward_reason(
+            fmt=f.name,
+            num_tokens=int(shape[0]) if shape else 0,
+            num_heads=int(shape[1]) if len(shape) > 1 else 0,
+            topk=int(idx_shape[-1]) if idx_shape else 0,
+            extra_topk=int(extra_shape[-1]) if extra_shape else None,
+            has_topk_length=topk_length is not None or extra_topk_length is not None,
+            device=str(getattr(getattr(q, "device", None), "type", "cpu")),
+        )
+
+    def _split_reason(
+        self,
+        kv_cache: Any,
+        *,
+        key_suffix: str = "",
+        dst_page_stride: int = _SGLANG_DST_PAGE_STRIDE,
+        **_: Any,
+    ) -> str | None:
+        if key_suffix != "":
+            return (
+                f"SGLang's _split_kv_pages_to_64 keeps one scratch per device (key "
+                f"flash_mla_sm120_split:{{dev}}); it takes no key_suffix (got {key_suffix!r})"
+            )
+        if dst_page_stride != _SGLANG_DST_PAGE_STRIDE:
+            return (
+                f"SGLang's split writes 64-token pages at a fixed stride of {_SGLANG_DST_PAGE_STRIDE} "
+                f"bytes (_BYTES_PER_DST_PAGE_PADDED); dst_page_stride={dst_page_stride!r}"
+            )
+        return None
+
+    # ---- the forward
+
+    def _forward_callable(self) -> Any:
+        return getattr(load_module(self._forward_file), self._forward_function)
+
+    def _refuse_unsafe_lanes(self, idx: Any, length: Any, num_slots: int, name: str) -> None:
+        """Hook for lane values the peer cannot survive (none for the Triton path)."""
+
+    def sparse_mla_forward(
+        self,
+        q: Any,
+        kv_cache: Any,
+        indices: Any,
+        *,
+        sm_scale: float,
+        fmt: str = "dsv4",
+        page_block_size: int | None = None,
+        topk_length: Any = None,
+        attn_sink: Any = None,
+        extra_kv_cache: Any = None,
+        extra_indices: Any = None,
+        extra_topk_length: Any = None,
+        extra_page_block_size: int | None = None,
+        lse_convention: str = "flashinfer",
+        lse_scale: float = 1.0,
+        grid_release: str | None = None,
+        chunk_tokens: int | None = None,
+        return_fp32: bool = False,
+        backend: str | None = None,
+    ) -> PeerResult:
+        """Run the SGLang path with the reference forward's signature (see the module docstring).
+
+        ``grid_release``, ``chunk_tokens`` and ``backend`` are ignored (SGLang has one kernel).
+
+        Returns:
+            :class:`PeerResult`: SGLang's BF16 output ``[T, H, 512]``, its LSE converted to
+            ``lse_convention``, ``route=None``.
+
+        Raises:
+            UnsupportedByPeer: as :meth:`unsupported_reason`.
+            UnsafeForPeer: ``sglang-torch`` with an out-of-range index past ``topk_length``.
+            ValueError: ``return_fp32=True``; a bad LSE convention; a cache ``formats.parse_cache``
+                refuses; index rows not ``[T, topk]``; a valid lane past its cache.
+            Whatever SGLang raises.
+        """
+        from pytest_sparse_mla.attention.conventions import check_lse_convention
+
+        del grid_release, chunk_tokens, backend
+        lse_convention, lse_scale = check_lse_convention(lse_convention, lse_scale)
+        if return_fp32:
+            raise ValueError("return_fp32=True: SGLang's kernels return a BF16 output only")
+        reason = self._forward_reason(
+            q, kv_cache, indices, fmt=fmt, topk_length=topk_length,
+            extra_indices=extra_indices, extra_topk_length=extra_topk_length,
+        )  # fmt: skip
+        if reason is not None:
+            raise UnsupportedByPeer(f"{self.name}: {reason}")
+        num_tokens = int(q.shape[0])
+        kv4, layout = nhd_view(kv_cache, fmt, page_block_size, "kv_cache")
+        idx = index_rows(indices, "indices", num_tokens)
+        check_valid_lanes_in_range(idx, topk_length, layout.num_tokens, "indices")
+        self._refuse_unsafe_lanes(idx, topk_length, layout.num_tokens, "indices")
+        extra4 = extra_idx3 = None
+        if extra_kv_cache is not None:
+            extra4, extra_layout = nhd_view(extra_kv_cache, fmt, extra_page_block_size, "extra_kv_cache")
+            if extra_indices is not None:
+                extra_idx = index_rows(extra_indices, "extra_indices", num_tokens)
+                check_valid_lanes_in_range(extra_idx, extra_topk_length, extra_layout.num_tokens, "extra_indices")
+                self._refuse_unsafe_lanes(extra_idx, extra_topk_length, extra_layout.num_tokens, "extra_indices")
+                extra_idx3 = extra_idx.unsqueeze(1)
+        elif extra_indices is not None:
+            extra_idx3 = index_rows(extra_indices, "extra_indices", num_tokens).unsqueeze(1)
+        out, lse = self._forward_callable()(
+            q.unsqueeze(1), kv4, idx.unsqueeze(1), topk_length, attn_sink, 512, float(sm_scale),
+            extra4, extra_idx3, extra_topk_length,
+        )  # fmt: skip
+        lse = lse_to_convention(
+            lse[:, :, 0],
+            sink_included=self._lse_has_sink and attn_sink is not None,
+            attn_sink=attn_sink,
+            lse_convention=lse_convention,
+            lse_scale=lse_scale,
+        )
+        return PeerResult(out[:, 0], lse, None, f"sglang {self._forward_function}")
+
+    # ---- the page split
+
+    def page_split(
+        self,
+        kv_cache: Any,
+        *,
+        src_page_block_size: int | None = None,
+        touched_indices: Any = None,
+        key_suffix: str = "",
+        registry: Any = None,
+        backend: str | None = None,
+        dst_page_stride: int = _SGLANG_DST_PAGE_STRIDE,
+    ) -> Any:
+        """SGLang's ``_split_kv_pages_to_64(kv_cache, src_pbs, touched_indices)``, byte for byte.
+
+        ``src_pbs`` is ``src_page_block_size`` when given, else read from the shape the way SGLang's
+        caller does (``shape[1]`` of a 3-D or NHD cache; ``shape[2]`` of an HND cache; 256 for 2-D).
+        ``kv_cache`` is passed as it is (SGLang checks neither dtype nor geometry). ``registry``
+        (default ``page_split.default_registry()``) serves as ``get_resources().buffers``.
+        ``backend`` is ignored (SGLang has one split).
+
+        Raises:
+            UnsupportedByPeer: ``key_suffix`` or ``dst_page_stride`` (see :meth:`unsupported_reason`).
+            UnsafeForPeer: a touched index ``>= num_pages * src_pbs`` outside CUDA-graph capture.
+            Whatever SGLang raises (``AssertionError`` for a page size that is not a multiple of 64).
+        """
+        import torch
+
+        from pytest_sparse_mla.page_split import default_registry
+
+        del backend
+        reason = self._split_reason(kv_cache, key_suffix=key_suffix, dst_page_stride=dst_page_stride)
+        if reason is not None:
+            raise UnsupportedByPeer(f"{self.name}: {reason}")
+        src_pbs = src_page_block_size
+        if src_pbs is None:
+            if kv_cache.dim() == 4 and kv_cache.shape[1] == 1:
+                src_pbs = int(kv_cache.shape[2])
+            elif kv_cache.dim() >= 3:
+                src_pbs = int(kv_cache.shape[1])
+            else:
+                src_pbs = 256
+        capturing = kv_cache.is_cuda and torch.cuda.is_current_stream_capturing()
+        if touched_indices is not None and touched_indices.numel() > 0 and not capturing:
+            limit = int(kv_cache.shape[0]) * int(src_pbs)
+            too_far = touched_indices >= limit
+            if bool(too_far.any()):
+                value = int(touched_indices[too_far].reshape(-1)[0])
+                raise UnsafeForPeer(
+                    f"{self.name}: touched_indices holds {value} >= num_pages*src_pbs = {limit}; SGLang's "
+                    "_page_mark_kernel stores mask[t // src_pbs] = 1 for every t >= 0 without a bound, "
+                    "an out-of-bounds store (the project's split marks nothing for such an index)"
+                )
+        buffers = _RegistryBuffers(default_registry() if registry is None else registry)
+        split = load_module("flash_mla_sm120")._split_kv_pages_to_64
+        with _sglang_stubs(buffers):
+            return split(kv_cache, int(src_pbs), touched_indices=touched_indices)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r} sglang={sglang_version()}>"
+
+
+class SglangTritonImplementation(_SglangBase):
+    """Built-in ``sglang-triton``: SGLang's tiled Triton sparse decode + its page split."""
+
+    name = "sglang-triton"
+    declaration = TRITON_DECLARATION
+
+
+class SglangTorchImplementation(_SglangBase):
+    """Built-in ``sglang-torch``: SGLang's pure-PyTorch sparse decode + its (Triton) page split."""
+
+    name = "sglang-torch"
+    declaration = TORCH_DECLARATION
+    _forward_file = "flash_mla_sm120"
+    _forward_function = "_sm120_sparse_decode_fwd"
+    _lse_has_sink = False
+
+    def _refuse_unsafe_lanes(self, idx: Any, length: Any, num_slots: int, name: str) -> None:
+        """The torch path gathers lanes past ``topk_length`` too (only negatives are clamped)."""
+        if length is None:
+            return
+        bad = ~valid_lanes(idx, length) & (idx >= num_slots)
+        if bool(bad.any()):
+            t, j = (int(v) for v in bad.nonzero()[0])
+            raise UnsafeForPeer(
+                f"{self.name}: {name}[{t}, {j}]={int(idx[t, j])} lies past topk_length but outside the "
+                f"cache ({num_slots} slots); SGLang's _sm120_sparse_decode_fwd gathers every lane "
+                "(indices.clamp(min=0)) before masking, an out-of-bounds gather (the project's rule: "
+                "lanes past topk_length are never read)"
+            )
