@@ -191,7 +191,7 @@ def test_id_files_excuse_installed_suite_ids_and_warn_on_unmatched(
     checkout-style id, the skip file skips the other case, a stale id is reported."""
     xfails = pytester.path / "xfails.txt"
     xfails.write_text(
-        "# known failures of wrong_impls:ignores_sink\n"
+        "# known failures of kernel_catalogue:drops_sink\n"
         "\n"
         "suites/test_attention_accuracy.py::test_lse_conventions[sink-flashinfer-1.0]  # sink ignored\n"
         "suites/test_attention_accuracy.py::test_renamed_long_ago\n"
@@ -200,7 +200,7 @@ def test_id_files_excuse_installed_suite_ids_and_warn_on_unmatched(
     skips.write_text("suites/test_attention_accuracy.py::test_lse_conventions[no-sink\n")
     monkeypatch.setenv("PYTHONPATH", _pythonpath(TESTS))
     result = pytester.runpytest_subprocess(
-        "-p", "sparse_mla", "--pyargs", ACCURACY, "--sparse-mla-impl", "wrong_impls:ignores_sink",
+        "-p", "sparse_mla", "--pyargs", ACCURACY, "--sparse-mla-impl", "kernel_catalogue:drops_sink",
         "--sparse-mla-xfail-file", str(xfails), "--sparse-mla-skip-file", str(skips),
         "-k", LSE_PAIR, "-p", "no:cacheprovider", "-rxs",
     )  # fmt: skip

@@ -1,0 +1,68 @@
+"""Self-test settings: ``tests/`` is importable as a directory of helper modules, and the
+wrong-kernel gate's kill table is printed at the end of the session.
+
+The gate (``test_wrong_implementations.py``) stores one row per catalogue kernel in the test's
+``user_properties`` under ``sparse_mla_kill_row``; pytest-xdist carries ``user_properties`` from
+the workers to the controller, so the table is complete under ``-n 2`` too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+_ROW_KEY = "sparse_mla_kill_row"
+_COLUMNS = (("kernel", "kernel"), ("outcome", "outcome"), ("failed", "failed"), ("ran", "ran"),
+            ("seconds", "s"), ("first_failure", "first failing test"))  # fmt: skip
+
+
+def _rows(terminalreporter: Any) -> list[dict[str, str]]:
+    rows: dict[str, dict[str, str]] = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if getattr(report, "when", None) != "call":
+                continue
+            for key, value in getattr(report, "user_properties", ()):
+                if key == _ROW_KEY and isinstance(value, dict):
+                    rows[value["kernel"]] = value
+    try:
+        import kernel_catalogue
+
+        order = {name: i for i, name in enumerate(kernel_catalogue.CATALOGUE)}
+    except ImportError:  # pragma: no cover
+        order = {}
+    return sorted(rows.values(), key=lambda r: (r["kind"] != "wrong", order.get(r["kernel"], 0)))
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    """Print the kill table of the wrong-kernel gate, if the gate ran."""
+    rows = _rows(terminalreporter)
+    if not rows:
+        return
+    tr = terminalreporter
+    tr.section("wrong-kernel gate: kill table")
+    for kind, title in (
+        ("wrong", "wrong kernels (must be killed)"),
+        ("approximate", "approximate kernels (must pass)"),
+    ):
+        part = [r for r in rows if r["kind"] == kind]
+        if not part:
+            continue
+        tr.write_line(f"{title}:")
+        widths = [max(len(head), *(len(r[key]) for r in part)) for key, head in _COLUMNS]
+        cells = list(zip(_COLUMNS, widths, strict=True))
+        tr.write_line("  " + "  ".join(head.ljust(w) for (_, head), w in cells))
+        for r in part:
+            tr.write_line(("  " + "  ".join(r[key].ljust(w) for (key, _), w in cells)).rstrip())
+            tr.write_line(f"      rule: {r['rule']}")
+            if r["first_message"]:
+                tr.write_line(f"      first failure says: {r['first_message'][:200]}")
+    wrong = [r for r in rows if r["kind"] == "wrong"]
+    killed = sum(r["outcome"] == "killed" for r in wrong)
+    approx = [r for r in rows if r["kind"] == "approximate"]
+    ok = sum(r["outcome"] == "passed" for r in approx)
+    tr.write_line(
+        f"{killed} of {len(wrong)} wrong kernels killed; {ok} of {len(approx)} approximate kernels passed; "
+        f"suite time {sum(float(r['seconds']) for r in rows):.0f} s over {len(rows)} runs"
+    )

@@ -1,0 +1,1268 @@
+"""A catalogue of sparse-MLA kernels for the wrong-kernel gate: wrong ones and correct approximate ones.
+
+``tests/test_wrong_implementations.py`` runs the whole conformance suite against every entry of
+:data:`CATALOGUE` (``--sparse-mla-impl kernel_catalogue:<name>``, this directory on
+``PYTHONPATH``): a **wrong** kernel must fail at least one test, an **approximate** kernel must fail
+none. Each entry says which rule it breaks (or which approximation it makes) and where the bug class
+comes from.
+
+Wrong kernels change exactly one thing, the way a real kernel bug would, and are otherwise correct:
+
+* most wrap the bundled reference (``pytest_sparse_mla.attention.sparse_mla_forward``, the packer
+  ``formats.quantize_pack`` or the page split) and corrupt one input, argument or result on the way
+  (a wrong ``sm_scale``, an index read wrongly, a cache view re-based, an LSE in the wrong base);
+* the arithmetic bugs (masked lanes zeroed by a multiplication, no running max, a split-K merge
+  without its rescale, an unguarded empty row, a wrong UE8M0 bias, ``sm_scale`` on NoPE only) sit
+  inside :class:`TileKernel`, a small split-K kernel written here the way the SM120 and FlashMLA
+  kernels are organised: heads in groups of 16, candidates in tiles of 64, one partial softmax per
+  tile, the partials merged in fp32 through their log-sum-exps (FlashInfer
+  ``include/flashinfer/attention/sparse_mla_sm120`` decode ``mid_out``/``mid_lse`` and merge).
+
+Approximate kernels are :class:`TileKernel` configurations that compute the way production kernels
+do and are correct: fp32 tiles; probabilities rounded to BF16 before P·V (FlashMLA, FlashAttention);
+BF16 split-K partials merged in fp32 (FlashInfer decode ``mid_out``); keys dequantized to BF16 with
+a chunked dot in the base-2 domain; all three at once; and FlashInfer's FP8 compute mode (Q NoPE and
+P quantized to E4M3 before their dots: flashinfer ``fp8_decode`` ``quantize_q_to_smem`` and the
+``w_head_sc`` weight quantization). They declare ``compute_mode`` (``"bf16"`` or ``"fp8"``), which
+selects the tolerance profile; wrong kernels declare ``"bf16"``, so they are judged by the loose
+kernel profile, never by the tight one.
+
+Nothing here is shipped: it exists to prove the suites catch real bugs and pass real kernels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pytest_sparse_mla import formats
+from pytest_sparse_mla.attention import sparse_mla_forward as reference_forward
+from pytest_sparse_mla.attention.conventions import check_lse_convention, route_for
+from pytest_sparse_mla.attention.reference import SparseMlaOutput
+
+__all__ = ["CATALOGUE", "Entry", "TileKernel", "wrong_kernels", "approximate_kernels"]
+
+_LN2 = math.log(2.0)
+_LOG2E = 1.0 / _LN2
+_LOWEST = torch.finfo(torch.float32).min
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One catalogue kernel.
+
+    Attributes:
+        name: the module attribute (``kernel_catalogue:<name>``).
+        kind: ``"wrong"`` (must fail the suite) or ``"approximate"`` (must pass it).
+        rule: the rule it breaks, or the approximation it makes.
+        source: the public bug report or kernel the class comes from.
+        capabilities: the protocol capabilities it provides.
+    """
+
+    name: str
+    kind: str
+    rule: str
+    source: str
+    capabilities: tuple[str, ...]
+
+
+#: name -> :class:`Entry`, in catalogue order.
+CATALOGUE: dict[str, Entry] = {}
+_CAPS = ("pack", "page_split", "sparse_mla_forward")
+
+
+def _register(kind: str, rule: str, source: str) -> Callable[[type], Any]:
+    """Class decorator: instantiate the kernel as a module attribute and catalogue it."""
+
+    def wrap(cls: type) -> Any:
+        name = cls.__name__
+        obj = cls()
+        obj.name = f"{kind}:{name}"
+        caps = tuple(c for c in _CAPS if callable(getattr(obj, c, None)))
+        CATALOGUE[name] = Entry(name, kind, rule, source, caps)
+        __all__.append(name)
+        return obj  # the module attribute is the instance: ``kernel_catalogue:<name>``
+
+    return wrap
+
+
+def wrong(rule: str, source: str = "") -> Callable[[type], Any]:
+    """Catalogue a wrong kernel breaking ``rule``."""
+    return _register("wrong", rule, source)
+
+
+def approximate(rule: str, source: str = "") -> Callable[[type], Any]:
+    """Catalogue a correct kernel that approximates as ``rule`` says."""
+    return _register("approximate", rule, source)
+
+
+def wrong_kernels() -> list[str]:
+    """Names of the wrong kernels, in catalogue order."""
+    return [n for n, e in CATALOGUE.items() if e.kind == "wrong"]
+
+
+def approximate_kernels() -> list[str]:
+    """Names of the approximate kernels, in catalogue order."""
+    return [n for n, e in CATALOGUE.items() if e.kind == "approximate"]
+
+
+# =================================================================================================
+# Helpers shared by the wrappers
+# =================================================================================================
+
+
+def _replace(res: Any, **fields: Any) -> Any:
+    return dataclasses.replace(res, **fields)
+
+
+def _rows(indices: torch.Tensor) -> torch.Tensor:
+    """``[T, topk]`` view of ``[T, topk]`` or ``[T, 1, topk]`` indices."""
+    return indices[:, 0] if indices.dim() == 3 else indices
+
+
+def _num_tokens_of(cache: torch.Tensor, fmt: Any, page_block_size: int | None) -> tuple[int, int]:
+    """(tokens, page_block_size) of a packed cache."""
+    layout = formats.parse_cache(cache, fmt, page_block_size=page_block_size)
+    return layout.num_tokens, layout.page_block_size
+
+
+def _bf16_truncate(x: torch.Tensor) -> torch.Tensor:
+    """fp32 -> BF16 by dropping the low 16 bits (round toward zero), not round-to-nearest-even."""
+    bits = x.contiguous().view(torch.int32) & ~0xFFFF
+    return bits.view(torch.float32).to(torch.bfloat16)  # exact: the value is already a BF16 number
+
+
+def _lse_nat(lse: torch.Tensor, lse_convention: str, lse_scale: float) -> torch.Tensor:
+    """Natural-log LSE from a result in ``lse_convention`` (FlashInfer: base 2 times ``lse_scale``)."""
+    if lse_convention == "flashmla":
+        return lse.double()
+    return lse.double() * (_LN2 / lse_scale)
+
+
+class _WrapsReference:
+    """A kernel that forwards to the bundled reference after changing one thing."""
+
+    compute_mode = "bf16"
+
+    def _reference(self, q: Any, kv_cache: Any, indices: Any, **kw: Any) -> Any:
+        return reference_forward(q, kv_cache, indices, **kw)
+
+
+# =================================================================================================
+# Wrong kernels that wrap the reference
+# =================================================================================================
+
+
+@wrong(
+    "output is all zero (the LSE is right): the output store is skipped",
+    "FlashInfer 'kernel returns zeros' class; issue text: passes 55 of 60 cases at atol 5e-2",
+)
+class zero_output(_WrapsReference):
+    def sparse_mla_forward(self, q, kv_cache, indices, **kw):
+        res = self._reference(q, kv_cache, indices, **kw)
+        return _replace(res, output=torch.zeros_like(res.output))
+
+
+@wrong("sm_scale applied twice as large (x2)", "softmax_scale passed pre-multiplied by a caller")
+class sm_scale_x2(_WrapsReference):
+    def sparse_mla_forward(self, q, kv_cache, indices, *, sm_scale, **kw):
+        return self._reference(q, kv_cache, indices, sm_scale=sm_scale * 2.0, **kw)
+
+
+@wrong(
+    "sm_scale off by sqrt(2) (x 1.414): a base-2 factor applied as if it were log2(e)",
+    "FlashMLA/FlashInfer scale the scores by sm_scale*log2(e) for exp2",
+)
+class sm_scale_sqrt2(_WrapsReference):
+    def sparse_mla_forward(self, q, kv_cache, indices, *, sm_scale, **kw):
+        return self._reference(q, kv_cache, indices, sm_scale=sm_scale * math.sqrt(2.0), **kw)
+
+
+@wrong(
+    "sm_scale hard-coded to 1/sqrt(576) (DSV3.2's d_qk) instead of the given one",
+    "kernels that derive the scale from the head dim instead of taking softmax_scale",
+)
+class sm_scale_from_d576(_WrapsReference):
+    def sparse_mla_forward(self, q, kv_cache, indices, *, sm_scale, **kw):
+        del sm_scale
+        return self._reference(q, kv_cache, indices, sm_scale=576**-0.5, **kw)
+
+
+@wrong(
+    "attn_sink dropped: exp(sink) never reaches the denominator (output and LSE)",
+    "sgl-project/sglang DSV4 sink handling; FlashMLA 'attn_sink' argument ignored",
+)
+class drops_sink(_WrapsReference):
+    def sparse_mla_forward(self, q, kv_cache, indices, **kw):
+        kw.pop("attn_sink", None)
+        return self._reference(q, kv_cache, indices, **kw)
+
+
+@wrong(
+    "sink applied in the wrong base: its mass is 2**sink instead of e**sink (sink not scaled by "
+    "log2(e) in an exp2 kernel)",
+    "FlashInfer MRG works in base 2 (gmax = max(lse, sink*log2e))",
+)
+class sink_in_base2(_WrapsReference):
+    def sparse_mla_forward(self, q, kv_cache, indices, **kw):
+        sink = kw.get("attn_sink")
+        if sink is not None:
+            kw["attn_sink"] = sink * _LN2  # e**(sink*ln2) == 2**sink
+        return self._reference(q, kv_cache, indices, **kw)
+
+
+@wrong(
+    "sink only in the LSE: the output is normalised without exp(sink), the LSE includes it",
+    "split-K merge that adds the sink in the LSE epilogue only",
+)
+class sink_only_in_lse(_WrapsReference):
+    def sparse_mla_forward(self, q, kv_cache, indices, **kw):
+        res = self._reference(q, kv_cache, indices, **kw)
+        if kw.get("attn_sink") is None:
+            return res
+        no_sink = self._reference(q, kv_cache, indices, **{**kw, "attn_sink": None})
+        return _replace(res, output=no_sink.output)
+
+
+@wrong(
+    "sink added to every logit (s_j + sink) instead of to the denominator: the output ignores it, "
+    "the LSE is shifted by it",
+    "attn_sink mistaken for an additive attention bias",
+)
+class sink_added_to_logits(_WrapsReference):
+    def sparse_mla_forward(self, q, kv_cache, indices, **kw):
+        sink = kw.pop("attn_sink", None)
+        res = self._reference(q, kv_cache, indices, **kw)
+        if sink is None:
+            return res
+        conv, scale = kw.get("lse_convention", "flashinfer"), kw.get("lse_scale", 1.0)
+        shift = sink.double().unsqueeze(0)
+        lse = res.lse.double() + (shift if conv == "flashmla" else shift * _LOG2E * scale)
+        return _replace(res, lse=lse.float())
+
+
+@wrong(
+    "sink factor inverted: output times sigmoid(sink - lse) instead of sigmoid(lse - sink)",
+    "FlashMLA V4 convention o = softmax_out * sigmoid(L - sink), sign flipped",
+)
+class sink_sign_flipped(_WrapsReference):
+    def sparse_mla_forward(self, q, kv_cache, indices, **kw):
+        sink = kw.get("attn_sink")
+        res = self._reference(q, kv_cache, indices, **kw)
+        if sink is None:
+            return res
+        plain = {**kw, "attn_sink": None, "lse_convention": "flashinfer", "lse_scale": 1.0, "return_fp32": True}
+        no_sink = self._reference(q, kv_cache, indices, **plain)
+        lse_e = no_sink.lse.double() * _LN2
+        factor = torch.where(torch.isneginf(lse_e), 0.0, torch.sigmoid(sink.double() - lse_e))
+        out = (no_sink.output_fp32.double() * factor.unsqueeze(-1)).to(torch.bfloat16)
+        return _replace(res, output=out)
+
+
+@wrong(
+    "extra cache dropped: extra_kv_cache / extra_indices ignored (one softmax over main only)",
+    "DeepSeek-V4 C4/C128 compressed cache not wired through (FlashInfer dual-cache path)",
+)
+class drops_extra_cache(_WrapsReference):
+    def sparse_mla_forward(self, q, kv_cache, indices, **kw):
+        for key in ("extra_kv_cache", "extra_indices", "extra_topk_length", "extra_page_block_size"):
+            kw.pop(key, None)
+        return self._reference(q, kv_cache, indices, **kw)
+
+
+@wrong(
+    "-1 lanes read as slot 0 (a masked candidate enters the softmax with row 0), both caches",
+    "sgl-project/sglang #39288 (masked lanes gather slot 0)",
+)
+class minus_one_reads_slot0(_WrapsReference):
+    def sparse_mla_forward(self, q, kv_cache, indices, **kw):
+        indices = _rows(indices).clamp(min=0)
+        if kw.get("extra_indices") is not None:
+            kw["extra_indices"] = _rows(kw["extra_indices"]).clamp(min=0)
+        return self._reference(q, kv_cache, indices, **kw)
+
+
+@wrong(
+    "-1 lanes read as the cache's last row (negative index wraps, Python/torch style)",
+    "torch-indexing kernels: table[idx] with idx = -1",
+)
+class minus_one_reads_last_row(_WrapsReference):
+    def sparse_mla_forward(self, q, kv_cache, indices, **kw):
+        fmt = kw.get("fmt", "dsv4")
+        n, _ = _num_tokens_of(kv_cache, fmt, kw.get("page_block_size"))
+        indices = torch.where(_rows(indices) < 0, n - 1, _rows(indices)).to(torch.int32)
+        if kw.get("extra_indices") is not None:
+            ne, _ = _num_tokens_of(kw["extra_kv_cache"], fmt, kw.get("extra_page_block_size"))
+            extra = _rows(kw["extra_indices"])
+            kw["extra_indices"] = torch.where(extra < 0, ne - 1, extra).to(torch.int32)
+        return self._reference(q, kv_cache, indices, **kw)
+
+
+def _wrap_out_of_range(idx: torch.Tensor, n: int) -> torch.Tensor:
+    """Lanes a kernel reads without a bounds check: an out-of-range index lands somewhere in the
+    cache (modelled as ``idx % n``), -1 stays masked."""
+    idx = _rows(idx)
+    return torch.where(idx >= 0, idx.remainder(n), idx).to(torch.int32)
+
+
+@wrong(
+    "topk_length / extra_topk_length ignored: stale lanes past the valid prefix are read",
+    "FlashInfer '_bounds_stale_padding' tests; DSpark rows 133 valid of 192",
+)
+class past_topk_length(_WrapsReference):
+    def sparse_mla_forward(self, q, kv_cache, indices, **kw):
+        fmt = kw.get("fmt", "dsv4")
+        if kw.pop("topk_length", None) is not None:
+            indices = _wrap_out_of_range(indices, _num_tokens_of(kv_cache, fmt, kw.get("page_block_size"))[0])
+        if kw.pop("extra_topk_length", None) is not None:
+            ne = _num_tokens_of(kw["extra_kv_cache"], fmt, kw.get("extra_page_block_size"))[0]
+            kw["extra_indices"] = _wrap_out_of_range(kw["extra_indices"], ne)
+        return self._reference(q, kv_cache, indices, **kw)
+
+
+@wrong(
+    "extra_topk_length ignored (topk_length honoured): stale extra lanes are read",
+    "FlashInfer dual-cache extra_topk_length, added after topk_length",
+)
+class ignores_extra_topk_length(_WrapsReference):
+    def sparse_mla_forward(self, q, kv_cache, indices, **kw):
+        if kw.pop("extra_topk_length", None) is not None:
+            ne = _num_tokens_of(kw["extra_kv_cache"], kw.get("fmt", "dsv4"), kw.get("extra_page_block_size"))[0]
+            kw["extra_indices"] = _wrap_out_of_range(kw["extra_indices"], ne)
+        return self._reference(q, kv_cache, indices, **kw)
+
+
+def _fold_heads(self: _WrapsReference, q: Any, kv_cache: Any, indices: Any, kw: dict[str, Any]) -> Any:
+    """Heads 16..31 of token t use token t+1's index row and lengths (the last token its own)."""
+    num_tokens = int(q.shape[0])
+    nxt = torch.clamp(torch.arange(num_tokens, device=q.device) + 1, max=max(num_tokens - 1, 0))
+    first = self._reference(q[:, :16], kv_cache, indices, **_heads_kw(kw, slice(0, 16)))
+    shifted = _heads_kw(kw, slice(16, 32))
+    for key in ("topk_length", "extra_indices", "extra_topk_length"):
+        if shifted.get(key) is not None:
+            shifted[key] = _rows(shifted[key])[nxt] if shifted[key].dim() > 1 else shifted[key][nxt]
+    second = self._reference(q[:, 16:32], kv_cache, _rows(indices)[nxt], **shifted)
+    return _replace(
+        first, output=torch.cat([first.output, second.output], 1), lse=torch.cat([first.lse, second.lse], 1)
+    )
+
+
+def _heads_kw(kw: dict[str, Any], heads: slice) -> dict[str, Any]:
+    out = dict(kw)
+    if out.get("attn_sink") is not None:
+        out["attn_sink"] = out["attn_sink"][heads].contiguous()
+    return out
+
+
+@wrong(
+    "32 heads run as two groups of 16 and the second group reads the next token's index row",
+    "head-folding bug class (DSV3.2 T=2, H=32, topk 128 with 64 valid lanes)",
+)
+class head_fold_32(_WrapsReference):
+    def sparse_mla_forward(self, q, kv_cache, indices, **kw):
+        if int(q.shape[1]) != 32 or int(q.shape[0]) == 0:
+            return self._reference(q, kv_cache, indices, **kw)
+        return _fold_heads(self, q, kv_cache, indices, kw)
+
+
+@wrong(
+    "head folding of head_fold_32 on the DSV3.2 (656 B, d_qk 576) path only",
+    "DSV3.2 kernels are a separate code path; the fold hides when only DSV4 is tested with H=32",
+)
+class head_fold_32_dsv32(_WrapsReference):
+    def sparse_mla_forward(self, q, kv_cache, indices, **kw):
+        fmt = formats.get_format(kw.get("fmt", "dsv4"))
+        if fmt.name != "dsv3_2" or int(q.shape[1]) != 32 or int(q.shape[0]) == 0:
+            return self._reference(q, kv_cache, indices, **kw)
+        return _fold_heads(self, q, kv_cache, indices, kw)
+
+
+def _rebased(cache: torch.Tensor) -> torch.Tensor:
+    """The same shape and strides read from the untyped storage's first byte."""
+    return torch.as_strided(cache, cache.shape, cache.stride(), 0)
+
+
+@wrong(
+    "storage_offset ignored: each cache is read from the start of its untyped storage",
+    "per-layer views of one packed pool (page stride 149,760 B, layer offsets 37,440 B apart)",
+)
+class ignores_storage_offset(_WrapsReference):
+    def sparse_mla_forward(self, q, kv_cache, indices, **kw):
+        if kw.get("extra_kv_cache") is not None:
+            kw["extra_kv_cache"] = _rebased(kw["extra_kv_cache"])
+        return self._reference(q, _rebased(kv_cache), indices, **kw)
+
+
+def _tight(cache: torch.Tensor, fmt: Any, page_block_size: int | None) -> torch.Tensor:
+    """The same bytes read with page stride ``ps * bytes_per_token`` (padding assumed absent)."""
+    layout = formats.parse_cache(cache, fmt, page_block_size=page_block_size)
+    stride = list(cache.stride())
+    stride[0] = layout.page_block_size * layout.token_stride
+    return torch.as_strided(cache, cache.shape, stride, cache.storage_offset())
+
+
+@wrong(
+    "page stride assumed tight (ps * 584 B): padded pages (FlashMLA/SGLang 149,760 B) read shifted",
+    "FlashInfer parse_paged_kv_layout takes stride(0); kernels that recompute it break on padding",
+)
+class assumes_tight_page_stride(_WrapsReference):
+    def sparse_mla_forward(self, q, kv_cache, indices, **kw):
+        fmt = kw.get("fmt", "dsv4")
+        if kw.get("extra_kv_cache") is not None:
+            kw["extra_kv_cache"] = _tight(kw["extra_kv_cache"], fmt, kw.get("extra_page_block_size"))
+        return self._reference(q, _tight(kv_cache, fmt, kw.get("page_block_size")), indices, **kw)
+
+
+@wrong(
+    "LSE base mixed up: FlashInfer convention returns the natural log (missing the log2(e) factor)",
+    "FlashInfer 'Final LSE uses base 2 by default' vs FlashMLA natural log",
+)
+class lse_natural_not_log2(_WrapsReference):
+    def sparse_mla_forward(self, q, kv_cache, indices, **kw):
+        res = self._reference(q, kv_cache, indices, **kw)
+        if kw.get("lse_convention", "flashinfer") != "flashinfer":
+            return res
+        return _replace(res, lse=res.lse * _LN2)
+
+
+@wrong(
+    "LSE base mixed up: FlashMLA convention returns log2 instead of the natural log",
+    "deepseek-ai/FlashMLA tests/ref.py natural-log LSE",
+)
+class lse_log2_for_flashmla(_WrapsReference):
+    def sparse_mla_forward(self, q, kv_cache, indices, **kw):
+        res = self._reference(q, kv_cache, indices, **kw)
+        if kw.get("lse_convention", "flashinfer") != "flashmla":
+            return res
+        return _replace(res, lse=res.lse * _LOG2E)
+
+
+@wrong(
+    "FlashInfer LSE excludes the sink (it must include it)",
+    "flashinfer common/lse.cuh: the merge adds 2**(sink*log2e) before log2",
+)
+class lse_excludes_sink(_WrapsReference):
+    def sparse_mla_forward(self, q, kv_cache, indices, **kw):
+        res = self._reference(q, kv_cache, indices, **kw)
+        if kw.get("attn_sink") is None or kw.get("lse_convention", "flashinfer") != "flashinfer":
+            return res
+        return _replace(res, lse=self._reference(q, kv_cache, indices, **{**kw, "attn_sink": None}).lse)
+
+
+@wrong(
+    "FlashMLA LSE includes the sink (FlashMLA's excludes it: 'no affect on the returned softmax_lse')",
+    "deepseek-ai/FlashMLA flash_mla_interface.py",
+)
+class lse_includes_sink_flashmla(_WrapsReference):
+    def sparse_mla_forward(self, q, kv_cache, indices, **kw):
+        res = self._reference(q, kv_cache, indices, **kw)
+        sink = kw.get("attn_sink")
+        if sink is None or kw.get("lse_convention", "flashinfer") != "flashmla":
+            return res
+        lse = res.lse.double()
+        finite = torch.where(torch.isposinf(lse), -math.inf, lse)  # an empty row: the sink alone
+        return _replace(res, lse=torch.logaddexp(finite, sink.double().unsqueeze(0)).float())
+
+
+@wrong(
+    "lse_scale ignored (the FlashInfer LSE is always plain log2)",
+    "flashinfer scale_output_lse: lse_scale multiplies the final LSE",
+)
+class ignores_lse_scale(_WrapsReference):
+    def sparse_mla_forward(self, q, kv_cache, indices, **kw):
+        kw.pop("lse_scale", None)
+        return self._reference(q, kv_cache, indices, **kw)
+
+
+@wrong(
+    "BF16 output truncated toward zero instead of rounded to nearest even",
+    "__float2bfloat16_rz vs __float2bfloat16_rn in an epilogue",
+)
+class bf16_output_truncated(_WrapsReference):
+    def sparse_mla_forward(self, q, kv_cache, indices, **kw):
+        res = self._reference(q, kv_cache, indices, **{**kw, "return_fp32": True})
+        return _replace(
+            res, output=_bf16_truncate(res.output_fp32), output_fp32=res.output_fp32 if kw.get("return_fp32") else None
+        )
+
+
+@wrong(
+    "extra cache of page size 2 (C128): page index rounds up, page = (token + 1) // 2, so odd "
+    "tokens read two rows further",
+    "page_divmod of the extra cache; C128 uses page size 2",
+)
+class extra_page2_index_off_by_one(_WrapsReference):
+    def sparse_mla_forward(self, q, kv_cache, indices, **kw):
+        if kw.get("extra_kv_cache") is not None:
+            ne, ps = _num_tokens_of(kw["extra_kv_cache"], kw.get("fmt", "dsv4"), kw.get("extra_page_block_size"))
+            if ps == 2:
+                e = _rows(kw["extra_indices"]).to(torch.int64)
+                moved = ((e + 1) // 2 * 2 + e % 2).remainder(ne)
+                kw["extra_indices"] = torch.where(e >= 0, moved, e).to(torch.int32)
+        return self._reference(q, kv_cache, indices, **kw)
+
+
+@wrong(
+    "RoPE part of the score dropped: s = sm_scale * <q_nope, k_nope> only",
+    "DSV4 kernels run QK_nope (FP8) and QK_rope (BF16) as two MMAs; the second one lost",
+)
+class drops_rope_score(_WrapsReference):
+    def sparse_mla_forward(self, q, kv_cache, indices, **kw):
+        f = formats.get_format(kw.get("fmt", "dsv4"))
+        if isinstance(q, torch.Tensor) and q.dim() == 3 and q.shape[-1] == f.d_qk:
+            q = q.clone()
+            q[..., f.d_nope :] = 0
+        return self._reference(q, kv_cache, indices, **kw)
+
+
+@wrong(
+    "prefill only (T > 64): odd tokens use the previous token's index row and lengths "
+    "(two tokens per CTA, the second reading the first's metadata)",
+    "prefill path bugs invisible to decode-sized tests (FlashInfer _DECODE_MAX_TOKENS = 64)",
+)
+class prefill_mixes_token_pairs(_WrapsReference):
+    def sparse_mla_forward(self, q, kv_cache, indices, **kw):
+        num_tokens = int(q.shape[0]) if isinstance(q, torch.Tensor) else 0
+        if num_tokens <= 64:
+            return self._reference(q, kv_cache, indices, **kw)
+        src = torch.arange(num_tokens, device=q.device)
+        src = src - src % 2
+        indices = _rows(indices)[src]
+        for key in ("topk_length", "extra_topk_length", "extra_indices"):
+            if kw.get(key) is not None:
+                kw[key] = _rows(kw[key])[src] if kw[key].dim() > 1 else kw[key][src]
+        return self._reference(q, kv_cache, indices, **kw)
+
+
+@wrong(
+    "duplicate candidates counted once (a row's repeated index is deduplicated)",
+    "FlashInfer DSV4.1 tests write slot 3 into 32 lanes and gather it 32 times",
+)
+class dedups_candidates(_WrapsReference):
+    def sparse_mla_forward(self, q, kv_cache, indices, **kw):
+        indices = _first_occurrences(indices, kw.get("topk_length"))
+        if kw.get("extra_indices") is not None:
+            kw["extra_indices"] = _first_occurrences(kw["extra_indices"], kw.get("extra_topk_length"))
+        return self._reference(q, kv_cache, indices, **kw)
+
+
+def _first_occurrences(indices: torch.Tensor, length: torch.Tensor | None) -> torch.Tensor:
+    """Later repeats of an index inside a row's valid prefix become -1."""
+    idx = _rows(indices).to(torch.int64)
+    lanes = torch.arange(idx.shape[1], device=idx.device)
+    valid = idx >= 0
+    if length is not None:
+        valid &= lanes < length.to(torch.int64).clamp(0, idx.shape[1]).unsqueeze(1)
+    key = torch.where(valid, idx, -1 - lanes)  # invalid lanes never match anything
+    order = torch.sort(key, dim=1, stable=True)
+    repeat = torch.zeros_like(valid)
+    repeat[:, 1:] = order.values[:, 1:] == order.values[:, :-1]
+    dup = torch.zeros_like(valid).scatter(1, order.indices, repeat)
+    return torch.where(dup & valid, -1, idx).to(torch.int32)
+
+
+# =================================================================================================
+# TileKernel: a split-K kernel written like the production ones (approximate kernels + arithmetic bugs)
+# =================================================================================================
+
+
+def _check_index_rows(value: Any, name: str, num_tokens: int, q: torch.Tensor) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
+    if value.dtype != torch.int32:
+        raise TypeError(f"{name}.dtype={value.dtype}: expected torch.int32")
+    if value.device != q.device:
+        raise ValueError(f"{name} is on {value.device}, q on {q.device}")
+    rows = value[:, 0] if value.dim() == 3 and value.shape[1] == 1 else value
+    if rows.dim() != 2 or rows.shape[0] != num_tokens or rows.shape[1] < 1:
+        raise ValueError(f"{name}.shape={tuple(value.shape)}: expected [{num_tokens}, topk] or [{num_tokens}, 1, topk]")
+    return rows
+
+
+def _check_vector(value: Any, name: str, dtype: torch.dtype, length: int, q: torch.Tensor) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
+    if value.dtype != dtype:
+        raise TypeError(f"{name}.dtype={value.dtype}: expected {dtype}")
+    if value.device != q.device:
+        raise ValueError(f"{name} is on {value.device}, q on {q.device}")
+    if value.dim() != 1 or value.shape[0] != length:
+        raise ValueError(f"{name}.shape={tuple(value.shape)}: expected [{length}]")
+
+
+def _e4m3(x: torch.Tensor) -> torch.Tensor:
+    """Round fp32 values to E4M3 (nearest even, saturating at 448) and back."""
+    return x.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).to(torch.float32)
+
+
+@dataclass
+class MergeState:
+    """Running split-K merge state of one head group: ``m`` the running max of the partial LSEs,
+    ``total`` the sum of ``exp(lse_i - m)``, ``acc`` the weighted sum of normalised partials, and
+    ``out_total`` the normaliser of ``acc`` (``total`` unless a bug keeps its own)."""
+
+    m: torch.Tensor
+    total: torch.Tensor
+    acc: torch.Tensor
+    out_total: torch.Tensor | None = None
+
+
+class TileKernel:
+    """A split-K sparse-MLA kernel: heads in groups of 16, candidates in tiles of 64.
+
+    Per (token, head group, tile): scores ``sm_scale * q K^T`` (masked lanes ``-inf`` by
+    selection), a partial softmax normalised within the tile (``o_i``, ``lse_i``), then an fp32
+    online merge of the partials by ``exp(lse_i - M)`` in tile order; the sink as
+    ``sigmoid(lse - sink)``; the output rounded to BF16 (nearest even). Every shape inside the loop
+    is fixed (16 heads x 64 lanes), so a head's bits do not depend on the head count and an
+    all-masked tile leaves the merge state unchanged (-1 padding is bitwise neutral). Masked lanes
+    gather a shared zero row, so unreferenced bytes are never read.
+
+    Switches (class attributes) select production approximations; each arithmetic bug of the
+    catalogue overrides one hook (``dequantize``, ``masked_lane_row``, ``probabilities``,
+    ``merge``, ``normalise``, ``score_scale``).
+    """
+
+    compute_mode = "bf16"
+    head_group = 16
+    lane_tile = 64
+    token_chunk = 64
+    bf16_probs = False  # P rounded to BF16 before P.V (the row sum stays fp32)
+    bf16_partials = False  # each tile's normalised partial output stored in BF16
+    bf16_keys = False  # keys dequantized to BF16; QK as 64-wide chunk dots; exp2 domain
+    fp8 = False  # FlashInfer FP8: Q NoPE and P (for V NoPE) quantized to E4M3
+
+    # --- hooks (the bugs override one each) ----------------------------------------------------
+    def dequantize(self, cache: torch.Tensor, f: formats.PackedFormat, page_block_size: int | None) -> torch.Tensor:
+        """``[tokens, d_qk]`` fp32 rows of a packed cache."""
+        return formats.unpack_dequantize(cache, f, page_block_size=page_block_size).reshape(-1, f.d_qk)
+
+    def masked_lane_row(self, idx: torch.Tensor, offset: int, zero_row: int) -> torch.Tensor:
+        """The table row a masked lane gathers: the shared zero row (``offset``: the cache's first row)."""
+        return torch.full_like(idx, zero_row)
+
+    def probabilities(
+        self, s: torch.Tensor, lane_ok: torch.Tensor, exp: Callable[..., torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(m_i, p)`` of one tile from the raw scores ``s`` (masked lanes included): masked lanes
+        are selected out (``-inf``), ``m_i`` is the tile max, ``p = exp(s - m_i)``."""
+        s = torch.where(lane_ok, s, -math.inf)
+        m = s.amax(dim=-1, keepdim=True)
+        return m, exp(s - m.clamp(min=_LOWEST))
+
+    def merge(self, st: MergeState, lse_i: torch.Tensor, m_i: torch.Tensor, o_i: torch.Tensor,
+              exp: Callable[..., torch.Tensor]) -> None:  # fmt: skip
+        """Fold one tile's partial into the running state: rescale by ``exp(M_old - M_new)``, add
+        ``exp(lse_i - M_new)`` times the partial."""
+        m_new = torch.maximum(st.m, lse_i)
+        m_use = m_new.clamp(min=_LOWEST)
+        alpha = exp(st.m - m_use)
+        beta = exp(lse_i - m_use)
+        st.total = st.total * alpha + beta
+        st.acc = st.acc * alpha + beta * o_i
+        st.m = m_new
+
+    def normalise(self, acc: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+        """``acc / total`` with an empty row (``total == 0``) giving 0."""
+        return acc / torch.where(total == 0, torch.ones_like(total), total)
+
+    def score_scale(self, f: formats.PackedFormat, scale: float, device: torch.device) -> torch.Tensor:
+        """Per-dim factors ``[d_qk]`` folded into the fp32 query: ``sm_scale`` (times ``log2(e)`` in
+        the base-2 domain) on every dim."""
+        return torch.full((f.d_qk,), scale, dtype=torch.float32, device=device)
+
+    # --- the kernel ----------------------------------------------------------------------------
+    def sparse_mla_forward(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        indices: torch.Tensor,
+        *,
+        sm_scale: float,
+        fmt: Any = "dsv4",
+        page_block_size: int | None = None,
+        topk_length: torch.Tensor | None = None,
+        attn_sink: torch.Tensor | None = None,
+        extra_kv_cache: torch.Tensor | None = None,
+        extra_indices: torch.Tensor | None = None,
+        extra_topk_length: torch.Tensor | None = None,
+        extra_page_block_size: int | None = None,
+        lse_convention: str = "flashinfer",
+        lse_scale: float = 1.0,
+        **ignored: Any,
+    ) -> SparseMlaOutput:
+        """The protocol's ``sparse_mla_forward`` (arguments as the bundled reference's)."""
+        f = formats.get_format(fmt)
+        if not isinstance(q, torch.Tensor) or q.dtype != torch.bfloat16:
+            raise TypeError(f"q: expected a BF16 torch.Tensor, got {getattr(q, 'dtype', type(q).__name__)}")
+        if q.dim() != 3 or q.shape[2] != f.d_qk:
+            raise ValueError(f"q.shape={tuple(q.shape)}: expected [num_tokens, num_heads, {f.d_qk}]")
+        num_tokens, num_heads = int(q.shape[0]), int(q.shape[1])
+        lse_convention, lse_scale = check_lse_convention(lse_convention, lse_scale)
+        if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)) or not math.isfinite(sm_scale):
+            raise ValueError(f"sm_scale={sm_scale!r}: expected a finite float")
+        if (extra_kv_cache is None) != (extra_indices is None):
+            raise ValueError("extra_kv_cache and extra_indices must be given together")
+        if extra_kv_cache is None and (extra_topk_length is not None or extra_page_block_size is not None):
+            raise ValueError("extra_topk_length / extra_page_block_size need extra_kv_cache")
+        main = formats.parse_cache(kv_cache, f, page_block_size=page_block_size, name="kv_cache")
+        if kv_cache.device != q.device:
+            raise ValueError(f"kv_cache is on {kv_cache.device}, q on {q.device}")
+        idx = _check_index_rows(indices, "indices", num_tokens, q)
+        if topk_length is not None:
+            _check_vector(topk_length, "topk_length", torch.int32, num_tokens, q)
+        if attn_sink is not None:
+            _check_vector(attn_sink, "attn_sink", torch.float32, num_heads, q)
+        extra_idx = None
+        if extra_kv_cache is not None:
+            extra = formats.parse_cache(extra_kv_cache, f, page_block_size=extra_page_block_size, name="extra_kv_cache")
+            if extra_kv_cache.device != q.device:
+                raise ValueError(f"extra_kv_cache is on {extra_kv_cache.device}, q on {q.device}")
+            extra_idx = _check_index_rows(extra_indices, "extra_indices", num_tokens, q)
+            if extra_topk_length is not None:
+                _check_vector(extra_topk_length, "extra_topk_length", torch.int32, num_tokens, q)
+        output = torch.zeros((num_tokens, num_heads, f.d_v), dtype=torch.bfloat16, device=q.device)
+        lse = torch.zeros((num_tokens, num_heads), dtype=torch.float32, device=q.device)
+        if num_tokens == 0:
+            return SparseMlaOutput(output, lse, route_for(0))
+
+        tables = [self.dequantize(kv_cache, f, main.page_block_size)]
+        if extra_kv_cache is not None:
+            tables.append(self.dequantize(extra_kv_cache, f, extra.page_block_size))
+        zero_row = sum(t.shape[0] for t in tables)
+        table = torch.cat([*tables, torch.zeros((1, f.d_qk), device=q.device)])
+        if self.bf16_keys or self.fp8:
+            table = table.to(torch.bfloat16).to(torch.float32)
+        rows, valid = self._lanes(idx, topk_length, tables[0].shape[0], 0, zero_row)
+        if extra_idx is not None:
+            e_rows, e_valid = self._lanes(
+                extra_idx, extra_topk_length, tables[1].shape[0], tables[0].shape[0], zero_row
+            )
+            rows, valid = torch.cat([rows, e_rows], 1), torch.cat([valid, e_valid], 1)
+
+        for start in range(0, num_tokens, self.token_chunk):
+            stop = min(num_tokens, start + self.token_chunk)
+            out, lse_e = self._chunk(q[start:stop], table, rows[start:stop], valid[start:stop], float(sm_scale), f)
+            out, lse_out = self._finish(out, lse_e, attn_sink, lse_convention, lse_scale)
+            output[start:stop] = out.to(torch.bfloat16)
+            lse[start:stop] = lse_out
+        return SparseMlaOutput(output, lse, route_for(num_tokens))
+
+    def _lanes(self, idx: torch.Tensor, length: torch.Tensor | None, num_rows: int, offset: int,
+               zero_row: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """Table rows and validity of every lane, padded with zero-row lanes to whole tiles."""
+        idx = idx.to(torch.int64)
+        topk = idx.shape[1]
+        valid = idx >= 0
+        if length is not None:
+            valid &= torch.arange(topk, device=idx.device) < length.to(torch.int64).clamp(0, topk).unsqueeze(1)
+        bad = valid & (idx >= num_rows)
+        if bool(bad.any()):
+            t, lane = bad.nonzero()[0].tolist()
+            raise ValueError(f"indices[{t}, {lane}]={int(idx[t, lane])} is out of range (cache of {num_rows} tokens)")
+        rows = torch.where(valid, idx + offset, self.masked_lane_row(idx, offset, zero_row))
+        pad = (-topk) % self.lane_tile
+        if pad:
+            rows = torch.cat([rows, rows.new_full((rows.shape[0], pad), zero_row)], 1)
+            valid = torch.cat([valid, valid.new_zeros((valid.shape[0], pad))], 1)
+        return rows, valid
+
+    def _quantize_q(self, q: torch.Tensor, f: formats.PackedFormat) -> torch.Tensor:
+        """FP8 mode: Q NoPE to E4M3 per (token, head, 64-wide group) with a power-of-two scale
+        ``2**ceil(log2(max(amax, 1e-4) / 448))``; RoPE stays BF16 (flashinfer ``quantize_q_to_smem``)."""
+        nope = q[..., : f.d_nope]
+        groups = nope.reshape(*nope.shape[:-1], -1, 64)
+        amax = groups.abs().amax(dim=-1, keepdim=True).clamp(min=1e-4) / 448.0
+        mantissa, exponent = torch.frexp(amax)
+        e = torch.where(mantissa == 0.5, exponent - 1, exponent)
+        quant = torch.ldexp(_e4m3(torch.ldexp(groups, -e)), e)
+        return torch.cat([quant.reshape(nope.shape), q[..., f.d_nope :]], dim=-1)
+
+    def _chunk(self, q: torch.Tensor, table: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor,
+               sm_scale: float, f: formats.PackedFormat) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """``(out [n, H, d_v] fp32, natural-log lse [n, H])`` of one token chunk, before the sink."""
+        n, num_heads, d_qk = q.shape
+        g = self.head_group
+        groups = -(-num_heads // g)
+        base2 = self.bf16_keys
+        exp = torch.exp2 if base2 else torch.exp
+        log = torch.log2 if base2 else torch.log
+        qf = torch.zeros((n, groups * g, d_qk), dtype=torch.float32, device=q.device)
+        qf[:, :num_heads] = q.float()
+        if self.fp8:
+            qf = self._quantize_q(qf, f)
+        qf = qf * self.score_scale(f, sm_scale * (_LOG2E if base2 else 1.0), q.device)
+        qg = qf.view(n, groups, g, d_qk).transpose(0, 1).contiguous()  # [groups, n, g, d]
+        d_v = f.d_v
+        states = [
+            MergeState(torch.full((n, g, 1), -math.inf, device=q.device), torch.zeros((n, g, 1), device=q.device),
+                       torch.zeros((n, g, d_v), device=q.device))
+            for _ in range(groups)
+        ]  # fmt: skip
+        tile = self.lane_tile
+        for t0 in range(0, rows.shape[1], tile):
+            keys = table.index_select(0, rows[:, t0 : t0 + tile].reshape(-1)).view(n, tile, d_qk)
+            keys_t = keys.transpose(1, 2)
+            values = keys[..., :d_v]
+            lane_ok = valid[:, t0 : t0 + tile].view(n, 1, tile)
+            for gi, st in enumerate(states):
+                m_i, p = self.probabilities(self._scores(qg[gi], keys_t, d_qk), lane_ok, exp)
+                l_i = p.sum(dim=-1, keepdim=True)
+                o_i = self._pv(p, values, f) / torch.where(l_i == 0, torch.ones_like(l_i), l_i)
+                if self.bf16_partials or self.fp8:
+                    o_i = o_i.to(torch.bfloat16).to(torch.float32)
+                self.merge(st, m_i + log(l_i), m_i, o_i, exp)
+        out = torch.stack([self.normalise(st.acc, st.total if st.out_total is None else st.out_total) for st in states])
+        lse_b = torch.stack([st.m + log(st.total) for st in states])
+        lse_e = lse_b * _LN2 if base2 else lse_b
+        out = out.transpose(0, 1).reshape(n, groups * g, d_v)[:, :num_heads]
+        return out, lse_e.transpose(0, 1).reshape(n, groups * g)[:, :num_heads]
+
+    def _scores(self, qg: torch.Tensor, keys_t: torch.Tensor, d_qk: int) -> torch.Tensor:
+        if not self.bf16_keys:
+            return torch.bmm(qg, keys_t)
+        s = torch.bmm(qg[..., :64], keys_t[:, :64])
+        for c in range(64, d_qk, 64):  # 64-wide chunks accumulated in fp32, in order
+            s = s + torch.bmm(qg[..., c : c + 64], keys_t[:, c : c + 64])
+        return s
+
+    def _pv(self, p: torch.Tensor, values: torch.Tensor, f: formats.PackedFormat) -> torch.Tensor:
+        if self.fp8:
+            nope = min(f.d_nope, f.d_v)
+            top = p.amax(dim=-1, keepdim=True).clamp(min=1e-10) / 448.0
+            p8 = _e4m3(p / top) * top
+            parts = [torch.bmm(p8, values[..., :nope])]
+            if nope < f.d_v:  # DSV4 V RoPE dims: a BF16 copy of P
+                parts.append(torch.bmm(p.to(torch.bfloat16).float(), values[..., nope:]))
+            return torch.cat(parts, dim=-1)
+        if self.bf16_probs:
+            p = p.to(torch.bfloat16).to(torch.float32)
+        return torch.bmm(p, values)
+
+    def _finish(self, out: torch.Tensor, lse_e: torch.Tensor, sink: torch.Tensor | None,
+                lse_convention: str, lse_scale: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        empty = torch.isneginf(lse_e)
+        full = lse_e
+        if sink is not None:
+            s = sink.view(1, -1)
+            out = out * torch.where(empty, 0.0, torch.sigmoid(lse_e - s)).unsqueeze(-1)
+            full = torch.logaddexp(lse_e, s.expand_as(lse_e))
+        if lse_convention == "flashmla":
+            return out, torch.where(empty, math.inf, lse_e)
+        return out, full * (_LOG2E * lse_scale)
+
+
+# --- approximate (correct) kernels ---------------------------------------------------------------
+
+
+@approximate(
+    "fp32 split-K over 64-candidate tiles, partials merged in fp32 by LSE, output rounded to BF16 (nearest even)",
+    "FlashInfer SM120 decode split-K, FlashMLA sparse decode",
+)
+class approx_fp32_tiles(TileKernel):
+    pass
+
+
+@approximate(
+    "probabilities rounded to BF16 before P.V (row sums in fp32)",
+    "FlashMLA / FlashAttention: P converted to BF16 for the PV tensor-core MMA",
+)
+class approx_bf16_probs(TileKernel):
+    bf16_probs = True
+
+
+@approximate(
+    "BF16 split-K partial outputs (one per 64 candidates) merged in fp32 through their LSEs",
+    "FlashInfer decode mid_out [T, heads, splits, 512] BF16 + mid_lse fp32, merged in MRG",
+)
+class approx_bf16_splitk(TileKernel):
+    bf16_partials = True
+
+
+@approximate(
+    "keys dequantized to BF16 before the dot, QK accumulated as 64-wide chunk dots in fp32, "
+    "softmax in base 2 (exp2 of sm_scale*log2(e) scores)",
+    "FlashInfer QkBF16PvFP8 route dequantizes K to BF16; kernels work in base 2",
+)
+class approx_bf16_dequant(TileKernel):
+    bf16_keys = True
+
+
+@approximate(
+    "all BF16 approximations at once: BF16 keys and chunked base-2 QK, BF16 P, BF16 partials",
+    "a production BF16 decode kernel",
+)
+class approx_bf16_production(TileKernel):
+    bf16_keys = True
+    bf16_probs = True
+    bf16_partials = True
+
+
+@approximate(
+    "FlashInfer FP8 compute: Q NoPE quantized to E4M3 per (token, head, 64 dims) with a "
+    "power-of-two scale; P quantized to E4M3 per (token, head, tile) for P.V NoPE (BF16 P "
+    "for V RoPE); BF16 partials",
+    "flashinfer fp8_decode quantize_q_to_smem, w_head_sc",
+)
+class approx_fp8(TileKernel):
+    compute_mode = "fp8"
+    fp8 = True
+
+
+# --- arithmetic bugs inside the tile kernel -------------------------------------------------------
+
+
+@wrong(
+    "masked lanes gather slot 0 of their cache, enter the tile max, and are removed by "
+    "multiplying p by the mask (0 * NaN = NaN from a poisoned slot) instead of selecting",
+    "sgl-project/sglang #39288: NaN-encoded FP8 gives 0 x NaN = NaN for every row with -1 padding",
+)
+class masked_lanes_multiplied(TileKernel):
+    def masked_lane_row(self, idx, offset, zero_row):
+        return torch.full_like(idx, offset)  # slot 0 of this cache
+
+    def probabilities(self, s, lane_ok, exp):
+        m = s.amax(dim=-1, keepdim=True)  # over every gathered lane, masked ones included
+        return m, exp(s - m) * lane_ok
+
+
+@wrong(
+    "softmax without the running max: p = exp(s) (overflows to inf/inf = NaN on large logits)",
+    "online-softmax kernels that drop the max for speed",
+)
+class no_max_subtraction(TileKernel):
+    def probabilities(self, s, lane_ok, exp):
+        s = torch.where(lane_ok, s, -math.inf)
+        m = s.amax(dim=-1, keepdim=True)
+        return torch.where(torch.isneginf(m), m, torch.zeros_like(m)), exp(s)
+
+
+@wrong(
+    "split-K merge without the max rescale: each tile's partial is weighted by its own sum "
+    "l_i = sum exp(s - m_i), as if every tile had the same max",
+    "FlashInfer MRG gmax",
+)
+class merge_without_rescale(TileKernel):
+    def merge(self, st, lse_i, m_i, o_i, exp):
+        l_i = torch.where(torch.isneginf(lse_i), 0.0, exp(lse_i - m_i.clamp(min=_LOWEST)))
+        st.total = st.total + l_i
+        st.acc = st.acc + l_i * o_i
+        st.m = torch.maximum(st.m, m_i)
+
+
+@wrong(
+    "split-K merge in the wrong base: natural-log partial LSEs weighted with exp2 for the output "
+    "(the LSE itself merged right)",
+    "FlashInfer keeps split LSEs in base 2 (mid_lse)",
+)
+class merge_wrong_base(TileKernel):
+    def merge(self, st, lse_i, m_i, o_i, exp):
+        m_new = torch.maximum(st.m, lse_i)
+        m_use = m_new.clamp(min=_LOWEST)
+        w_old, w_new = torch.exp2(st.m - m_use), torch.exp2(lse_i - m_use)
+        st.out_total = (st.out_total if st.out_total is not None else st.total) * w_old + w_new
+        st.acc = st.acc * w_old + w_new * o_i
+        st.total = st.total * exp(st.m - m_use) + exp(lse_i - m_use)
+        st.m = m_new
+
+
+@wrong(
+    "empty row not guarded: 0 / 0 gives NaN output where the output must be 0",
+    "FlashInfer MRG inv_gsum = 0 when l == 0",
+)
+class empty_row_nan(TileKernel):
+    def normalise(self, acc, total):
+        return acc / total
+
+
+@wrong(
+    "UE8M0 scale exponent off by one: dequantized with byte - 128 (NoPE halved); DSV3.2 fp32 scales halved likewise",
+    "UE8M0 bias 127 (OCP MX spec); FlashInfer io_gather_scales",
+)
+class ue8m0_off_by_one(TileKernel):
+    def dequantize(self, cache, f, page_block_size):
+        rows = super().dequantize(cache, f, page_block_size)
+        return torch.cat([rows[:, : f.d_nope] * 0.5, rows[:, f.d_nope :]], dim=1)
+
+
+@wrong(
+    "sm_scale applied to the NoPE part of the score only (the RoPE dot unscaled)",
+    "DSV4 kernels run QK_nope and QK_rope as separate MMAs and scale each",
+)
+class sm_scale_nope_only(TileKernel):
+    def score_scale(self, f, scale, device):
+        per_dim = super().score_scale(f, scale, device)
+        per_dim[f.d_nope :] = 1.0
+        return per_dim
+
+
+# =================================================================================================
+# Wrong pack (writer) kernels
+# =================================================================================================
+
+
+def _pack(source: Any, fmt: Any = "dsv4", **kw: Any) -> torch.Tensor:
+    return formats.quantize_pack(source, fmt, **kw)
+
+
+def _page_bytes(packed: torch.Tensor, fmt: Any) -> tuple[torch.Tensor, formats.CacheLayout]:
+    layout = formats.parse_cache(packed, fmt)
+    return formats.page_bytes_view(packed, layout), layout
+
+
+@wrong(
+    "pack applies SGLang's scale rule 2**ceil(log2(max(amax, 1e-8)/448)) whatever scale_rule asks "
+    "(FlashMLA: 2**ceil(log2(max(amax/448, 1e-4))))",
+    "sgl-project/sglang quant_k_cache.py vs deepseek-ai/FlashMLA tests/quant.py",
+)
+class pack_sglang_floor:
+    compute_mode = "bf16"
+
+    def pack(self, source, fmt="dsv4", **kw):
+        kw["scale_rule"] = "sglang"
+        return _pack(source, fmt, **kw)
+
+
+@wrong(
+    "pack writes the UE8M0 byte with bias 128 (exponent + 128; DSV3.2: fp32 scale doubled) while "
+    "the codes use the right scale",
+    "UE8M0 bias 127 (OCP MX spec)",
+)
+class pack_scale_bias_128:
+    compute_mode = "bf16"
+
+    def pack(self, source, fmt="dsv4", **kw):
+        packed = _pack(source, fmt, **kw)
+        f = formats.get_format(fmt)
+        pages, layout = _page_bytes(packed, f)
+        ps = layout.page_block_size
+        if f.layout == "footer":
+            footer = pages[:, ps * f.data_bytes_per_token : ps * f.bytes_per_token].unflatten(1, (ps, -1))
+            footer[..., : f.num_scales] += 1
+        else:
+            rows = pages.unflatten(1, (ps, layout.token_stride))[..., f.d_nope : f.d_nope + 4 * f.num_scales]
+            rows.copy_((rows.contiguous().view(torch.float32) * 2).view(torch.uint8))
+        return packed
+
+
+@wrong(
+    "DSV4 pack writes inline 584-byte records (token t's 576 data bytes, then its 8 scale bytes) "
+    "instead of the page footer",
+    "flashinfer kv_cache_traits.cuh DSV4 footer; formats docstring: "
+    "row t of the [.., ps, 584] view is not token t's record",
+)
+class pack_inline_records:
+    compute_mode = "bf16"
+
+    def pack(self, source, fmt="dsv4", **kw):
+        packed = _pack(source, fmt, **kw)
+        f = formats.get_format(fmt)
+        if f.layout != "footer":
+            return packed
+        pages, layout = _page_bytes(packed, f)
+        ps = layout.page_block_size
+        data = pages[:, : ps * f.data_bytes_per_token].unflatten(1, (ps, -1))
+        scales = pages[:, ps * f.data_bytes_per_token : ps * f.bytes_per_token].unflatten(1, (ps, -1))
+        pages[:, : ps * f.bytes_per_token] = torch.cat([data, scales], dim=-1).flatten(1)
+        return packed
+
+
+@wrong(
+    "pack ignores page_stride and always writes tight pages (ps * bytes_per_token)",
+    "FlashMLA/SGLang pools pad pages to a 576-byte multiple (149,760 B at ps 256)",
+)
+class pack_ignores_page_stride:
+    compute_mode = "bf16"
+
+    def pack(self, source, fmt="dsv4", **kw):
+        kw["page_stride"] = "tight"
+        return _pack(source, fmt, **kw)
+
+
+@wrong(
+    "pack rounds E4M3 codes toward zero instead of to nearest even",
+    "__nv_cvt_float_to_fp8 with the wrong rounding mode; formats: codes are RNE",
+)
+class pack_codes_truncated:
+    compute_mode = "bf16"
+
+    def pack(self, source, fmt="dsv4", **kw):
+        packed = _pack(source, fmt, **kw)
+        f = formats.get_format(fmt)
+        pages, layout = _page_bytes(packed, f)
+        ps = layout.page_block_size
+        if f.layout == "footer":
+            codes = pages[:, : ps * f.data_bytes_per_token].unflatten(1, (ps, -1))[..., : f.d_nope]
+        else:
+            codes = pages.unflatten(1, (ps, layout.token_stride))[..., : f.d_nope]
+        fields = formats.unpack_fields(packed, f)
+        if f.layout == "footer":
+            exponents = fields.scale_bytes[..., : f.num_scales].to(torch.int32) - 127
+            scale = torch.ldexp(torch.ones_like(exponents, dtype=torch.float32), exponents)
+        else:
+            scale = fields.scale_bytes.view(torch.float32)
+        wanted = source[..., : f.d_nope].float().unflatten(-1, (f.num_scales, -1)) / scale.unsqueeze(-1)
+        wanted = wanted.flatten(-2).clamp(-448, 448).to(codes.device)
+        got = fields.codes.view(torch.float8_e4m3fn).float().to(codes.device)
+        magnitude_down = (got.abs() > wanted.abs()) & ((fields.codes & 0x7F) > 0).to(codes.device)
+        codes.copy_(torch.where(magnitude_down, fields.codes.to(codes.device) - 1, fields.codes.to(codes.device)))
+        return packed
+
+
+# =================================================================================================
+# Wrong page splits
+# =================================================================================================
+
+
+def _split(kv_cache: Any, **kw: Any) -> torch.Tensor:
+    from pytest_sparse_mla.page_split import page_split
+
+    return page_split(kv_cache, **kw)
+
+
+def _dst_rows(out: torch.Tensor) -> torch.Tensor:
+    """``[P*ratio, 37376]`` uint8 rows (data + footer) of a split result."""
+    from pytest_sparse_mla.page_split import DST_PAGE_BYTES
+
+    return torch.as_strided(out, (out.shape[0], DST_PAGE_BYTES), (out.stride(0), 1), out.storage_offset())
+
+
+def _touched_src_pages(kv_cache: Any, touched: Any, src_ps: int | None) -> torch.Tensor | None:
+    """Bool ``[P]`` of the source pages a touched split copies (``None``: all)."""
+    from pytest_sparse_mla.page_split import parse_split_source
+
+    if touched is None or touched.numel() == 0:
+        return None
+    source = parse_split_source(kv_cache, src_ps)
+    t = touched.reshape(-1).to(torch.int64)
+    ps, p = source.src_page_block_size, source.num_src_pages
+    t = t[(t >= 0) & (t < p * ps)]
+    mask = torch.zeros(p, dtype=torch.bool, device=t.device)
+    mask[t // ps] = True
+    return mask
+
+
+@wrong(
+    "page split leaves newly allocated scratch uninitialised (0xA5 garbage) instead of zero-filled",
+    "sgl-project/sglang PR #39288: FlashInfer gathers slot 0 for masked candidates",
+)
+class split_uninitialised_scratch:
+    compute_mode = "bf16"
+
+    def page_split(self, kv_cache, *, registry=None, **kw):
+        from pytest_sparse_mla.page_split import default_registry
+
+        registry = registry if registry is not None else default_registry()
+        allocate = registry.get
+
+        def get_garbage(name, device, shape, *args, **k):
+            made = len(registry.allocation_log)
+            buf = allocate(name, device, shape, *args, **k)
+            if len(registry.allocation_log) > made:  # freshly allocated: not zero-filled here
+                registry.lookup(name, device, key_suffix=k.get("key_suffix", "")).view(torch.uint8).fill_(0xA5)
+            return buf
+
+        registry.get = get_garbage  # this call only
+        try:
+            return _split(kv_cache, registry=registry, **kw)
+        finally:
+            del registry.get
+
+
+@wrong(
+    "page split ignores key_suffix: a second split in one call (the DeepSeek-V4.1 extra cache) overwrites the first",
+    "downstream buf_tag patch of SGLang's _split_kv_pages_to_64",
+)
+class split_shared_buffer:
+    compute_mode = "bf16"
+
+    def page_split(self, kv_cache, **kw):
+        kw.pop("key_suffix", None)
+        return _split(kv_cache, **kw)
+
+
+@wrong(
+    "page split cuts a source page into consecutive 37,376-byte chunks (64 * 584) instead of "
+    "moving each sub-page's data and footer: the scale footer lands in the wrong pages",
+    "SGLang PR #27455 split: data [s*36864, +36864) and footer [ps*576 + s*512, +512)",
+)
+class split_naive_byte_chunks:
+    compute_mode = "bf16"
+
+    def page_split(self, kv_cache, *, src_page_block_size=None, touched_indices=None, **kw):
+        from pytest_sparse_mla.page_split import DST_PAGE_BYTES, parse_split_source
+
+        out = _split(kv_cache, src_page_block_size=src_page_block_size, touched_indices=touched_indices, **kw)
+        if out is kv_cache:
+            return out
+        source = parse_split_source(kv_cache, src_page_block_size)
+        chunks = source.pages.unflatten(1, (source.ratio, DST_PAGE_BYTES)).flatten(0, 1)
+        keep = _touched_src_pages(kv_cache, touched_indices, src_page_block_size)
+        rows = _dst_rows(out)
+        if keep is None:
+            rows.copy_(chunks)
+        else:
+            keep = keep.repeat_interleave(source.ratio).view(-1, 1)
+            rows.copy_(torch.where(keep, chunks, rows))
+        return out
+
+
+@wrong(
+    "page split skips the last 64-token sub-page of every source page (loop bound ratio - 1)",
+    "off-by-one in the sub-page loop of a split kernel",
+)
+class split_skips_last_subpage:
+    compute_mode = "bf16"
+
+    def page_split(self, kv_cache, *, registry=None, key_suffix="", **kw):
+        from pytest_sparse_mla.page_split import SPLIT_BUFFER_NAME, default_registry
+
+        registry = registry if registry is not None else default_registry()
+        before = registry.lookup(SPLIT_BUFFER_NAME, kv_cache.device, key_suffix=key_suffix)
+        before = None if before is None else before.clone()
+        out = _split(kv_cache, registry=registry, key_suffix=key_suffix, **kw)
+        if out is kv_cache:
+            return out
+        rows = _dst_rows(out)
+        ratio = rows.shape[0] // kv_cache.shape[0]
+        last = torch.arange(rows.shape[0], device=rows.device) % ratio == ratio - 1
+        old = torch.zeros_like(rows)
+        if before is not None and before.shape[0] >= rows.shape[0] and before.shape[1] >= rows.shape[1]:
+            old = before[: rows.shape[0], : rows.shape[1]]
+        rows.copy_(torch.where(last.view(-1, 1), old, rows))
+        return out
+
+
+@wrong(
+    "touched-page mask computed with the destination page size (token // 64) instead of the "
+    "source page size: the wrong source pages are copied",
+    "SGLang PR #32320 touched-page mask",
+)
+class split_mask_by_dst_page:
+    compute_mode = "bf16"
+
+    def page_split(self, kv_cache, *, touched_indices=None, src_page_block_size=None, **kw):
+        from pytest_sparse_mla.page_split import parse_split_source
+
+        if touched_indices is not None and touched_indices.numel():
+            ps = parse_split_source(kv_cache, src_page_block_size).src_page_block_size
+            t = touched_indices.to(torch.int64)
+            touched_indices = torch.where(t >= 0, t // 64 * ps, t)
+        return _split(kv_cache, touched_indices=touched_indices, src_page_block_size=src_page_block_size, **kw)
+
+
+@wrong(
+    "touched split copies every page (touched_indices ignored): pages no index touched are written",
+    "SGLang PR #32320: only touched pages are copied; fresh scratch stays zero elsewhere",
+)
+class split_ignores_touched:
+    compute_mode = "bf16"
+
+    def page_split(self, kv_cache, **kw):
+        kw.pop("touched_indices", None)
+        return _split(kv_cache, **kw)
