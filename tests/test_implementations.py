@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import pytest_sparse_mla.attention  # noqa: F401
-from pytest_sparse_mla import implementations, tolerances
+from pytest_sparse_mla import implementations
 
 torch.testing.assert_close(torch.zeros(1), torch.zeros(1))
 
@@ -191,93 +191,6 @@ def test_builtins_and_import_strings_resolve(pytester: pytest.Pytester) -> None:
     module = implementations.resolve_implementation("pytest_sparse_mla.attention", config)
     assert implementations.skip_reason_for(module, ("sparse_mla_forward",), "cpu") is None
     assert "does not provide 'page_split'" in implementations.skip_reason_for(module, ("page_split",), "cpu")
-
-
-# --- tolerances -------------------------------------------------------------------------------
-
-
-def test_default_profiles() -> None:
-    tight = tolerances.DEFAULT_PROFILES["tight"]
-    assert tight["output_fp32"] == tolerances.Tolerance(1e-6, 1e-5)
-    assert tight["lse"] == tolerances.Tolerance(1e-6, 1e-5)
-    assert tight["output"].rtol == 2.0**-8 + 1e-5  # half a BF16 ulp on top
-    kernel = tolerances.DEFAULT_PROFILES["kernel"]
-    assert all(kernel[key] == tolerances.Tolerance(5e-2, 5e-2) for key in tolerances.KEYS)
-
-
-def test_ini_lines_parse_and_reject_garbage() -> None:
-    parsed = tolerances.parse_ini_lines(["kernel.output = 2e-2 3e-2", "  # comment", "mine.lse=1e-3, 1e-4", ""])
-    assert parsed == {
-        "kernel": {"output": tolerances.Tolerance(2e-2, 3e-2)},
-        "mine": {"lse": tolerances.Tolerance(1e-3, 1e-4)},
-    }
-    for bad in ["output = 1 1", "kernel.nope = 1 1", "kernel.lse = 1", "kernel.lse = -1 0"]:
-        with pytest.raises(pytest.UsageError):
-            tolerances.parse_ini_lines([bad])
-
-
-def test_resolution_order_impl_then_marker_profile_then_ini_then_marker_keys() -> None:
-    ini = {"kernel": {"lse": tolerances.Tolerance(1e-3, 1e-3)}}
-    mark = SimpleNamespace
-    assert tolerances.resolve(None, {}, []).profile == "kernel"
-    tight = tolerances.resolve("tight", ini, [])
-    assert tight["lse"] == tolerances.Tolerance(1e-6, 1e-5)  # ini of another profile ignored
-    forced = tolerances.resolve("tight", ini, [mark(args=(), kwargs={"profile": "kernel"})])
-    assert forced.profile == "kernel" and forced["lse"] == tolerances.Tolerance(1e-3, 1e-3)
-    keyed = tolerances.resolve("tight", ini, [mark(args=(), kwargs={"output": (0.5, 0.25)})])
-    assert keyed["output"] == tolerances.Tolerance(0.5, 0.25) and keyed.profile == "tight"
-    custom = tolerances.resolve("mine", {"mine": {"lse": tolerances.Tolerance(0.0, 0.1)}}, [])
-    assert custom["lse"] == tolerances.Tolerance(0.0, 0.1)
-    assert custom["output"] == tolerances.Tolerance(5e-2, 5e-2)  # unknown profile starts at kernel
-    with pytest.raises(pytest.UsageError):
-        tolerances.resolve("tight", {}, [mark(args=(), kwargs={"outptu": (1, 1)})])
-
-
-def test_tolerance_fixture_reads_ini_and_marker(pytester: pytest.Pytester) -> None:
-    pytester.makeini(
-        """
-        [pytest]
-        sparse_mla_tolerances =
-            tight.lse = 0.125 0.25
-        """
-    )
-    pytester.makepyfile(
-        """
-        import pytest
-        import torch
-
-        def test_ini(sparse_mla_tolerances):
-            assert sparse_mla_tolerances.profile == "tight"
-            assert (sparse_mla_tolerances["lse"].atol, sparse_mla_tolerances["lse"].rtol) == (0.125, 0.25)
-
-        @pytest.mark.sparse_mla_tolerance(profile="kernel", self_lse=(1, 2))
-        def test_marker(sparse_mla_tolerances):
-            assert sparse_mla_tolerances["self_lse"].rtol == 2
-            assert sparse_mla_tolerances["lse"].rtol == 5e-2
-
-        def test_assert_close_reports_profile(sparse_mla_tolerances):
-            with pytest.raises(AssertionError, match="tolerance profile 'tight', key 'output'"):
-                sparse_mla_tolerances.assert_close(torch.ones(3), torch.zeros(3), "output")
-            sparse_mla_tolerances.assert_close(torch.ones(3), torch.ones(3) * (1 + 1e-6), "output")
-        """
-    )
-    result = pytester.runpytest("-p", "sparse_mla", "--strict-markers")
-    result.assert_outcomes(passed=3)
-
-
-def test_bad_ini_is_a_usage_error(pytester: pytest.Pytester) -> None:
-    pytester.makeini("[pytest]\nsparse_mla_tolerances = tight.lse = lots\n")
-    pytester.makepyfile("def test_ok():\n    pass\n")
-    result = pytester.runpytest("-p", "sparse_mla")
-    assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["*sparse_mla_tolerances*expected 'ATOL RTOL'*"])
-
-
-def test_assert_equal_reports_the_difference() -> None:
-
-    tolerances.assert_equal(torch.tensor([0.0, 1.0]), torch.tensor([-0.0, 1.0]))
-    with pytest.raises(AssertionError, match="1 of 2 elements differ"):
-        tolerances.assert_equal(torch.tensor([0.0, 1.0]), torch.tensor([0.0, 2.0]), what="x")
 
 
 @pytest.mark.parametrize(("version", "scratch_heads"), [("0.7.4", 16), ("0.6.17", 12)])
