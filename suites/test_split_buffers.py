@@ -1,12 +1,21 @@
-"""Specification of the page split's persistent buffers (``pytest_sparse_mla.page_split.buffers``).
+"""Conformance of an implementation's page-split scratch: what its persistent destination must hold.
 
-Keys: ``flash_mla_sm120_split{key_suffix}:{device}`` and ``flash_mla_sm120_mask{key_suffix}:{device}``
-(SGLang's historic keys for ``key_suffix=""``, sgl-project/sglang
-``python/sglang/kernels/ops/attention/flash_mla_sm120.py``; suffix placement after the downstream
-``buf_tag`` patch, ``shared/reference/page-split-and-history.md`` section 1.7). Buffers are
-grow-only, zero-filled when (re)allocated (SGLang PR #39288) and never inference tensors (SGLang
-PR #32320 comment, PR #35116). A second split of one attention call (DeepSeek-V4.1's 128-token extra
-cache next to the 256-token SWA pool) must use its own suffix, or it overwrites the first split.
+Every test calls the selected implementation's ``page_split`` (protocol:
+``pytest_sparse_mla.implementations``) with this test's fresh ``registry=`` and is skipped when it
+has none. The rules, each from a serving bug:
+
+* Splits under different ``key_suffix`` values coexist: DeepSeek-V4.1 splits the 128-token extra
+  cache right after the 256-token SWA pool for one attention call, and a shared destination makes
+  the second split overwrite the first (the downstream ``buf_tag`` patch of SGLang's
+  ``flash_mla_sm120.py``, sgl-project/sglang ``python/sglang/kernels/ops/attention/flash_mla_sm120.py``).
+* Destination pages no split has written read as zero bytes, on the first call and after the
+  destination grows: FlashInfer gathers slot 0 for masked (-1) candidates and multiplies it by a zero
+  probability, so uninitialised bytes (NaN codes or scales) would turn into NaN outputs (SGLang PR
+  #39288).
+* A destination first made under ``torch.inference_mode()`` (a serving warm-up) still works outside
+  it: an inference tensor refuses in-place updates there (SGLang PR #35116).
+
+Expected rows are read from the source with ``formats.unpack_dequantize`` (never from a split).
 """
 
 from __future__ import annotations
@@ -15,23 +24,10 @@ import pytest
 import torch
 
 from pytest_sparse_mla import formats
-from pytest_sparse_mla.page_split import (
-    MASK_BUFFER_NAME,
-    SPLIT_BUFFER_NAME,
-    BufferRegistry,
-    buffer_key,
-    default_registry,
-    mask_buffer_key,
-    page_split,
-    split_buffer_key,
-)
 
-DST_STRIDE = 37_440
+pytestmark = pytest.mark.sparse_mla_needs("page_split")
 
-
-def zero_pool(num_pages: int, ps: int, device: torch.device) -> torch.Tensor:
-    stride = formats.page_stride_bytes("dsv4", ps, "padded")
-    return torch.zeros((num_pages, stride), dtype=torch.uint8, device=device)
+DATA_AND_FOOTER = 37_376  # bytes of one 64-token destination page (data, then the scale footer)
 
 
 def split_rows(out: torch.Tensor) -> torch.Tensor:
@@ -39,38 +35,13 @@ def split_rows(out: torch.Tensor) -> torch.Tensor:
     return formats.unpack_dequantize(out, page_block_size=64).reshape(-1, 512)
 
 
-# --- keys -----------------------------------------------------------------------------------------
-
-
-def test_key_strings():
-    assert split_buffer_key("cpu") == "flash_mla_sm120_split:cpu"
-    assert mask_buffer_key("cpu") == "flash_mla_sm120_mask:cpu"
-    assert split_buffer_key(torch.device("cuda", 1)) == "flash_mla_sm120_split:cuda:1"
-    assert mask_buffer_key(torch.device("cuda", 0), "_extra") == "flash_mla_sm120_mask_extra:cuda:0"
-    assert buffer_key("scratch", "cpu", "_v41") == "scratch_v41:cpu"
-
-
-@pytest.mark.parametrize(
-    "key_suffix, expected",
-    [
-        ("", ("flash_mla_sm120_mask:{dev}", "flash_mla_sm120_split:{dev}")),
-        ("_extra", ("flash_mla_sm120_mask_extra:{dev}", "flash_mla_sm120_split_extra:{dev}")),
-    ],
-    ids=["default", "extra"],
-)
-def test_split_uses_the_historic_keys(key_suffix, expected, split_pages, split_buffer_registry, sparse_mla_device):
-    pool = zero_pool(1, 128, sparse_mla_device)
-    idx = torch.tensor([0], dtype=torch.int32, device=sparse_mla_device)
-    split_pages(formats.as_form(pool, "dsv4", 128, "nhd"), touched_indices=idx, key_suffix=key_suffix)
-    dev = str(pool.device)  # "cpu" or "cuda:<index>"
-    assert split_buffer_registry.keys() == [e.format(dev=dev) for e in expected]
-
-
-# --- key_suffix isolation -------------------------------------------------------------------------
+def page_bytes(out: torch.Tensor) -> torch.Tensor:
+    """``[num_pages, 37376]`` bytes of a ``[N, 64, 1, 584]`` split, read through the view."""
+    return out.reshape(out.shape[0], DATA_AND_FOOTER)
 
 
 @pytest.fixture
-def main_and_extra(packed_kv_cache_factory):
+def main_and_extra(packed_kv_cache_factory):  # type: ignore[no-untyped-def]
     """A 1-page 256-token main (SWA) cache and a 1-page 128-token extra cache (DeepSeek-V4.1)."""
     return (
         packed_kv_cache_factory(num_pages=1, page_block_size=256),
@@ -78,139 +49,74 @@ def main_and_extra(packed_kv_cache_factory):
     )
 
 
-def test_second_split_under_another_key_suffix_keeps_the_first(main_and_extra, split_pages):
+@pytest.mark.parametrize("touched", [False, True], ids=["full", "touched"])
+def test_splits_under_different_key_suffixes_coexist(touched, main_and_extra, sparse_mla_impl, split_buffer_registry):
     main, extra = main_and_extra
     device = main.packed.device
-    out_main = split_pages(main.packed, touched_indices=torch.tensor([3], device=device))
+    main_idx = extra_idx = None
+    if touched:
+        main_idx = torch.tensor([3], dtype=torch.int32, device=device)
+        extra_idx = torch.tensor([100], dtype=torch.int32, device=device)
+    out_main = sparse_mla_impl.page_split(main.packed, touched_indices=main_idx, registry=split_buffer_registry)
     before = out_main.clone()
 
-    out_extra = split_pages(extra.packed, key_suffix="_extra", touched_indices=torch.tensor([100], device=device))
+    out_extra = sparse_mla_impl.page_split(
+        extra.packed, key_suffix="_extra", touched_indices=extra_idx, registry=split_buffer_registry
+    )
 
-    assert out_extra.untyped_storage().data_ptr() != out_main.untyped_storage().data_ptr()
-    assert torch.equal(out_main, before)
-    assert torch.equal(split_rows(out_main)[:256], main.flat_dequantized()[:256])
+    assert torch.equal(out_main, before), "the split under key_suffix='_extra' overwrote the first split"
+    assert torch.equal(split_rows(out_main), main.flat_dequantized())
     assert torch.equal(split_rows(out_extra), extra.flat_dequantized())
 
 
-def test_second_split_under_the_same_key_clobbers_the_first(main_and_extra, split_pages):
-    main, extra = main_and_extra
-    out_main = split_pages(main.packed)  # 4 destination pages = 256 tokens
-    assert torch.equal(split_rows(out_main), main.flat_dequantized())
-
-    out_extra = split_pages(extra.packed)  # same key: a prefix of the same buffer, 2 pages
-
-    assert out_extra.data_ptr() == out_main.data_ptr()
-    changed = (split_rows(out_main) != main.flat_dequantized()).any(dim=-1)
-    # Independent count: the extra split's 128 tokens land on main's destination pages 0-1, i.e.
-    # main tokens 0..127; such a token changes iff its row differs from the extra token's row.
-    expected = (main.flat_dequantized()[:128] != extra.flat_dequantized()).any(dim=-1)
-    assert int(expected.sum()) == 128  # random rows never coincide
-    assert int(changed.sum()) == int(expected.sum())
-    assert torch.equal(changed[:128], expected)
-    assert not bool(changed[128:].any())
-
-
-# --- allocation rules -----------------------------------------------------------------------------
-
-
-def test_buffers_are_grow_only_and_reused(split_pages, split_buffer_registry, sparse_mla_device):
-    key = split_buffer_key(sparse_mla_device)
-    pool = zero_pool(4, 128, sparse_mla_device)
-    view = lambda n: formats.as_form(pool[:n], "dsv4", 128, "nhd")  # noqa: E731
-
-    first = split_pages(view(3))
-    smaller = split_pages(view(2))
-    assert smaller.data_ptr() == first.data_ptr()
-    assert smaller.shape[0] == 4
-    grown = split_pages(view(4))
-    assert grown.shape[0] == 8
-    assert [(k, s) for k, s, _ in split_buffer_registry.allocation_log] == [
-        (key, (6, DST_STRIDE)),
-        (key, (8, DST_STRIDE)),
-    ]
-    assert split_buffer_registry.lookup(SPLIT_BUFFER_NAME, pool.device).shape == (8, DST_STRIDE)
-
-
-def test_registry_zero_fills_new_and_grown_buffers(split_buffer_registry, sparse_mla_device):
-    reg = split_buffer_registry
-    buf = reg.get("scratch", sparse_mla_device, (2, 16), torch.uint8)
-    assert bool((buf == 0).all())
-    buf.fill_(0xFF)
-    reused = reg.get("scratch", sparse_mla_device, (1, 16), torch.uint8)
-    assert bool((reused == 0xFF).all())  # reuse keeps contents: only allocation zero-fills
-    grown = reg.get("scratch", sparse_mla_device, (3, 16), torch.uint8)
-    assert grown.shape == (3, 16) and bool((grown == 0).all())
-    reshaped = reg.get("scratch", sparse_mla_device, (3, 8), torch.uint8)
-    assert bool((reshaped == 0).all())
-
-
-def test_grown_split_buffer_is_zero_where_the_mask_copies_nothing(
-    split_pages, split_buffer_registry, sparse_mla_generator, sparse_mla_device
+def test_touched_split_into_fresh_scratch_leaves_untouched_pages_zero(
+    sparse_mla_impl, split_buffer_registry, packed_kv_cache_factory, sparse_mla_device
 ):
-    """FlashInfer gathers slot 0 (destination page 0) for -1 candidates: it must hold zeros, not
-    stale or uninitialised bytes, when page 0 is not marked (SGLang PR #39288)."""
-    small = zero_pool(1, 128, sparse_mla_device)
-    split_pages(formats.as_form(small, "dsv4", 128, "nhd"))
-    split_buffer_registry.lookup(SPLIT_BUFFER_NAME, small.device).fill_(0xFF)
+    """Only source page 1 of 2 is touched: destination pages 0-1 (source page 0) were never
+    written and must read as zero bytes."""
+    cache = packed_kv_cache_factory(num_pages=2, page_block_size=128)
+    touched = torch.tensor([128 + 5, -1], dtype=torch.int32, device=sparse_mla_device)
+    out = sparse_mla_impl.page_split(
+        cache.packed, touched_indices=touched, key_suffix="_fresh_zero_fill", registry=split_buffer_registry
+    )
+    assert int((page_bytes(out)[:2] != 0).sum()) == 0, "bytes of pages no index touched are not zero"
+    assert torch.equal(split_rows(out)[128:], cache.flat_dequantized()[128:])
 
-    pool = torch.randint(1, 256, (3, 74_880), generator=sparse_mla_generator, dtype=torch.uint8).to(sparse_mla_device)
+
+def test_grown_destination_is_zero_where_no_split_wrote(
+    sparse_mla_impl, split_buffer_registry, packed_kv_cache_factory, sparse_mla_device
+):
+    """A 1-page split writes destination pages 0-1; a touched split of a 3-page pool then copies
+    source page 2 (pages 4-5). Pages 2-3 were never written by any split and must be zero; pages
+    0-1 may hold zeros or the first split's bytes (both are finite cache rows)."""
+    small = packed_kv_cache_factory(num_pages=1, page_block_size=128)
+    out_small = sparse_mla_impl.page_split(small.packed, registry=split_buffer_registry)
+    first_bytes = page_bytes(out_small).clone()
+
+    pool = packed_kv_cache_factory(num_pages=3, page_block_size=128)
     idx = torch.tensor([2 * 128 + 1, -1], dtype=torch.int64, device=sparse_mla_device)
-    out = split_pages(formats.as_form(pool, "dsv4", 128, "nhd"), touched_indices=idx)
+    out = sparse_mla_impl.page_split(pool.packed, touched_indices=idx, registry=split_buffer_registry)
 
-    dst = split_buffer_registry.lookup(SPLIT_BUFFER_NAME, pool.device)
-    assert dst.shape == (6, DST_STRIDE) and out.data_ptr() == dst.data_ptr()
-    assert bool((dst[:4] == 0).all())  # pages of source pages 0 and 1: untouched zeros
-    assert bool((dst[4:, :36_864] != 0).all())  # page 2 copied (source bytes are 1..255)
+    got = page_bytes(out)
+    assert tuple(out.shape) == (6, 64, 1, 584)
+    assert int((got[2:4] != 0).sum()) == 0, "pages no split ever wrote are not zero after the destination grew"
+    for page in (0, 1):
+        assert bool((got[page] == 0).all()) or torch.equal(got[page], first_bytes[page]), (
+            f"destination page {page} holds neither zeros nor the previous split's bytes"
+        )
+    assert torch.equal(split_rows(out)[256:], pool.flat_dequantized()[256:])
 
 
-def test_buffers_made_under_inference_mode_are_normal_tensors(split_pages, split_buffer_registry, sparse_mla_device):
-    pool = zero_pool(2, 128, sparse_mla_device)
-    cache = formats.as_form(pool, "dsv4", 128, "nhd")
+def test_destination_made_under_inference_mode_works_outside_it(
+    sparse_mla_impl, split_buffer_registry, packed_kv_cache_factory, sparse_mla_device
+):
+    cache = packed_kv_cache_factory(num_pages=2, page_block_size=128)
     idx = torch.tensor([5], dtype=torch.int32, device=sparse_mla_device)
     with torch.inference_mode():
-        split_pages(cache, touched_indices=idx)
-    buffers = [split_buffer_registry.lookup(n, pool.device) for n in (SPLIT_BUFFER_NAME, MASK_BUFFER_NAME)]
-    assert [b.is_inference() for b in buffers] == [False, False]
-    # Outside inference mode the in-place mask zeroing and copies must work (they raise
-    # "Inplace update to inference tensor outside InferenceMode" on an inference tensor).
-    split_pages(cache, touched_indices=idx + 128)
-    assert buffers[1].tolist() == [0, 1]
-    buffers[0].zero_()
-
-
-@pytest.mark.parametrize("run", [0, 1])
-def test_each_test_gets_a_fresh_registry(run, split_buffer_registry, split_pages, sparse_mla_device):
-    assert len(split_buffer_registry) == 0 and split_buffer_registry.allocation_log == []
-    split_pages(formats.as_form(zero_pool(1, 256, sparse_mla_device), "dsv4", 256, "nhd"))
-    assert len(split_buffer_registry) == 1
-
-
-def test_registry_none_uses_the_process_default(sparse_mla_device):
-    suffix = "_default_registry_probe"
-    pool = zero_pool(1, 128, sparse_mla_device)
-    try:
-        out = page_split(formats.as_form(pool, "dsv4", 128, "nhd"), key_suffix=suffix)
-        buf = default_registry().lookup(SPLIT_BUFFER_NAME, pool.device, key_suffix=suffix)
-        assert buf is not None and buf.data_ptr() == out.data_ptr()
-    finally:
-        default_registry().discard(SPLIT_BUFFER_NAME, pool.device, key_suffix=suffix)
-    assert default_registry().lookup(SPLIT_BUFFER_NAME, pool.device, key_suffix=suffix) is None
-
-
-def test_registry_rejects_bad_buffers_and_keys(sparse_mla_device):
-    reg = BufferRegistry()
-    with pytest.raises(ValueError, match=r"key_suffix='x:y': must not contain ':'"):
-        reg.get(SPLIT_BUFFER_NAME, sparse_mla_device, (1, 8), key_suffix="x:y")
-    with pytest.raises(ValueError, match=r"name='a:b': must not contain ':'"):
-        buffer_key("a:b", "cpu")
-    with pytest.raises(ValueError, match=r"shape=\(\): expected \(rows, \*row_shape\)"):
-        reg.get(SPLIT_BUFFER_NAME, sparse_mla_device, ())
-    with pytest.raises(ValueError, match=r"buffer\.stride\(\)=\(1, 4\): expected contiguous rows"):
-        reg.install("x", sparse_mla_device, torch.zeros(4, 4, device=sparse_mla_device).t())
-    with torch.inference_mode():
-        frozen = torch.zeros(4, device=sparse_mla_device)
-    with pytest.raises(ValueError, match=r"inference tensor"):
-        reg.install("x", sparse_mla_device, frozen)
-    with pytest.raises(ValueError, match=r"buffer\.device=meta: expected"):
-        reg.install("x", sparse_mla_device, torch.zeros(4, device="meta"))
-    assert len(reg) == 0
+        warm = sparse_mla_impl.page_split(cache.packed, touched_indices=idx, registry=split_buffer_registry)
+    assert not warm.is_inference(), "the persistent destination is an inference tensor"
+    # Outside inference mode the next split updates the same scratch in place.
+    out = sparse_mla_impl.page_split(cache.packed, touched_indices=idx + 128, registry=split_buffer_registry)
+    assert torch.equal(split_rows(out)[128:], cache.flat_dequantized()[128:])
+    out = sparse_mla_impl.page_split(cache.packed, registry=split_buffer_registry)
+    assert torch.equal(split_rows(out), cache.flat_dequantized())
