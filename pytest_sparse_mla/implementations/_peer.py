@@ -151,8 +151,8 @@ class PeerResult:
 
     output: Any
     lse: Any
-    route: str | None
-    entry: str
+    route: str | None = None
+    entry: str = ""
 
 
 def index_rows(indices: Any, name: str, num_tokens: int) -> Any:

@@ -415,14 +415,28 @@ class _SglangBase:
             device=str(getattr(getattr(q, "device", None), "type", "cpu")),
         )
 
+    @staticmethod
+    def _src_pbs(kv_cache: Any, src_page_block_size: int | None) -> int:
+        """``src_pbs`` as SGLang's caller derives it: the given size, else ``shape[1]`` (``shape[2]``
+        of an HND cache), else 256 for a 2-D pool."""
+        if src_page_block_size is not None:
+            return int(src_page_block_size)
+        shape = tuple(getattr(kv_cache, "shape", ()))
+        if len(shape) == 4 and shape[1] == 1:
+            return int(shape[2])
+        return int(shape[1]) if len(shape) >= 3 else 256
+
     def _split_reason(
         self,
         kv_cache: Any,
         *,
+        src_page_block_size: int | None = None,
         key_suffix: str = "",
         dst_page_stride: int = _SGLANG_DST_PAGE_STRIDE,
         **_: Any,
     ) -> str | None:
+        if self._src_pbs(kv_cache, src_page_block_size) == 64:
+            return None  # SGLang returns a 64-token pool as it is: no scratch, nothing to key
         if key_suffix != "":
             return (
                 f"SGLang's _split_kv_pages_to_64 keeps one scratch per device (key "
@@ -440,7 +454,7 @@ class _SglangBase:
     def _forward_callable(self) -> Any:
         return getattr(load_module(self._forward_file), self._forward_function)
 
-    def _refuse_unsafe_lanes(self, idx: Any, length: Any, num_slots: int, name: str) -> None:
+    def _refuse_unsafe_lanes(self, idx: Any, length: Any, num_slots: int, name: str, length_name: str) -> None:
         """Hook for lane values the peer cannot survive (none for the Triton path)."""
 
     def sparse_mla_forward(
@@ -496,14 +510,16 @@ class _SglangBase:
         kv4, layout = nhd_view(kv_cache, fmt, page_block_size, "kv_cache")
         idx = index_rows(indices, "indices", num_tokens)
         check_valid_lanes_in_range(idx, topk_length, layout.num_tokens, "indices")
-        self._refuse_unsafe_lanes(idx, topk_length, layout.num_tokens, "indices")
+        self._refuse_unsafe_lanes(idx, topk_length, layout.num_tokens, "indices", "topk_length")
         extra4 = extra_idx3 = None
         if extra_kv_cache is not None:
             extra4, extra_layout = nhd_view(extra_kv_cache, fmt, extra_page_block_size, "extra_kv_cache")
             if extra_indices is not None:
                 extra_idx = index_rows(extra_indices, "extra_indices", num_tokens)
                 check_valid_lanes_in_range(extra_idx, extra_topk_length, extra_layout.num_tokens, "extra_indices")
-                self._refuse_unsafe_lanes(extra_idx, extra_topk_length, extra_layout.num_tokens, "extra_indices")
+                self._refuse_unsafe_lanes(
+                    extra_idx, extra_topk_length, extra_layout.num_tokens, "extra_indices", "extra_topk_length"
+                )
                 extra_idx3 = extra_idx.unsqueeze(1)
         elif extra_indices is not None:
             extra_idx3 = index_rows(extra_indices, "extra_indices", num_tokens).unsqueeze(1)
@@ -537,6 +553,8 @@ class _SglangBase:
 
         ``src_pbs`` is ``src_page_block_size`` when given, else read from the shape the way SGLang's
         caller does (``shape[1]`` of a 3-D or NHD cache; ``shape[2]`` of an HND cache; 256 for 2-D).
+        ``key_suffix`` is refused unless ``src_pbs`` is 64 (then SGLang returns the input and no
+        scratch exists to key).
         ``kv_cache`` is passed as it is (SGLang checks neither dtype nor geometry). ``registry``
         (default ``page_split.default_registry()``) serves as ``get_resources().buffers``.
         ``backend`` is ignored (SGLang has one split).
@@ -551,17 +569,12 @@ class _SglangBase:
         from pytest_sparse_mla.page_split import default_registry
 
         del backend
-        reason = self._split_reason(kv_cache, key_suffix=key_suffix, dst_page_stride=dst_page_stride)
+        reason = self._split_reason(
+            kv_cache, src_page_block_size=src_page_block_size, key_suffix=key_suffix, dst_page_stride=dst_page_stride
+        )
         if reason is not None:
             raise UnsupportedByPeer(f"{self.name}: {reason}")
-        src_pbs = src_page_block_size
-        if src_pbs is None:
-            if kv_cache.dim() == 4 and kv_cache.shape[1] == 1:
-                src_pbs = int(kv_cache.shape[2])
-            elif kv_cache.dim() >= 3:
-                src_pbs = int(kv_cache.shape[1])
-            else:
-                src_pbs = 256
+        src_pbs = self._src_pbs(kv_cache, src_page_block_size)
         capturing = kv_cache.is_cuda and torch.cuda.is_current_stream_capturing()
         if touched_indices is not None and touched_indices.numel() > 0 and not capturing:
             limit = int(kv_cache.shape[0]) * int(src_pbs)
@@ -598,7 +611,7 @@ class SglangTorchImplementation(_SglangBase):
     _forward_function = "_sm120_sparse_decode_fwd"
     _lse_has_sink = False
 
-    def _refuse_unsafe_lanes(self, idx: Any, length: Any, num_slots: int, name: str) -> None:
+    def _refuse_unsafe_lanes(self, idx: Any, length: Any, num_slots: int, name: str, length_name: str) -> None:
         """The torch path gathers lanes past ``topk_length`` too (only negatives are clamped)."""
         if length is None:
             return
@@ -606,7 +619,7 @@ class SglangTorchImplementation(_SglangBase):
         if bool(bad.any()):
             t, j = (int(v) for v in bad.nonzero()[0])
             raise UnsafeForPeer(
-                f"{self.name}: {name}[{t}, {j}]={int(idx[t, j])} lies past topk_length but outside the "
+                f"{self.name}: {name}[{t}, {j}]={int(idx[t, j])} lies past {length_name} but outside the "
                 f"cache ({num_slots} slots); SGLang's _sm120_sparse_decode_fwd gathers every lane "
                 "(indices.clamp(min=0)) before masking, an out-of-bounds gather (the project's rule: "
                 "lanes past topk_length are never read)"

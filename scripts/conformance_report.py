@@ -1,0 +1,311 @@
+"""Build ``docs/conformance.json`` and ``docs/conformance.md`` from a conformance run's result files.
+
+Reads, in the results directory written by ``scripts/device_conformance.sh``:
+
+* ``conformance-IMPL.xml`` (JUnit XML: every test's outcome and message) and
+  ``conformance-IMPL.exit.json`` (exit status, seconds) for each implementation;
+* ``machine.json`` (GPU, driver, versions, the peers' sources);
+* optionally ``smoke.json`` (``scripts/peers_smoke.py``: errors against the float64 oracle per
+  peer, headline timings) and ``bench/results.json`` (``benchmarks/test_bench_peers.py``);
+
+and, from this checkout, the shipped xfail files ``pytest_sparse_mla/xfail/IMPL.txt``: a comment
+line ``# [KEY] kind: text`` defines a discrepancy (kind ``convention`` or ``bug``; the text says
+what differs, where in the peer, and the smallest input that shows it), and each test entry ends
+with ``# KEY`` naming the discrepancy it is listed for. Every number in the Markdown comes from
+these files; nothing is typed by hand.
+
+    python3 scripts/conformance_report.py RESULTS_DIR --json docs/conformance.json --md docs/conformance.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import xml.etree.ElementTree as ET
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+XFAIL_DIR = ROOT / "pytest_sparse_mla" / "xfail"
+OUTCOMES = ("passed", "failed", "error", "skipped", "xfailed", "xpassed")
+_DEFINITION = re.compile(r"^#\s*\[(?P<key>[A-Za-z0-9_-]+)\]\s*(?P<kind>[a-z ]+):\s*(?P<text>.+)$")
+
+
+def test_id(case: ET.Element) -> tuple[str, str]:
+    """``(suite file, node id)`` of a JUnit ``testcase`` (``suites.test_x`` + ``name``)."""
+    classname = case.get("classname", "")
+    parts = classname.split(".")
+    module = [p for p in parts if p.startswith("test_")]
+    file = "/".join(parts[: parts.index(module[0]) + 1]) + ".py" if module else classname
+    inner = parts[parts.index(module[0]) + 1 :] if module else []
+    return file, "::".join([file, *inner, case.get("name", "")])
+
+
+def outcome(case: ET.Element) -> tuple[str, str]:
+    """``(outcome, message)`` of a JUnit ``testcase`` as pytest writes it (xunit2)."""
+    for tag in ("failure", "error"):
+        node = case.find(tag)
+        if node is not None:
+            message = node.get("message") or (node.text or "")
+            if message.startswith("[XPASS(strict)]"):
+                return "xpassed", message
+            return ("failed" if tag == "failure" else "error"), message
+    node = case.find("skipped")
+    if node is not None:
+        kind = "xfailed" if node.get("type") == "pytest.xfail" else "skipped"
+        return kind, node.get("message") or ""
+    return "passed", ""
+
+
+def read_junit(path: Path) -> list[dict[str, Any]]:
+    """One dict per test case: ``file``, ``id``, ``outcome``, ``message``, ``seconds``."""
+    rows = []
+    for case in ET.parse(path).getroot().iter("testcase"):
+        file, node = test_id(case)
+        kind, message = outcome(case)
+        rows.append(
+            {"file": file, "id": node, "outcome": kind, "message": message, "seconds": float(case.get("time", 0))}
+        )
+    return rows
+
+
+def read_xfail_file(path: Path) -> dict[str, Any]:
+    """Discrepancy definitions and entries of a shipped xfail file (module docstring)."""
+    definitions: dict[str, dict[str, str]] = {}
+    entries: list[dict[str, str]] = []
+    for line in path.read_text().splitlines():
+        stripped = line.strip()
+        match = _DEFINITION.match(stripped)
+        if match:
+            definitions[match["key"]] = {"kind": match["kind"].strip(), "text": match["text"].strip()}
+            continue
+        if not stripped or stripped.startswith("#"):
+            continue
+        parts = re.split(r"\s#", stripped, maxsplit=1)
+        comment = parts[1].strip() if len(parts) > 1 else ""
+        entries.append({"prefix": parts[0].strip(), "key": comment.split()[0] if comment else ""})
+    return {"definitions": definitions, "entries": entries}
+
+
+def summarize(impl: str, results: Path) -> dict[str, Any]:
+    """Totals, per-suite counts, skip reasons, failures and xfails of one implementation."""
+    rows = read_junit(results / f"conformance-{impl}.xml")
+    exit_info = {}
+    exit_path = results / f"conformance-{impl}.exit.json"
+    if exit_path.exists():
+        exit_info = json.loads(exit_path.read_text())
+    totals = Counter(r["outcome"] for r in rows)
+    suites: dict[str, Counter] = {}
+    for r in rows:
+        suites.setdefault(r["file"], Counter())[r["outcome"]] += 1
+    skips = Counter(_short(r["message"]) for r in rows if r["outcome"] == "skipped")
+    xfail = {"definitions": {}, "entries": []}
+    xfail_path = XFAIL_DIR / f"{impl}.txt"
+    if xfail_path.exists():
+        xfail = read_xfail_file(xfail_path)
+    by_key = Counter()
+    for r in rows:
+        if r["outcome"] == "xfailed":
+            key = next((e["key"] for e in xfail["entries"] if _matches(r["id"], e["prefix"])), "")
+            r["key"] = key
+            by_key[key] += 1
+    return {
+        "exit": exit_info.get("exit"),
+        "seconds": exit_info.get("seconds"),
+        "tests": len(rows),
+        "totals": {k: totals.get(k, 0) for k in OUTCOMES},
+        "suites": {f: {k: c.get(k, 0) for k in OUTCOMES} for f, c in sorted(suites.items())},
+        "skip_reasons": [{"reason": k, "count": v} for k, v in skips.most_common()],
+        "failures": [
+            {"id": r["id"], "outcome": r["outcome"], "message": _short(r["message"], 600)}
+            for r in rows
+            if r["outcome"] in ("failed", "error", "xpassed")
+        ],
+        "xfailed": [{"id": r["id"], "key": r.get("key", "")} for r in rows if r["outcome"] == "xfailed"],
+        "discrepancies": [
+            {"key": k, **d, "xfailed_tests": by_key.get(k, 0)} for k, d in sorted(xfail["definitions"].items())
+        ],
+    }
+
+
+def _matches(node_id: str, prefix: str) -> bool:
+    return node_id.startswith(prefix) or node_id.replace("pytest_sparse_mla/", "").startswith(prefix)
+
+
+def _short(text: str, limit: int = 240) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def declarations() -> dict[str, Any]:
+    """What each peer adapter declares (imported from this checkout; no torch needed)."""
+    from pytest_sparse_mla.implementations import flashmla, sglang
+
+    return {
+        "sglang-triton": {"forward": sglang.TRITON_DECLARATION.as_dict()},
+        "sglang-torch": {"forward": sglang.TORCH_DECLARATION.as_dict()},
+        "flashmla": {k: v.as_dict() for k, v in flashmla.FlashMlaImplementation.declarations.items()},
+    }
+
+
+def build(results: Path) -> dict[str, Any]:
+    impls = sorted(p.name[len("conformance-") : -len(".xml")] for p in results.glob("conformance-*.xml"))
+    order = ["reference", "sglang-triton", "sglang-torch", "flashmla"]
+    impls.sort(key=lambda n: (order.index(n) if n in order else len(order), n))
+    doc: dict[str, Any] = {
+        "machine": json.loads((results / "machine.json").read_text()) if (results / "machine.json").exists() else {},
+        "command": "RESULTS=results bash scripts/device_conformance.sh "
+        "(per implementation: pytest -p sparse_mla suites --sparse-mla-impl IMPL --sparse-mla-require-gpu -n 4 "
+        "--sparse-mla-xfail-file pytest_sparse_mla/xfail/IMPL.txt --sparse-mla-report-json ... --junitxml ...)",
+        "implementations": {impl: summarize(impl, results) for impl in impls},
+        "declarations": declarations(),
+    }
+    smoke = results / "smoke.json"
+    if smoke.exists():
+        data = json.loads(smoke.read_text())
+        doc["oracle_errors"] = data.get("summary", {})
+        doc["headline"] = data.get("headline", {})
+    bench = results / "bench" / "results.json"
+    if bench.exists():
+        doc["benchmarks"] = json.loads(bench.read_text())
+    return doc
+
+
+def _fmt(value: Any, spec: str = ".2e") -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return format(value, spec)
+    return str(value)
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    m = doc["machine"]
+    impls = doc["implementations"]
+    out = [
+        "# Conformance of real sparse-MLA kernels",
+        "",
+        "<!-- Generated by scripts/conformance_report.py from docs/conformance.json; do not edit by hand. -->",
+        "",
+        f"Machine: {m.get('gpu_count', '?')} x {m.get('gpu', '?')} (sm {m.get('sm', '?')}), driver {m.get('driver')}, "
+        f"torch {m.get('torch')} (CUDA {m.get('cuda_runtime')}), triton {m.get('triton')}, Python {m.get('python')}, "
+        f"{m.get('cpu_count')} CPUs; run {m.get('date_utc')} UTC.",
+        f"Peers: SGLang {m.get('sglang')} (wheel from PyPI, installed --no-deps); FlashMLA "
+        f"{'; '.join(m.get('flashmla_source') or ['not built'])}, built with FLASH_MLA_DISABLE_SM100=1.",
+        "",
+        f"Command: `{doc['command']}`. Each peer's shipped xfail file is applied, so a known discrepancy "
+        "counts as `xfailed` and a test that starts passing fails the run (`xfail_strict`).",
+        "",
+        "## Totals",
+        "",
+        "| implementation | tests | passed | failed | errors | skipped | xfailed | xpassed | exit | seconds |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for name, s in impls.items():
+        t = s["totals"]
+        out.append(
+            f"| `{name}` | {s['tests']} | {t['passed']} | {t['failed']} | {t['error']} | {t['skipped']} | "
+            f"{t['xfailed']} | {t['xpassed']} | {_fmt(s['exit'])} | {_fmt(s['seconds'])} |"
+        )
+    out += ["", "## Per suite (passed / failed+errors / skipped / xfailed)", ""]
+    suites = sorted({f for s in impls.values() for f in s["suites"]})
+    out.append("| suite | " + " | ".join(f"`{n}`" for n in impls) + " |")
+    out.append("| --- |" + " --- |" * len(impls))
+    for f in suites:
+        cells = []
+        for s in impls.values():
+            c = s["suites"].get(f)
+            cells.append(
+                "-"
+                if c is None
+                else f"{c['passed']} / {c['failed'] + c['error'] + c['xpassed']} / {c['skipped']} / {c['xfailed']}"
+            )
+        out.append(f"| `{f}` | " + " | ".join(cells) + " |")
+    if doc.get("oracle_errors"):
+        out += [
+            "",
+            "## Errors against the float64 oracle",
+            "",
+            "Over every case of the attention suites (`attention.cases`: conformance, FlashInfer and deployment "
+            "cases up to 600 tokens) the adapter takes; `scripts/peers_smoke.py`. Normwise relative output error "
+            "`||A - E|| / ||E||`, cosine similarity, LSE error in natural-log units (infinite LSEs must match).",
+            "",
+            "| implementation | cases run | not taken | raised | max normwise rel. error | min cosine | max LSE error "
+            "| inf-LSE mismatches | non-finite outputs |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for name, e in doc["oracle_errors"].items():
+            counts = f"{e['cases_ok']} | {e['cases_unsupported']} | {e['cases_error']}"
+            errors = f"{_fmt(e['max_rel_err'])} | {_fmt(e['min_cosine'], '.7f')} | {_fmt(e['max_lse_err'])}"
+            out.append(f"| `{name}` | {counts} | {errors} | {e['lse_inf_mismatch']} | {e['nonfinite_out']} |")
+    if doc.get("headline"):
+        out += [
+            "",
+            "## Headline shapes (T = 64, sink on)",
+            "",
+            "| case | implementation | median ms | normwise rel. error vs oracle | vs bundled reference | LSE error |",
+            "| --- | --- | ---: | ---: | ---: | ---: |",
+        ]
+        for case, per in doc["headline"].items():
+            for name, e in per.items():
+                if e.get("status") != "ok":
+                    why = _short(e.get("reason") or e.get("error", ""), 90)
+                    out.append(f"| {case} | `{name}` | {e.get('status')}: {why} | | | |")
+                    continue
+                out.append(
+                    f"| {case} | `{name}` | {_fmt(e['ms'], '.3f')} | {_fmt(e['rel_err'])} | "
+                    f"{_fmt(e.get('rel_vs_reference'))} | {_fmt(e['lse_err'])} |"
+                )
+    out += ["", "## Discrepancies found in the peers", ""]
+    any_disc = False
+    for name, s in impls.items():
+        for d in s["discrepancies"]:
+            any_disc = True
+            out.append(f"* **`{name}` [{d['key']}] {d['kind']}** ({d['xfailed_tests']} xfailed tests): {d['text']}")
+    if not any_disc:
+        out.append("None recorded.")
+    out += ["", "## Failures not explained by an xfail entry", ""]
+    any_fail = False
+    for name, s in impls.items():
+        for f in s["failures"]:
+            any_fail = True
+            out.append(f"* `{name}` {f['outcome']} `{f['id']}`: {f['message']}")
+    if not any_fail:
+        out.append("None.")
+    out += ["", "## Skips (capabilities a peer lacks), most frequent reasons", ""]
+    for name, s in impls.items():
+        if not s["skip_reasons"]:
+            continue
+        out.append(f"* `{name}`:")
+        for r in s["skip_reasons"][:12]:
+            out.append(f"  * {r['count']} x {r['reason']}")
+    out += ["", "## What each adapter declares", ""]
+    for name, per in doc["declarations"].items():
+        for route, d in per.items():
+            heads = "any" if d["num_heads"] is None else "/".join(map(str, d["num_heads"]))
+            extra = ", ".join(d["extra_cache_formats"]) or "none"
+            lengths = ", ".join(d["topk_length_formats"]) or "none"
+            out.append(
+                f"* `{name}` {route}: {d['peer']}; formats {', '.join(d['formats'])}; heads {heads}; topk multiple "
+                f"of {d['topk_multiple']}; extra cache for {extra}; topk_length for {lengths}; masked lanes: "
+                f"{d['masked_indices']}; lanes past topk_length {d['lanes_past_topk_length']}; LSE {d['lse']}; "
+                f"devices {', '.join(d['devices'])}."
+            )
+    return "\n".join(out) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("results", type=Path)
+    parser.add_argument("--json", type=Path, required=True)
+    parser.add_argument("--md", type=Path, required=True)
+    args = parser.parse_args()
+    doc = build(args.results)
+    args.json.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    args.md.write_text(markdown(doc))
+
+
+if __name__ == "__main__":
+    main()

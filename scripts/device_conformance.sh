@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# The whole conformance suite against each peer adapter (and the bundled reference) on one CUDA
+# machine, with the results docs/conformance.md is generated from.
+#
+#   RESULTS=dir bash scripts/device_conformance.sh [IMPL ...]     # from the repository root
+#
+# IMPLs default to: reference sglang-triton sglang-torch flashmla. Peers come from the carried
+# files listed in scripts/peers_env.sh (a FlashMLA build is made in the background from its source
+# when none is carried, while the other implementations run). Per IMPL, in $RESULTS:
+#   conformance-IMPL.json   --sparse-mla-report-json (probe, options, device per worker)
+#   conformance-IMPL.xml    JUnit XML (every test's outcome and message)
+#   conformance-IMPL.log    the pytest output
+# plus machine.json (GPU, driver, versions, peer sources) and, from scripts/conformance_report.py,
+# conformance.json and conformance.md. Shipped xfail files (pytest_sparse_mla/xfail/IMPL.txt) are
+# applied unless XFAIL=0. Optional: SMOKE=1 runs scripts/peers_smoke.py (smoke.json), BENCH=1 the
+# peer benchmarks (bench/results.json). Variables: XDIST (workers, default 4), SUITE_TIMEOUT
+# (seconds per implementation, default 240), PEERS_EXT_OUT (pack a fresh FlashMLA build there),
+# PACK (write everything in $RESULTS into this one .tar.xz at the end).
+set -uo pipefail
+OUT=${RESULTS:?set RESULTS to the results directory}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+IMPLS=("$@")
+[ ${#IMPLS[@]} -gt 0 ] || IMPLS=(reference sglang-triton sglang-torch flashmla)
+export PYTHONUNBUFFERED=1 PEERS_ENV_FUNCTIONS_ONLY=1
+# shellcheck source=scripts/peers_env.sh
+source scripts/peers_env.sh
+t_start=$(date +%s)
+stamp() { echo "[device_conformance +$(( $(date +%s) - t_start ))s] $*"; }
+
+peers_install_wheels
+peers_pythonpath
+peers_install_project
+build_pid=""
+if [[ " ${IMPLS[*]} " == *" flashmla "* ]] || [ "${BENCH:-0}" = 1 ] || [ "${SMOKE:-0}" = 1 ]; then
+  peers_flashmla >"$OUT/flashmla-setup.log" 2>&1 &
+  build_pid=$!
+fi
+
+python3 - "$OUT/machine.json" <<'PY'
+import json, os, platform, subprocess, sys, time
+import torch
+info = {"date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "python": platform.python_version(),
+        "torch": torch.__version__, "cuda_runtime": torch.version.cuda, "cpu_count": os.cpu_count()}
+try:
+    import triton
+    info["triton"] = triton.__version__
+except ImportError:
+    info["triton"] = None
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    info.update(gpu=p.name, gpu_count=torch.cuda.device_count(), sm=f"{p.major}.{p.minor}",
+                gpu_memory_GiB=round(p.total_memory / 2**30, 1))
+try:
+    info["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                    capture_output=True, text=True, timeout=20).stdout.strip().splitlines()[0]
+except Exception:
+    info["driver"] = None
+import importlib.metadata as m
+for dist in ("sglang", "pytest", "pytest-xdist", "syrupy", "hypothesis"):
+    try:
+        info[dist] = m.version(dist)
+    except m.PackageNotFoundError:
+        info[dist] = None
+src = os.path.join(os.environ.get("PEERS_DIR", "/tmp/sparse-mla-peers"), "flashmla", "PEER_SOURCE.txt")
+info["flashmla_source"] = open(src).read().strip().splitlines() if os.path.exists(src) else None
+json.dump(info, open(sys.argv[1], "w"), indent=1)
+print(json.dumps(info))
+PY
+
+run_suite() {  # run_suite IMPL
+  local impl=$1 xfail=() t0
+  if [ "${XFAIL:-1}" = 1 ] && [ -f "pytest_sparse_mla/xfail/$impl.txt" ]; then
+    xfail=(--sparse-mla-xfail-file "pytest_sparse_mla/xfail/$impl.txt")
+  fi
+  t0=$(date +%s)
+  stamp "suite $impl"
+  timeout -s INT -k 20 "${SUITE_TIMEOUT:-240}" \
+    python3 -m pytest -p sparse_mla suites --sparse-mla-impl "$impl" --sparse-mla-require-gpu \
+      -n "${XDIST:-4}" -p no:randomly -p no:cacheprovider -q -rfEX --tb=line \
+      --sparse-mla-report-json "$OUT/conformance-$impl.json" \
+      --junitxml "$OUT/conformance-$impl.xml" -o junit_family=xunit2 -o junit_logging=no \
+      "${xfail[@]}" >"$OUT/conformance-$impl.log" 2>&1
+  local rc=$?
+  echo "{\"impl\": \"$impl\", \"exit\": $rc, \"seconds\": $(( $(date +%s) - t0 ))}" >"$OUT/conformance-$impl.exit.json"
+  stamp "suite $impl: exit $rc in $(( $(date +%s) - t0 )) s; $(tail -1 "$OUT/conformance-$impl.log")"
+}
+
+for impl in "${IMPLS[@]}"; do
+  [ "$impl" = flashmla ] && continue
+  run_suite "$impl"
+done
+if [ -n "$build_pid" ]; then
+  wait "$build_pid"
+  stamp "FlashMLA setup: $(tail -2 "$OUT/flashmla-setup.log" | tr '\n' ' ')"
+fi
+peers_status 2>&1 | sed 's/^/  /'
+if [[ " ${IMPLS[*]} " == *" flashmla "* ]]; then
+  run_suite flashmla
+fi
+if [ "${SMOKE:-0}" = 1 ]; then
+  stamp "smoke"
+  timeout -s INT 180 python3 scripts/peers_smoke.py --out "$OUT/smoke.json" >"$OUT/smoke.log" 2>&1
+  stamp "smoke: exit $?; $(grep SUMMARY "$OUT/smoke.log" | tr '\n' ' ' | cut -c1-1500)"
+fi
+if [ "${BENCH:-0}" = 1 ]; then
+  stamp "bench"
+  SPARSE_MLA_BENCH_DIR="$OUT/bench" timeout -s INT 240 python3 -m pytest -p sparse_mla benchmarks/test_bench_peers.py \
+    --benchmark-only -p no:xdist -p no:randomly -p no:cacheprovider --sparse-mla-require-gpu -q -rs \
+    >"$OUT/bench.log" 2>&1
+  stamp "bench: exit $?; $(tail -1 "$OUT/bench.log")"
+fi
+python3 scripts/conformance_report.py "$OUT" --json "$OUT/conformance.json" --md "$OUT/conformance.md" \
+  >"$OUT/report.log" 2>&1 || stamp "report failed: $(tail -3 "$OUT/report.log")"
+if [ -n "${PACK:-}" ]; then
+  tar -C "$OUT" -cf - . | xz -T0 -6 >"$PACK" && stamp "packed $(du -h "$PACK" | cut -f1) to $PACK"
+fi
+stamp "done"

@@ -1,0 +1,101 @@
+# Make the peers importable for `--sparse-mla-impl sglang-triton|sglang-torch|flashmla` on a CUDA
+# machine without network access. Source it from the repository root:
+#
+#     source scripts/peers_env.sh
+#
+# What it uses (carried next to the checkout; both folders are git-ignored):
+#   .whl/sglang-0.5.23-cp312-*.whl   the SGLang wheel for the target Python (pip download --no-deps
+#                                    sglang==0.5.23); installed --no-deps into $PEERS_DIR/site: the
+#                                    adapters execute two of its files and never import `sglang`
+#   .whl/*.whl                        other wheels the run needs (syrupy for the golden suite)
+#   .peers/flash_mla-ext.tar.xz       a FlashMLA build (flash_mla/ with its cuda*.so, PEER_SOURCE.txt),
+#                                    unpacked into $PEERS_DIR/flashmla; without it FlashMLA is built from
+#   .peers/flashmla-src.tar.xz        FlashMLA's source with CUTLASS's include trees (FlashMLA/):
+#                                    FLASH_MLA_DISABLE_SM100=1 python setup.py build_ext --inplace
+#                                    (about 2 minutes on 16 cores); with PEERS_EXT_OUT=DIR set, the
+#                                    build is packed to DIR/flash_mla-ext.tar.xz to be carried next time
+# and installs this checkout (`pip install --no-deps -e .`: the pytest11 entry point behind
+# `-p sparse_mla`). Variables: PEERS_DIR (default /tmp/sparse-mla-peers), PEERS_EXT_OUT,
+# MAX_JOBS (16), NVCC_THREADS (2). With PEERS_ENV_FUNCTIONS_ONLY=1 it only defines the functions
+# (scripts/device_conformance.sh builds FlashMLA in the background while other suites run).
+
+PEERS_DIR=${PEERS_DIR:-/tmp/sparse-mla-peers}
+PEERS_ROOT=$(pwd)
+
+peers_log() { echo "peers_env: $*" >&2; }
+
+peers_install_wheels() {  # every carried wheel, one at a time (one bad wheel does not stop the rest)
+  mkdir -p "$PEERS_DIR/site"
+  local w
+  for w in .whl/*.whl; do
+    [ -f "$w" ] || continue
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target "$PEERS_DIR/site" "$w" >/dev/null 2>&1 || peers_log "could not install $w"
+  done
+}
+
+peers_pythonpath() {
+  export PYTHONPATH="$PEERS_ROOT:$PEERS_DIR/site:$PEERS_DIR/flashmla${PYTHONPATH:+:$PYTHONPATH}"
+}
+
+peers_install_project() {
+  python3 -c "import importlib.metadata as m, sys; sys.exit(0 if any(e.name == 'sparse_mla' for e in m.entry_points(group='pytest11')) else 1)" 2>/dev/null \
+    || python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null 2>&1 \
+    || peers_log "pip install -e . failed: load the plugin with -p pytest_sparse_mla.plugin"
+}
+
+peers_flashmla() {  # unpack a carried build, else build from the carried source
+  mkdir -p "$PEERS_DIR/flashmla"
+  if [ -f .peers/flash_mla-ext.tar.xz ]; then
+    tar -xJf .peers/flash_mla-ext.tar.xz -C "$PEERS_DIR/flashmla"
+    peers_log "FlashMLA: unpacked the carried build ($(head -1 "$PEERS_DIR/flashmla/PEER_SOURCE.txt" 2>/dev/null))"
+    return 0
+  fi
+  if [ ! -f .peers/flashmla-src.tar.xz ]; then
+    peers_log "FlashMLA: no .peers/flash_mla-ext.tar.xz or .peers/flashmla-src.tar.xz; the flashmla adapter will skip"
+    return 1
+  fi
+  local src="$PEERS_DIR/flashmla-src" cuda_home t0
+  rm -rf "$src" && mkdir -p "$src" && tar -xJf .peers/flashmla-src.tar.xz -C "$src"
+  cuda_home=${CUDA_HOME:-$(dirname "$(dirname "$(command -v nvcc)")")}
+  t0=$(date +%s)
+  if ( cd "$src/FlashMLA" \
+       && CUDA_HOME=$cuda_home CPLUS_INCLUDE_PATH="$cuda_home/include/cccl${CPLUS_INCLUDE_PATH:+:$CPLUS_INCLUDE_PATH}" \
+          FLASH_MLA_DISABLE_SM100=1 MAX_JOBS=${MAX_JOBS:-16} NVCC_THREADS=${NVCC_THREADS:-2} \
+          python3 setup.py build_ext --inplace >"$PEERS_DIR/flashmla-build.log" 2>&1 ) \
+     && compgen -G "$src/FlashMLA/flash_mla/cuda*.so" >/dev/null; then
+    peers_log "FlashMLA: built in $(( $(date +%s) - t0 )) s"
+  else
+    peers_log "FlashMLA: build failed after $(( $(date +%s) - t0 )) s; tail of $PEERS_DIR/flashmla-build.log:"
+    tail -30 "$PEERS_DIR/flashmla-build.log" >&2
+    return 1
+  fi
+  cp -r "$src/FlashMLA/flash_mla" "$src/FlashMLA/PEER_SOURCE.txt" "$PEERS_DIR/flashmla/"
+  if [ -n "${PEERS_EXT_OUT:-}" ]; then
+    mkdir -p "$PEERS_EXT_OUT"
+    tar -C "$PEERS_DIR/flashmla" -cf - flash_mla PEER_SOURCE.txt | xz -T0 -6 >"$PEERS_EXT_OUT/flash_mla-ext.tar.xz"
+    peers_log "FlashMLA: packed $(du -h "$PEERS_EXT_OUT/flash_mla-ext.tar.xz" | cut -f1) to $PEERS_EXT_OUT/flash_mla-ext.tar.xz"
+  fi
+}
+
+peers_status() {
+  python3 - <<'PY' >&2 || true
+import importlib.metadata as m
+from pytest_sparse_mla.implementations import BUILTINS
+for name in ("sglang-triton", "sglang-torch", "flashmla"):
+    impl = BUILTINS[name](None)
+    print(f"peers_env: {name}: {impl.skip_reason('sparse_mla_forward', 'cuda') or 'ready'}")
+try:
+    print("peers_env: sglang", m.version("sglang"))
+except m.PackageNotFoundError:
+    print("peers_env: sglang not installed")
+PY
+}
+
+if [ "${PEERS_ENV_FUNCTIONS_ONLY:-0}" != "1" ]; then
+  peers_install_wheels
+  peers_flashmla
+  peers_pythonpath
+  peers_install_project
+  peers_status
+fi
