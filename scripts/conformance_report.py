@@ -29,7 +29,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 XFAIL_DIR = ROOT / "pytest_sparse_mla" / "xfail"
-OUTCOMES = ("passed", "failed", "error", "skipped", "xfailed", "xpassed")
+OUTCOMES = ("passed", "failed", "error", "skipped", "xfailed", "xpassed", "unsupported")
 _DEFINITION = re.compile(r"^#\s*\[(?P<key>[A-Za-z0-9_-]+)\]\s*(?P<kind>[a-z ]+):\s*(?P<text>.+)$")
 
 
@@ -51,6 +51,8 @@ def outcome(case: ET.Element) -> tuple[str, str]:
             message = node.get("message") or (node.text or "")
             if message.startswith("[XPASS(strict)]"):
                 return "xpassed", message
+            if "UnsupportedByPeer" in message:  # a capability the peer lacks, raised where no skip was asked
+                return "unsupported", message
             return ("failed" if tag == "failure" else "error"), message
     node = case.find("skipped")
     if node is not None:
@@ -100,7 +102,7 @@ def summarize(impl: str, results: Path) -> dict[str, Any]:
     suites: dict[str, Counter] = {}
     for r in rows:
         suites.setdefault(r["file"], Counter())[r["outcome"]] += 1
-    skips = Counter(_short(r["message"]) for r in rows if r["outcome"] == "skipped")
+    skips = Counter(_short(r["message"]) for r in rows if r["outcome"] in ("skipped", "unsupported"))
     xfail = {"definitions": {}, "entries": []}
     xfail_path = XFAIL_DIR / f"{impl}.txt"
     if xfail_path.exists():
@@ -196,20 +198,23 @@ def markdown(doc: dict[str, Any]) -> str:
         f"{'; '.join(m.get('flashmla_source') or ['not built'])}, built with FLASH_MLA_DISABLE_SM100=1.",
         "",
         f"Command: `{doc['command']}`. Each peer's shipped xfail file is applied, so a known discrepancy "
-        "counts as `xfailed` and a test that starts passing fails the run (`xfail_strict`).",
+        'counts as `xfailed` and a test that starts passing fails the run (`xfail_strict`). "not taken": the '
+        "adapter raised `UnsupportedByPeer` (a capability the peer lacks, the same reason its "
+        "`unsupported_reason` gives) in a test that did not ask first; it is counted apart from failures.",
         "",
         "## Totals",
         "",
-        "| implementation | tests | passed | failed | errors | skipped | xfailed | xpassed | exit | seconds |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| implementation | tests | passed | failed | errors | skipped | not taken | xfailed | xpassed | exit "
+        "| seconds |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name, s in impls.items():
         t = s["totals"]
         out.append(
             f"| `{name}` | {s['tests']} | {t['passed']} | {t['failed']} | {t['error']} | {t['skipped']} | "
-            f"{t['xfailed']} | {t['xpassed']} | {_fmt(s['exit'])} | {_fmt(s['seconds'])} |"
+            f"{t['unsupported']} | {t['xfailed']} | {t['xpassed']} | {_fmt(s['exit'])} | {_fmt(s['seconds'])} |"
         )
-    out += ["", "## Per suite (passed / failed+errors / skipped / xfailed)", ""]
+    out += ["", "## Per suite (passed / failed+errors / skipped+not taken / xfailed)", ""]
     suites = sorted({f for s in impls.values() for f in s["suites"]})
     out.append("| suite | " + " | ".join(f"`{n}`" for n in impls) + " |")
     out.append("| --- |" + " --- |" * len(impls))

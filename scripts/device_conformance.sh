@@ -14,7 +14,8 @@
 # conformance.json and conformance.md. Shipped xfail files (pytest_sparse_mla/xfail/IMPL.txt) are
 # applied unless XFAIL=0. Optional: SMOKE=1 runs scripts/peers_smoke.py (smoke.json), BENCH=1 the
 # peer benchmarks (bench/results.json). Variables: XDIST (workers, default 4), SUITE_TIMEOUT
-# (seconds per implementation, default 240), PEERS_EXT_OUT (pack a fresh FlashMLA build there),
+# (seconds per implementation, default 240), SMOKE_TIMEOUT (180), SMOKE_MAX_TOKENS (600),
+# BENCH_TIMEOUT (240), PEERS_EXT_OUT (pack a fresh FlashMLA build there),
 # PACK (write everything in $RESULTS into this one .tar.xz at the end).
 set -uo pipefail
 OUT=${RESULTS:?set RESULTS to the results directory}
@@ -31,6 +32,9 @@ stamp() { echo "[device_conformance +$(( $(date +%s) - t_start ))s] $*"; }
 peers_install_wheels
 peers_pythonpath
 peers_install_project
+PLUGIN=sparse_mla  # the pytest11 entry point; the module itself when the editable install failed
+python3 -c "import importlib.metadata as m, sys; sys.exit(0 if any(e.name == 'sparse_mla' for e in m.entry_points(group='pytest11')) else 1)" \
+  || PLUGIN=pytest_sparse_mla.plugin
 build_pid=""
 if [[ " ${IMPLS[*]} " == *" flashmla "* ]] || [ "${BENCH:-0}" = 1 ] || [ "${SMOKE:-0}" = 1 ]; then
   peers_flashmla >"$OUT/flashmla-setup.log" 2>&1 &
@@ -76,7 +80,7 @@ run_suite() {  # run_suite IMPL
   t0=$(date +%s)
   stamp "suite $impl"
   timeout -s INT -k 20 "${SUITE_TIMEOUT:-240}" \
-    python3 -m pytest -p sparse_mla suites --sparse-mla-impl "$impl" --sparse-mla-require-gpu \
+    python3 -m pytest -p "$PLUGIN" suites --sparse-mla-impl "$impl" --sparse-mla-require-gpu \
       -n "${XDIST:-4}" -p no:randomly -p no:cacheprovider -q -rfEX --tb=line \
       --sparse-mla-report-json "$OUT/conformance-$impl.json" \
       --junitxml "$OUT/conformance-$impl.xml" -o junit_family=xunit2 -o junit_logging=no \
@@ -100,12 +104,14 @@ if [[ " ${IMPLS[*]} " == *" flashmla "* ]]; then
 fi
 if [ "${SMOKE:-0}" = 1 ]; then
   stamp "smoke"
-  timeout -s INT 180 python3 scripts/peers_smoke.py --out "$OUT/smoke.json" >"$OUT/smoke.log" 2>&1
+  timeout -s INT "${SMOKE_TIMEOUT:-180}" python3 scripts/peers_smoke.py --out "$OUT/smoke.json" \
+    --max-tokens "${SMOKE_MAX_TOKENS:-600}" >"$OUT/smoke.log" 2>&1
   stamp "smoke: exit $?; $(grep SUMMARY "$OUT/smoke.log" | tr '\n' ' ' | cut -c1-1500)"
 fi
 if [ "${BENCH:-0}" = 1 ]; then
   stamp "bench"
-  SPARSE_MLA_BENCH_DIR="$OUT/bench" timeout -s INT 240 python3 -m pytest -p sparse_mla benchmarks/test_bench_peers.py \
+  SPARSE_MLA_BENCH_DIR="$OUT/bench" timeout -s INT "${BENCH_TIMEOUT:-240}" python3 -m pytest -p "$PLUGIN" \
+    benchmarks/test_bench_peers.py \
     --benchmark-only -p no:xdist -p no:randomly -p no:cacheprovider --sparse-mla-require-gpu -q -rs \
     >"$OUT/bench.log" 2>&1
   stamp "bench: exit $?; $(tail -1 "$OUT/bench.log")"
