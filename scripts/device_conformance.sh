@@ -41,6 +41,8 @@ if [[ " ${IMPLS[*]} " == *" flashmla "* ]] || [ "${BENCH:-0}" = 1 ] || [ "${SMOK
   build_pid=$!
 fi
 
+
+write_machine_json() {
 python3 - "$OUT/machine.json" <<'PY'
 import json, os, platform, subprocess, sys, time
 import torch
@@ -71,6 +73,7 @@ info["flashmla_source"] = open(src).read().strip().splitlines() if os.path.exist
 json.dump(info, open(sys.argv[1], "w"), indent=1)
 print(json.dumps(info))
 PY
+}
 
 run_suite() {  # run_suite IMPL
   local impl=$1 xfail=() t0
@@ -99,6 +102,7 @@ if [ -n "$build_pid" ]; then
   stamp "FlashMLA setup: $(tail -2 "$OUT/flashmla-setup.log" | tr '\n' ' ')"
 fi
 peers_status 2>&1 | sed 's/^/  /'
+write_machine_json
 if [[ " ${IMPLS[*]} " == *" flashmla "* ]]; then
   run_suite flashmla
 fi

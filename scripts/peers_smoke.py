@@ -1,20 +1,20 @@
 """Smoke check of the peer adapters on a CUDA machine: errors against the float64 oracle and timings.
 
-For each implementation (default: reference, sglang-triton, sglang-torch, flashmla):
+For each implementation (default: sglang-triton, sglang-torch, flashmla):
 
-1. Every case of the attention suites (``attention.cases``: ``CONFORMANCE_CASES``,
+1. Headline shapes (the FlashMLA measurements of issue 13: T = 64, MODEL1 with 256-token main
+   pages and an extra cache of 64x512 (H = 64) or 2x1024 (H = 128), sink on; DSV3.2 topk 2048 at
+   H = 64 and 128), with the bundled reference beside them: median CUDA-event time of 10 calls
+   after 2 warm-ups, errors against the oracle and the normwise difference from the reference.
+2. Every case of the attention suites (``attention.cases``: ``CONFORMANCE_CASES``,
    ``FLASHINFER_CASES``, ``deployment_cases()``; cases with more than ``--max-tokens`` tokens are
    left out) that the adapter takes (``unsupported_reason`` is ``None``): the normwise relative
    output error ``||A - E|| / ||E||``, the cosine similarity and the largest LSE error in natural-log
    units (FlashMLA convention; an infinite LSE must match exactly) against
    ``attention.oracle_forward``; refusals and exceptions are recorded with their message.
-2. Headline shapes (the FlashMLA measurements of issue 13: T = 64, MODEL1 with 256-token main
-   pages and an extra cache of 64x512 (H = 64) or 2x1024 (H = 128), sink on; DSV3.2 topk 2048 at
-   H = 64 and 128): median CUDA-event time of 10 calls after 2 warm-ups, and the normwise
-   difference from the bundled reference.
 
-Writes ``--out`` (JSON) and prints one line per result. Run from the repository root with the
-peers on ``PYTHONPATH`` (``scripts/peers_env.sh``)::
+Writes ``--out`` (JSON, rewritten after every case) and prints one line per result. Run from the
+repository root with the peers on ``PYTHONPATH`` (``scripts/peers_env.sh``)::
 
     python3 scripts/peers_smoke.py --out smoke.json
 """
@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import statistics
 import time
 import zlib
@@ -88,38 +89,96 @@ def _time_ms(fn: Any, reps: int = 10) -> float:
     return statistics.median(times)
 
 
+def _ask(impl: Any, inputs: Any) -> str | None:
+    ask = getattr(impl, "unsupported_reason", None)
+    if ask is None:
+        return None
+    return ask("sparse_mla_forward", inputs.q, inputs.cache.packed, inputs.indices, **inputs.kwargs())
+
+
+def _summary(report: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name in names:
+        entries = [c.get(name, {}) for c in report["cases"].values()]
+        rows = [e for e in entries if e.get("status") == "ok"]
+        out[name] = {
+            "cases_ok": len(rows),
+            "cases_unsupported": sum(e.get("status") == "unsupported" for e in entries),
+            "cases_error": sum(e.get("status") == "error" for e in entries),
+            "max_rel_err": max((r["rel_err"] for r in rows), default=math.nan),
+            "min_cosine": min((r["cosine"] for r in rows), default=math.nan),
+            "max_lse_err": max((r["lse_err"] for r in rows), default=math.nan),
+            "lse_inf_mismatch": sum(r["lse_inf_mismatch"] for r in rows),
+            "nonfinite_out": sum(r["nonfinite_out"] for r in rows),
+        }
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="smoke.json")
-    parser.add_argument("--impls", nargs="*", default=["reference", "sglang-triton", "sglang-torch", "flashmla"])
-    parser.add_argument("--max-tokens", type=int, default=600)
+    parser.add_argument("--impls", nargs="*", default=["sglang-triton", "sglang-torch", "flashmla"])
+    parser.add_argument("--max-tokens", type=int, default=600, help="leave out cases with more tokens")
+    parser.add_argument("--cases", default="", help="regular expression the case names must match")
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (no headline timings)")
     args = parser.parse_args()
     device = torch.device(args.device)
-    cases = [c for c in (*CONFORMANCE_CASES, *FLASHINFER_CASES, *deployment_cases()) if c.num_tokens <= args.max_tokens]
-    if device.type != "cuda":
-        cases = [c for c in cases if not c.large]
-    impls = {}
-    report: dict[str, Any] = {"cases": {}, "headline": {}, "skipped_impls": {}}
+    pattern = re.compile(args.cases)
+    cases = [
+        c
+        for c in (*CONFORMANCE_CASES, *FLASHINFER_CASES, *deployment_cases())
+        if c.num_tokens <= args.max_tokens and pattern.search(c.name) and (device.type == "cuda" or not c.large)
+    ]
+    impls: dict[str, Any] = {}
+    report: dict[str, Any] = {"headline": {}, "cases": {}, "skipped_impls": {}, "case_seconds": {}}
     for name in args.impls:
         impl = ReferenceImplementation() if name == "reference" else BUILTINS[name](None)
-        reason = impl.skip_reason("sparse_mla_forward", device.type) if hasattr(impl, "skip_reason") else None
+        reason = impl.skip_reason("sparse_mla_forward", device.type)
         if reason:
             report["skipped_impls"][name] = reason
             print(f"SKIP {name}: {reason}", flush=True)
         else:
             impls[name] = impl
-    started = time.perf_counter()
+
+    def save() -> None:  # after every case, so a run cut short still leaves its results
+        report["summary"] = _summary(report, list(impls))
+        with open(args.out, "w") as fh:
+            json.dump(report, fh, indent=1, default=str)
+
+    # 1. headline shapes: timings, errors vs the oracle and vs the bundled reference
+    reference = ReferenceImplementation()
+    for case in HEADLINE if device.type == "cuda" else ():
+        inputs = make_inputs(case, _seed(case.name), device=device)
+        oracle = inputs.run(oracle_forward, lse_convention="flashmla")
+        ref = inputs.run(reference.sparse_mla_forward, lse_convention="flashmla")
+        for name, impl in {"reference": reference, **impls}.items():
+            why = _ask(impl, inputs)
+            if why:
+                report["headline"].setdefault(case.name, {})[name] = {"status": "unsupported", "reason": why}
+                continue
+            try:
+                got = inputs.run(impl.sparse_mla_forward, lse_convention="flashmla")
+                ms = _time_ms(lambda i=impl, x=inputs: x.run(i.sparse_mla_forward, lse_convention="flashmla"))
+            except Exception as exc:  # noqa: BLE001 - recorded, the smoke run goes on
+                report["headline"].setdefault(case.name, {})[name] = {"status": "error", "error": str(exc)[:400]}
+                continue
+            entry = {"status": "ok", "ms": ms, **_metrics(got, oracle)}
+            diff = got.output.double() - ref.output.double()
+            entry["rel_vs_reference"] = (diff.norm() / ref.output.double().norm()).item()
+            finite = torch.isfinite(got.lse) & torch.isfinite(ref.lse)
+            entry["lse_vs_reference"] = (got.lse[finite].double() - ref.lse[finite].double()).abs().max().item()
+            report["headline"].setdefault(case.name, {})[name] = entry
+            brief = {k: (f"{v:.3g}" if isinstance(v, float) else v) for k, v in entry.items()}
+            print(f"HEADLINE {case.name:32s} {name:14s} {brief}", flush=True)
+        save()
+
+    # 2. the suites' cases: errors against the oracle
     for case in cases:
+        started = time.perf_counter()
         inputs = make_inputs(case, _seed(case.name), device=device)
         oracle = None
         for name, impl in impls.items():
-            ask = getattr(impl, "unsupported_reason", None)
-            why = (
-                ask("sparse_mla_forward", inputs.q, inputs.cache.packed, inputs.indices, **inputs.kwargs())
-                if ask
-                else None
-            )
+            why = _ask(impl, inputs)
             entry: dict[str, Any]
             if why:
                 entry = {"status": "unsupported", "reason": why}
@@ -137,54 +196,11 @@ def main() -> None:
             report["cases"].setdefault(case.name, {})[name] = entry
             brief = {k: (f"{v:.2e}" if isinstance(v, float) else v) for k, v in entry.items() if k != "reason"}
             print(f"{case.name:48s} {name:14s} {brief}", flush=True)
-    report["cases_seconds"] = time.perf_counter() - started
-    reference = impls.get("reference")
-    for case in HEADLINE if device.type == "cuda" else ():
-        inputs = make_inputs(case, _seed(case.name), device=device)
-        ref = inputs.run(reference.sparse_mla_forward, lse_convention="flashmla") if reference else None
-        oracle = inputs.run(oracle_forward, lse_convention="flashmla")
-        for name, impl in impls.items():
-            ask = getattr(impl, "unsupported_reason", None)
-            why = (
-                ask("sparse_mla_forward", inputs.q, inputs.cache.packed, inputs.indices, **inputs.kwargs())
-                if ask
-                else None
-            )
-            if why:
-                report["headline"].setdefault(case.name, {})[name] = {"status": "unsupported", "reason": why}
-                continue
-            try:
-                got = inputs.run(impl.sparse_mla_forward, lse_convention="flashmla")
-                ms = _time_ms(lambda i=impl, x=inputs: x.run(i.sparse_mla_forward, lse_convention="flashmla"))
-            except Exception as exc:  # noqa: BLE001
-                report["headline"].setdefault(case.name, {})[name] = {"status": "error", "error": str(exc)[:400]}
-                continue
-            entry = {"status": "ok", "ms": ms, **_metrics(got, oracle)}
-            if ref is not None:
-                diff = got.output.double() - ref.output.double()
-                entry["rel_vs_reference"] = (diff.norm() / ref.output.double().norm()).item()
-                finite = torch.isfinite(got.lse) & torch.isfinite(ref.lse)
-                entry["lse_vs_reference"] = (got.lse[finite].double() - ref.lse[finite].double()).abs().max().item()
-            report["headline"].setdefault(case.name, {})[name] = entry
-            brief = {k: (f"{v:.3g}" if isinstance(v, float) else v) for k, v in entry.items()}
-            print(f"HEADLINE {case.name:32s} {name:14s} {brief}", flush=True)
-    summary: dict[str, Any] = {}
-    for name in impls:
-        rows = [c[name] for c in report["cases"].values() if c.get(name, {}).get("status") == "ok"]
-        summary[name] = {
-            "cases_ok": len(rows),
-            "cases_unsupported": sum(c.get(name, {}).get("status") == "unsupported" for c in report["cases"].values()),
-            "cases_error": sum(c.get(name, {}).get("status") == "error" for c in report["cases"].values()),
-            "max_rel_err": max((r["rel_err"] for r in rows), default=math.nan),
-            "min_cosine": min((r["cosine"] for r in rows), default=math.nan),
-            "max_lse_err": max((r["lse_err"] for r in rows), default=math.nan),
-            "lse_inf_mismatch": sum(r["lse_inf_mismatch"] for r in rows),
-            "nonfinite_out": sum(r["nonfinite_out"] for r in rows),
-        }
-        print(f"SUMMARY {name}: {summary[name]}", flush=True)
-    report["summary"] = summary
-    with open(args.out, "w") as fh:
-        json.dump(report, fh, indent=1, default=str)
+        report["case_seconds"][case.name] = time.perf_counter() - started
+        save()
+    for name, row in _summary(report, list(impls)).items():
+        print(f"SUMMARY {name}: {row}", flush=True)
+    save()
 
 
 if __name__ == "__main__":

@@ -49,10 +49,11 @@ forms become the NHD view SGLang reads, same bytes, storage offset and page stri
 lane past the cache (``ValueError``, undefined behaviour in every peer), and for ``sglang-torch``
 refuses a lane *past* ``topk_length`` that holds an out-of-range index (:class:`UnsafeForPeer`: the
 torch path gathers every lane before masking, so on CUDA such a lane is a device-side assert that
-ends the test session). The split refuses ``key_suffix`` (SGLang has one scratch per device),
-another ``dst_page_stride`` than 37,440 and, outside CUDA-graph capture, touched indices past the
-pool (SGLang's mark kernel stores ``mask[t // ps]`` without a bound). Everything else is SGLang's
-own behaviour, judged by the suites.
+ends the test session). The split refuses ``key_suffix`` on pools it would split (SGLang has one
+scratch per device), another ``dst_page_stride`` than 37,440, and touched indices past the pool
+(SGLang's mark kernel stores ``mask[t // ps]`` without a bound; the check is one host sync, left out
+under CUDA-graph capture and under torch's sync debug mode). Everything else is SGLang's own
+behaviour, judged by the suites.
 """
 
 from __future__ import annotations
@@ -561,7 +562,8 @@ class _SglangBase:
 
         Raises:
             UnsupportedByPeer: ``key_suffix`` or ``dst_page_stride`` (see :meth:`unsupported_reason`).
-            UnsafeForPeer: a touched index ``>= num_pages * src_pbs`` outside CUDA-graph capture.
+            UnsafeForPeer: a touched index ``>= num_pages * src_pbs`` (checked with one host sync,
+                left out under CUDA-graph capture and under torch's sync debug mode).
             Whatever SGLang raises (``AssertionError`` for a page size that is not a multiple of 64).
         """
         import torch
@@ -575,8 +577,7 @@ class _SglangBase:
         if reason is not None:
             raise UnsupportedByPeer(f"{self.name}: {reason}")
         src_pbs = self._src_pbs(kv_cache, src_page_block_size)
-        capturing = kv_cache.is_cuda and torch.cuda.is_current_stream_capturing()
-        if touched_indices is not None and touched_indices.numel() > 0 and not capturing:
+        if touched_indices is not None and touched_indices.numel() > 0 and self._may_sync(kv_cache):
             limit = int(kv_cache.shape[0]) * int(src_pbs)
             too_far = touched_indices >= limit
             if bool(too_far.any()):
@@ -590,6 +591,17 @@ class _SglangBase:
         split = load_module("flash_mla_sm120")._split_kv_pages_to_64
         with _sglang_stubs(buffers):
             return split(kv_cache, int(src_pbs), touched_indices=touched_indices)
+
+    @staticmethod
+    def _may_sync(kv_cache: Any) -> bool:
+        """Whether the touched-index guard may read the indices on the host: not under CUDA-graph
+        capture and not when the caller set torch's sync debug mode (it forbids host syncs; SGLang's
+        split itself never syncs)."""
+        import torch
+
+        if not kv_cache.is_cuda:
+            return True
+        return not torch.cuda.is_current_stream_capturing() and torch.cuda.get_sync_debug_mode() == 0
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r} sglang={sglang_version()}>"
