@@ -97,6 +97,18 @@ def interleaved_median_ms(
     return statistics.median(times[0]), statistics.median(times[1])
 
 
+def bf16_matmul_tflops(n: int = 8192, reps: int = 10) -> float:
+    """BF16 tensor-core rate in TFLOP/s: median CUDA-event time of an ``n``^3 ``torch.mm`` on random
+    data (zeros run faster), after 3 warm-up products."""
+    import torch
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    a = torch.randn((n, n), device="cuda", dtype=torch.bfloat16, generator=gen)
+    b = torch.randn((n, n), device="cuda", dtype=torch.bfloat16, generator=gen)
+    ms = cuda_median_ms(lambda: torch.mm(a, b), warmup=3, reps=reps)
+    return 2 * n**3 / ms / 1e9
+
+
 def synced(fn: Callable[[], object]) -> Callable[[], None]:
     """``fn`` followed by ``torch.cuda.synchronize()``: what pytest-benchmark's wall clock times."""
     import torch

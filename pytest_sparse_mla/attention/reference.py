@@ -32,18 +32,31 @@ How it computes (the properties the invariant suites check hold *by construction
 * Tokens are processed in chunks (``chunk_tokens``; default 64 on CPU, 512 on CUDA), so memory is
   bounded by the chunk, not by ``num_tokens``: DeepSeek-V4 prefill shapes (4096 tokens, 64 heads,
   128 + 512 candidates) run in well under 100 MiB of working memory besides the dequantized caches.
-* The only host synchronisation is one out-of-range check per call.
+* A positive index past its cache inside the valid prefix is counted per token on the device
+  (``SparseMlaOutput.out_of_range``; the lane is skipped, never read). The one host
+  synchronisation of a call is the check of those counts after the computation, which raises
+  ``ValueError``; ``check_indices=False`` leaves it out, and it is left out by default while the
+  current CUDA stream is capturing a graph (see "CUDA graphs" below).
 
-Backends (``backend=``, :func:`resolve_backend`): the preparation above (table with its zero row,
-the table row and validity of every lane, out-of-range check) and the finalisation (divide, sink as
-``sigmoid(lse - sink)``, LSE convention) are shared; only the online-softmax loop differs.
-``"torch"`` is the loop described above (CPU default). ``"triton"`` (CUDA default when triton
-imports; interpreted on the CPU under ``TRITON_INTERPRET=1``) runs it as one kernel launch per
-chunk of :data:`TRITON_CHUNK_TOKENS` tokens, in groups of 16 heads and 64-lane tiles, on BF16
-tensor cores with exact products and fp32 accumulation (keys and probabilities split into BF16
-pieces; ``attention._triton_forward``, whose docstring says why it stays within 1e-5 of the
-oracle and why the same invariants hold).
+Backends (``backend=``, :func:`resolve_backend`). ``"torch"`` (CPU default) is the loop described
+above: the caches dequantized into one fp32 table with its zero row, the table row of every lane,
+then the finalisation (divide, sink as ``sigmoid(lse - sink)``, LSE convention) on the chunk's
+state. ``"triton"`` (CUDA default when triton imports; interpreted on the CPU under
+``TRITON_INTERPRET=1``) does the whole forward in two kernel launches
+(``attention._triton_forward``): one dequantizes both caches exactly into a BF16 table with its
+zero row; in the other each program (a token and 16 heads) decides the validity of its lanes from
+the index rows and lengths, runs the online softmax in 64-lane tiles on BF16 tensor cores with
+exact products and fp32 accumulation (keys and probabilities split into BF16 pieces), and
+finalises; its docstring says why it stays within 1e-5 of the oracle and why the same invariants
+hold.
 H200 timings of both: ``docs/benchmarks.md``.
+
+CUDA graphs: a call makes no host synchronisation and no host decision on device values except
+the out-of-range check, and allocates its outputs with the caching allocator, so it can be
+captured in ``torch.cuda.graph`` (the outputs allocated during capture are the ones every replay
+writes). Warm the call up once outside the capture (Triton compiles on first use), update the
+captured input tensors in place between replays, and read ``SparseMlaOutput.out_of_range`` after
+a replay to see indices past a cache (the capture skips the host check).
 """
 
 from __future__ import annotations
@@ -67,7 +80,6 @@ __all__ = [
     "HEAD_GROUP",
     "default_chunk_tokens",
     "BACKENDS",
-    "TRITON_CHUNK_TOKENS",
     "resolve_backend",
     "triton_forward_module",
     "triton_unavailable_reason",
@@ -79,9 +91,6 @@ LANE_TILE = 64
 HEAD_GROUP = 8
 #: Backends selectable with ``backend=``.
 BACKENDS: tuple[str, ...] = ("torch", "triton")
-#: Default tokens per kernel launch of the Triton backend (its fp32 state is ``T * H * 2 KiB``:
-#: 512 MiB at 4,096 tokens and 64 heads).
-TRITON_CHUNK_TOKENS = 4096
 _CHUNK_TOKENS_CPU = 64
 _CHUNK_TOKENS_OTHER = 512
 _LOG2E = 1.0 / math.log(2.0)
@@ -100,6 +109,10 @@ class SparseMlaOutput:
         output_fp32: the fp32 output before BF16 rounding when ``return_fp32=True``, else ``None``.
         grid: what ``dispatch.enforce_grid`` returned when a FlashInfer release was enforced
             (``grid_release``), else ``None``.
+        out_of_range: ``[num_tokens]`` int32 on the query's device: per token, the number of lanes
+            inside the valid prefix (main and extra together) whose index is at or past its
+            cache's token count; those lanes were skipped. All zero unless the host check was
+            left out (``check_indices=False``, or a CUDA graph capture), since the check raises.
     """
 
     output: torch.Tensor
@@ -107,6 +120,7 @@ class SparseMlaOutput:
     route: str
     output_fp32: torch.Tensor | None = None
     grid: Any = None
+    out_of_range: torch.Tensor | None = None
 
 
 def default_chunk_tokens(device: torch.device) -> int:
@@ -202,7 +216,8 @@ def _candidate_lanes(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Table rows of every lane (invalid lanes -> ``zero_row``), padded to a multiple of the tile.
 
-    Returns ``(rows [T, Kp] int64, valid [T, Kp] bool, out_of_range [T, K] bool)``.
+    Returns ``(rows [T, Kp] int64, valid [T, Kp] bool, out_of_range [T, K] bool)``; lanes past the
+    cache are invalid (they name the zero row) and flagged in ``out_of_range``.
     """
     num_tokens, topk = indices.shape
     idx = indices.to(torch.int64)
@@ -211,6 +226,7 @@ def _candidate_lanes(
         length = topk_length.to(torch.int64).clamp(0, topk)
         valid &= torch.arange(topk, device=idx.device) < length.unsqueeze(1)
     out_of_range = valid & (idx >= num_rows)
+    valid &= ~out_of_range  # skipped, never read (counted in SparseMlaOutput.out_of_range)
     rows = torch.where(valid, idx + offset, zero_row)
     pad = (-topk) % LANE_TILE
     if pad:
@@ -252,6 +268,7 @@ def sparse_mla_forward(
     chunk_tokens: int | None = None,
     return_fp32: bool = False,
     backend: str | None = None,
+    check_indices: bool | None = None,
 ) -> SparseMlaOutput:
     """Sparse MLA attention over a packed FP8 paged KV cache (optionally a second, extra cache).
 
@@ -281,14 +298,20 @@ def sparse_mla_forward(
         grid_release: a FlashInfer release (``"0.6.17"``): before computing, the call is checked
             against that release's SM120 dispatch grid by ``pytest_sparse_mla.dispatch.enforce_grid``,
             which raises the release's exact error for a shape it cannot run.
-        chunk_tokens: tokens per chunk (memory bound); default :func:`default_chunk_tokens`
-            (``backend="torch"``) or :data:`TRITON_CHUNK_TOKENS` (``backend="triton"``).
+        chunk_tokens: tokens per chunk of ``backend="torch"`` (memory bound); default
+            :func:`default_chunk_tokens`. ``backend="triton"`` keeps no per-token state in memory
+            and ignores it.
         return_fp32: also return the fp32 output before BF16 rounding (``output_fp32``).
-        backend: ``"torch"`` (the batched-GEMM loop below) or ``"triton"`` (the inner loop as one
-            Triton kernel per chunk, ``attention._triton_forward``); ``None`` picks ``"triton"``
-            for CUDA tensors when triton imports, else ``"torch"`` (see :func:`resolve_backend`).
+        backend: ``"torch"`` (the batched-GEMM loop below) or ``"triton"`` (the whole forward in
+            two Triton kernels, ``attention._triton_forward``); ``None`` picks ``"triton"`` for
+            CUDA tensors when triton imports, else ``"torch"`` (see :func:`resolve_backend`).
             Both compute the same math to fp32 accuracy with the same invariants; their
             bits differ (different summation orders).
+        check_indices: raise ``ValueError`` for a positive index past its cache inside the valid
+            prefix, after the computation (one host synchronisation: the device-side counts in
+            ``out_of_range`` are copied to the host). ``None`` (default): check unless the current
+            CUDA stream is capturing a graph; ``True``: always (refused during a capture, which
+            cannot synchronise); ``False``: never (read ``out_of_range`` yourself).
 
     Returns:
         :class:`SparseMlaOutput`: BF16 output ``[T, H, 512]``, fp32 LSE ``[T, H]``, the route.
@@ -307,6 +330,7 @@ def sparse_mla_forward(
             prefix; a non-finite ``sm_scale``; bad ``lse_convention``/``lse_scale``/``chunk_tokens``;
             an unknown ``backend`` or ``"triton"`` where it cannot run (:func:`resolve_backend`).
         Whatever ``dispatch.enforce_grid`` raises for a release that cannot run the shape.
+        ValueError: ``check_indices=True`` while the current CUDA stream is capturing a graph.
     """
     f = formats.get_format(fmt)
     if not isinstance(q, torch.Tensor):
@@ -334,6 +358,8 @@ def sparse_mla_forward(
         raise ValueError("extra_topk_length requires extra_kv_cache and extra_indices")
     if extra_kv_cache is None and extra_page_block_size is not None:
         raise ValueError("extra_page_block_size requires extra_kv_cache")
+    if check_indices not in (None, True, False):
+        raise ValueError(f"check_indices={check_indices!r}: expected None, True or False")
 
     layout = formats.parse_cache(kv_cache, f, page_block_size=page_block_size, name="kv_cache")
     _check_same_device(kv_cache, "kv_cache", q)
@@ -379,25 +405,70 @@ def sparse_mla_forward(
     backend = resolve_backend(backend, q.device)
     route = route_for(num_tokens)
     device = q.device
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if check_indices and capturing:
+        raise ValueError(
+            "check_indices=True: the out-of-range index check copies device values to the host, "
+            "which a CUDA graph capture cannot do; pass check_indices=None or False and read "
+            "SparseMlaOutput.out_of_range after a replay"
+        )
     d_v = f.d_v
     output = torch.empty((num_tokens, num_heads, d_v), dtype=torch.bfloat16, device=device)
     lse = torch.empty((num_tokens, num_heads), dtype=torch.float32, device=device)
     output_fp32 = torch.empty((num_tokens, num_heads, d_v), dtype=torch.float32, device=device) if return_fp32 else None
+    # Every entry is written (the Triton kernel stores each token's count; the torch loop adds).
+    out_of_range = (torch.empty if backend == "triton" else torch.zeros)(
+        (num_tokens,), dtype=torch.int32, device=device
+    )
     if num_tokens == 0:
-        return SparseMlaOutput(output, lse, route, output_fp32, grid)
+        return SparseMlaOutput(output, lse, route, output_fp32, grid, out_of_range)
 
-    table, rows, valid, zero_row = _prepare_candidates(
-        f, kv_cache, indices, topk_length, page_block_size, layout,
-        extra_kv_cache, extra_indices, extra_topk_length, extra_page_block_size, extra_layout,
-    )  # fmt: skip
-    finish = _Finaliser(attn_sink, lse_convention, lse_scale)
     if backend == "triton":
-        pieces = triton_forward_module().bf16_pieces(table, f.bf16_exact)
-        del table
-        _triton_loop(q, pieces, rows, zero_row, sm_scale, d_v, chunk_tokens, finish, output, lse, output_fp32)
+        module = triton_forward_module()
+        if q.stride(2) != 1:  # the kernel reads query rows with unit stride (any other strides are fine)
+            q = q.contiguous()
+        module.sparse_mla(
+            q, kv_cache, module.cache_geometry(layout), indices, topk_length,
+            extra_kv_cache, module.cache_geometry(extra_layout) if extra_layout is not None else None,
+            extra_indices, extra_topk_length, attn_sink,
+            sm_scale=sm_scale, dsv4=f.layout == "footer", flashmla_lse=lse_convention == "flashmla",
+            lse_multiplier=_LOG2E * lse_scale, output=output, lse=lse, output_fp32=output_fp32,
+            out_of_range=out_of_range,
+        )  # fmt: skip
     else:
+        table, rows, valid, zero_row = _prepare_candidates(
+            f, kv_cache, indices, topk_length, page_block_size, layout,
+            extra_kv_cache, extra_indices, extra_topk_length, extra_page_block_size, extra_layout,
+            out_of_range,
+        )  # fmt: skip
+        finish = _Finaliser(attn_sink, lse_convention, lse_scale)
         _torch_loop(q, table, rows, valid, sm_scale, d_v, chunk_tokens, finish, output, lse, output_fp32)
-    return SparseMlaOutput(output, lse, route, output_fp32, grid)
+    if check_indices or (check_indices is None and not capturing):
+        _check_out_of_range(
+            out_of_range, indices, topk_length, layout.num_tokens,
+            extra_indices, extra_topk_length, extra_layout.num_tokens if extra_layout is not None else 0,
+        )  # fmt: skip
+    return SparseMlaOutput(output, lse, route, output_fp32, grid, out_of_range)
+
+
+def _check_out_of_range(
+    out_of_range: torch.Tensor,
+    indices: torch.Tensor,
+    topk_length: torch.Tensor | None,
+    num_main: int,
+    extra_indices: torch.Tensor | None,
+    extra_topk_length: torch.Tensor | None,
+    num_extra: int,
+) -> None:
+    """The host check of a call (its one synchronisation): raise for the first lane past its cache."""
+    if not bool(out_of_range.cpu().any()):
+        return
+    _, _, bad = _candidate_lanes(indices, topk_length, num_main, 0, 0)
+    if bool(bad.any()):
+        _raise_out_of_range("indices", indices, bad, num_main)
+    assert extra_indices is not None
+    _, _, extra_bad = _candidate_lanes(extra_indices, extra_topk_length, num_extra, 0, 0)
+    _raise_out_of_range("extra_indices", extra_indices, extra_bad, num_extra)
 
 
 def _prepare_candidates(
@@ -412,14 +483,15 @@ def _prepare_candidates(
     extra_topk_length: torch.Tensor | None,
     extra_page_block_size: int | None,
     extra_layout: formats.CacheLayout | None,
+    out_of_range: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """The shared preparation of both backends: candidate table and the row of every lane.
+    """The preparation of the torch backend: candidate table and the row of every lane.
 
     Returns ``(table [R, d_qk] fp32, rows [T, Lp] int64, valid [T, Lp] bool, zero_row)``: the
     table holds the main rows, then the extra rows, then one all-zero row (``zero_row = R - 1``)
     that every invalid lane names; ``Lp`` is the main row padded to a multiple of
-    :data:`LANE_TILE` plus the extra row padded likewise. Raises ``ValueError`` for a positive
-    index past its cache inside the valid prefix (the one host synchronisation of a call).
+    :data:`LANE_TILE` plus the extra row padded likewise. Lanes past their cache are invalid
+    and counted per token into ``out_of_range`` (``[T]`` int32, zeros on entry).
     """
     device = indices.device
     num_main = layout.num_tokens
@@ -440,12 +512,8 @@ def _prepare_candidates(
         )
         rows = torch.cat([rows, extra_rows], dim=1)
         valid = torch.cat([valid, extra_valid], dim=1)
-        if bool(bad.any() | extra_bad.any()):  # the one host sync of the call
-            if bool(bad.any()):
-                _raise_out_of_range("indices", indices, bad, num_main)
-            _raise_out_of_range("extra_indices", extra_indices, extra_bad, num_extra)
-    elif bool(bad.any()):
-        _raise_out_of_range("indices", indices, bad, num_main)
+        out_of_range += extra_bad.sum(dim=1, dtype=torch.int32)
+    out_of_range += bad.sum(dim=1, dtype=torch.int32)
     return table, rows, valid, zero_row
 
 
@@ -484,38 +552,6 @@ class _Finaliser:
         else:
             lse_out = lse_e.masked_fill(lse_e == float("-inf"), float("inf"))
         return out, lse_out
-
-
-def _triton_loop(
-    q: torch.Tensor,
-    pieces: torch.Tensor,
-    rows: torch.Tensor,
-    zero_row: int,
-    sm_scale: float,
-    d_v: int,
-    chunk_tokens: int | None,
-    finish: _Finaliser,
-    output: torch.Tensor,
-    lse: torch.Tensor,
-    output_fp32: torch.Tensor | None,
-) -> None:
-    """``backend="triton"``: one kernel launch (``_triton_forward.online_softmax``) per chunk."""
-    module = triton_forward_module()
-    num_tokens = int(q.shape[0])
-    if q.stride(2) != 1:  # the kernel reads query rows with unit stride (any other strides are fine)
-        q = q.contiguous()
-    rows32 = rows.to(torch.int32)
-    sink = finish.attn_sink.view(1, -1, 1) if finish.attn_sink is not None else None
-    tc = min(num_tokens, chunk_tokens or TRITON_CHUNK_TOKENS)
-    for start in range(0, num_tokens, tc):
-        stop = min(num_tokens, start + tc)
-        chunk_q, chunk_rows = q[start:stop], rows32[start:stop]
-        run_max, run_sum, acc = module.online_softmax(chunk_q, pieces, chunk_rows, zero_row, sm_scale, d_v)
-        out, lse_out = finish(run_max.unsqueeze(-1), run_sum.unsqueeze(-1), acc, sink)
-        output[start:stop] = out
-        if output_fp32 is not None:
-            output_fp32[start:stop] = out
-        lse[start:stop] = lse_out.squeeze(-1)
 
 
 def _torch_loop(
