@@ -91,29 +91,42 @@ def read_xfail_file(path: Path) -> dict[str, Any]:
     return {"definitions": definitions, "entries": entries}
 
 
-def summarize(impl: str, results: Path) -> dict[str, Any]:
-    """Totals, per-suite counts, skip reasons, failures and xfails of one implementation."""
+def summarize(impl: str, results: Path, notes: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Totals, per-suite counts, skip reasons, failures and xfails of one implementation.
+
+    ``notes["project_faults"]``: ``{"test", "impls", "explanation"}`` entries that explain a failure
+    which is a fault of this project (not of the peer), shown beside it.
+    """
     rows = read_junit(results / f"conformance-{impl}.xml")
     exit_info = {}
     exit_path = results / f"conformance-{impl}.exit.json"
     if exit_path.exists():
         exit_info = json.loads(exit_path.read_text())
+    xfail: dict[str, Any] = {"definitions": {}, "entries": []}
+    xfail_path = XFAIL_DIR / f"{impl}.txt"
+    if xfail_path.exists():
+        xfail = read_xfail_file(xfail_path)
+    # A run made without the xfail file (exit info "xfail_file": null, or none recorded) counts a failure
+    # that an entry lists as xfailed, marked "listed_after_run"; a run with the file reports pytest's own outcome.
+    applied = bool(exit_info.get("xfail_file"))
+    listed_after_run = 0
+    by_key: Counter = Counter()
+    for r in rows:
+        key = next((e["key"] for e in xfail["entries"] if _matches(r["id"], e["prefix"])), None)
+        if key is not None and not applied and r["outcome"] in ("failed", "error"):
+            r["outcome"], r["listed_after_run"] = "xfailed", True
+            listed_after_run += 1
+        if r["outcome"] == "xfailed":
+            r["key"] = key or ""
+            by_key[r["key"]] += 1
     totals = Counter(r["outcome"] for r in rows)
     suites: dict[str, Counter] = {}
     for r in rows:
         suites.setdefault(r["file"], Counter())[r["outcome"]] += 1
     skips = Counter(_short(r["message"]) for r in rows if r["outcome"] in ("skipped", "unsupported"))
-    xfail = {"definitions": {}, "entries": []}
-    xfail_path = XFAIL_DIR / f"{impl}.txt"
-    if xfail_path.exists():
-        xfail = read_xfail_file(xfail_path)
-    by_key = Counter()
-    for r in rows:
-        if r["outcome"] == "xfailed":
-            key = next((e["key"] for e in xfail["entries"] if _matches(r["id"], e["prefix"])), "")
-            r["key"] = key
-            by_key[key] += 1
     return {
+        "xfail_file_applied": applied,
+        "xfailed_listed_after_run": listed_after_run,
         "exit": exit_info.get("exit"),
         "seconds": exit_info.get("seconds"),
         "tests": len(rows),
@@ -121,11 +134,27 @@ def summarize(impl: str, results: Path) -> dict[str, Any]:
         "suites": {f: {k: c.get(k, 0) for k in OUTCOMES} for f, c in sorted(suites.items())},
         "skip_reasons": [{"reason": k, "count": v} for k, v in skips.most_common()],
         "failures": [
-            {"id": r["id"], "outcome": r["outcome"], "message": _short(r["message"], 600)}
+            {
+                "id": r["id"],
+                "outcome": r["outcome"],
+                "message": _short(r["message"], 600),
+                "explanation": next(
+                    (
+                        n["explanation"]
+                        for n in (notes or {}).get("project_faults", [])
+                        if impl in n.get("impls", [impl]) and _matches(r["id"], n["test"])
+                    ),
+                    "",
+                ),
+            }
             for r in rows
             if r["outcome"] in ("failed", "error", "xpassed")
         ],
-        "xfailed": [{"id": r["id"], "key": r.get("key", "")} for r in rows if r["outcome"] == "xfailed"],
+        "xfailed": [
+            {"id": r["id"], "key": r.get("key", ""), "listed_after_run": r.get("listed_after_run", False)}
+            for r in rows
+            if r["outcome"] == "xfailed"
+        ],
         "discrepancies": [
             {"key": k, **d, "xfailed_tests": by_key.get(k, 0)} for k, d in sorted(xfail["definitions"].items())
         ],
@@ -152,23 +181,29 @@ def declarations() -> dict[str, Any]:
     }
 
 
-def build(results: Path) -> dict[str, Any]:
+def build(results: Path, smoke_path: Path | None = None, notes_path: Path | None = None) -> dict[str, Any]:
     impls = sorted(p.name[len("conformance-") : -len(".xml")] for p in results.glob("conformance-*.xml"))
     order = ["reference", "sglang-triton", "sglang-torch", "flashmla"]
     impls.sort(key=lambda n: (order.index(n) if n in order else len(order), n))
+    notes_path = notes_path or ROOT / "docs" / "conformance" / "notes.json"
+    notes = json.loads(notes_path.read_text()) if notes_path.exists() else {}
     doc: dict[str, Any] = {
         "machine": json.loads((results / "machine.json").read_text()) if (results / "machine.json").exists() else {},
         "command": "RESULTS=results bash scripts/device_conformance.sh "
         "(per implementation: pytest -p sparse_mla suites --sparse-mla-impl IMPL --sparse-mla-require-gpu -n 4 "
         "--sparse-mla-xfail-file pytest_sparse_mla/xfail/IMPL.txt --sparse-mla-report-json ... --junitxml ...)",
-        "implementations": {impl: summarize(impl, results) for impl in impls},
+        "implementations": {impl: summarize(impl, results, notes) for impl in impls},
         "declarations": declarations(),
     }
-    smoke = results / "smoke.json"
+    smoke = smoke_path or results / "smoke.json"
     if smoke.exists():
         data = json.loads(smoke.read_text())
         doc["oracle_errors"] = data.get("summary", {})
         doc["headline"] = data.get("headline", {})
+        doc["oracle_error_cases"] = {
+            impl: {c: e for c, per in data.get("cases", {}).items() if (e := per.get(impl, {})).get("status") != "ok"}
+            for impl in data.get("summary", {})
+        }
     bench = results / "bench" / "results.json"
     if bench.exists():
         doc["benchmarks"] = json.loads(bench.read_text())
@@ -196,7 +231,7 @@ def markdown(doc: dict[str, Any]) -> str:
         f"{m.get('cpu_count')} CPUs; run {m.get('date_utc')} UTC.",
         f"Peers: SGLang {m.get('sglang')} (wheel from PyPI, installed --no-deps); FlashMLA "
         f"{'; '.join(m.get('flashmla_source') or ['not built'])}, built with FLASH_MLA_DISABLE_SM100=1.",
-        "",
+        *([f"Note: {m['note']}.", ""] if m.get("note") else [""]),
         f"Command: `{doc['command']}`. Each peer's shipped xfail file is applied, so a known discrepancy "
         'counts as `xfailed` and a test that starts passing fails the run (`xfail_strict`). "not taken": the '
         "adapter raised `UnsupportedByPeer` (a capability the peer lacks, the same reason its "
@@ -214,6 +249,14 @@ def markdown(doc: dict[str, Any]) -> str:
             f"| `{name}` | {s['tests']} | {t['passed']} | {t['failed']} | {t['error']} | {t['skipped']} | "
             f"{t['unsupported']} | {t['xfailed']} | {t['xpassed']} | {_fmt(s['exit'])} | {_fmt(s['seconds'])} |"
         )
+    late = {n: s["xfailed_listed_after_run"] for n, s in impls.items() if s["xfailed_listed_after_run"]}
+    if late:
+        listed = ", ".join(f"`{n}` {c}" for n, c in late.items())
+        out += [
+            "",
+            f"This run was made before the xfail files existed: the failures their entries list ({listed}) are "
+            "counted as xfailed here; every other failure is listed below.",
+        ]
     out += ["", "## Per suite (passed / failed+errors / skipped+not taken / xfailed)", ""]
     suites = sorted({f for s in impls.values() for f in s["suites"]})
     out.append("| suite | " + " | ".join(f"`{n}`" for n in impls) + " |")
@@ -271,12 +314,13 @@ def markdown(doc: dict[str, Any]) -> str:
             out.append(f"* **`{name}` [{d['key']}] {d['kind']}** ({d['xfailed_tests']} xfailed tests): {d['text']}")
     if not any_disc:
         out.append("None recorded.")
-    out += ["", "## Failures not explained by an xfail entry", ""]
+    out += ["", "## Failures not listed in an xfail file", ""]
     any_fail = False
     for name, s in impls.items():
         for f in s["failures"]:
             any_fail = True
-            out.append(f"* `{name}` {f['outcome']} `{f['id']}`: {f['message']}")
+            why = f" **Explained:** {f['explanation']}" if f.get("explanation") else " **Not yet explained.**"
+            out.append(f"* `{name}` {f['outcome']} `{f['id']}`: {f['message']}{why}")
     if not any_fail:
         out.append("None.")
     out += ["", "## Skips (capabilities a peer lacks), most frequent reasons", ""]
@@ -301,15 +345,52 @@ def markdown(doc: dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
+def bench_markdown(doc: dict[str, Any]) -> str:
+    """The peer rows of ``benchmarks/test_bench_peers.py`` as a Markdown table (for docs/benchmarks.md)."""
+    bench = doc.get("benchmarks") or {}
+    rows = [r for r in bench.get("results", []) if str(r.get("name", "")).startswith("peer ")]
+    m = bench.get("machine", {})
+    out = [
+        f"One run on {m.get('gpu')} ({m.get('sm_count')} SMs, driver {m.get('driver')}), torch {m.get('torch')}, "
+        f"triton {m.get('triton')}, {m.get('date_utc')} UTC.",
+        "",
+        "| benchmark | median | rate | ratio | vs oracle / notes |",
+        "| --- | ---: | ---: | --- | --- |",
+    ]
+    for r in rows:
+        rate = f"{r['GBps']:.0f} GB/s" if "GBps" in r else (f"{r['TFLOPs']:.2f} TFLOP/s" if "TFLOPs" in r else "")
+        if "x_reference" in r:
+            ratio = f"{r['x_reference']:.2f}x the reference's time"
+        elif "copy_ratio" in r:
+            ratio = f"{100 * r['copy_ratio']:.1f}% of a device copy"
+        elif "x_ideal" in r:
+            ratio = f"{r['x_ideal']:.2f}x ideal"
+        else:
+            ratio = ""
+        if "rel_err_output" in r:
+            notes = f"out {r['rel_err_output']:.1e} normwise, LSE {r['max_abs_err_lse_ln']:.1e} (8 tokens)"
+        else:
+            notes = r.get("notes", "")
+        out.append(f"| {r['name'][len('peer ') :]} | {r['ms']:.4f} ms | {rate} | {ratio} | {notes} |")
+    return "\n".join(out) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("results", type=Path)
     parser.add_argument("--json", type=Path, required=True)
     parser.add_argument("--md", type=Path, required=True)
+    parser.add_argument("--smoke", type=Path, help="smoke.json from another run (default: RESULTS/smoke.json)")
+    parser.add_argument("--bench-md", type=Path, help="also write the peer benchmark table here")
+    parser.add_argument(
+        "--notes", type=Path, help="explanations of project faults (default docs/conformance/notes.json)"
+    )
     args = parser.parse_args()
-    doc = build(args.results)
+    doc = build(args.results, args.smoke, args.notes)
     args.json.write_text(json.dumps(doc, indent=1, default=str) + "\n")
     args.md.write_text(markdown(doc))
+    if args.bench_md:
+        args.bench_md.write_text(bench_markdown(doc))
 
 
 if __name__ == "__main__":

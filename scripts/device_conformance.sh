@@ -89,7 +89,10 @@ run_suite() {  # run_suite IMPL
       --junitxml "$OUT/conformance-$impl.xml" -o junit_family=xunit2 -o junit_logging=no \
       "${xfail[@]}" >"$OUT/conformance-$impl.log" 2>&1
   local rc=$?
-  echo "{\"impl\": \"$impl\", \"exit\": $rc, \"seconds\": $(( $(date +%s) - t0 ))}" >"$OUT/conformance-$impl.exit.json"
+  local xf=null
+  [ ${#xfail[@]} -gt 0 ] && xf="\"${xfail[1]}\""
+  echo "{\"impl\": \"$impl\", \"exit\": $rc, \"seconds\": $(( $(date +%s) - t0 )), \"xfail_file\": $xf}" \
+    >"$OUT/conformance-$impl.exit.json"
   stamp "suite $impl: exit $rc in $(( $(date +%s) - t0 )) s; $(tail -1 "$OUT/conformance-$impl.log")"
 }
 

@@ -2,7 +2,7 @@
 
 For each implementation (default: sglang-triton, sglang-torch, flashmla):
 
-1. Headline shapes (the FlashMLA measurements of issue 13: T = 64, MODEL1 with 256-token main
+1. Headline shapes (FlashMLA's production MODEL1/V32 configurations: T = 64, MODEL1 with 256-token main
    pages and an extra cache of 64x512 (H = 64) or 2x1024 (H = 128), sink on; DSV3.2 topk 2048 at
    H = 64 and 128), with the bundled reference beside them: median CUDA-event time of 10 calls
    after 2 warm-ups, errors against the oracle and the normwise difference from the reference.

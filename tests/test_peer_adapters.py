@@ -214,6 +214,22 @@ def test_sglang_declares_dsv4_any_heads_and_widths() -> None:
     assert "fixed stride of 37440" in stride
 
 
+def test_unsupported_by_peer_is_a_skip_with_its_reason(pytester: pytest.Pytester) -> None:
+    """A test that calls an adapter without asking ``unsupported_reason`` first is skipped, not failed."""
+    assert issubclass(_peer.UnsupportedByPeer, NotImplementedError)
+    pytester.makepyfile(
+        """
+        from pytest_sparse_mla.implementations._peer import UnsupportedByPeer
+
+        def test_needs_eight_heads():
+            raise UnsupportedByPeer("flashmla: FlashMLA supports num_heads 64 or 128, got 8")
+        """
+    )
+    result = pytester.runpytest("-rs", "-p", "no:cacheprovider")
+    result.assert_outcomes(skipped=1)
+    result.stdout.fnmatch_lines(["*supports num_heads 64 or 128, got 8*"])
+
+
 def test_skip_reasons_name_the_missing_peer(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(flashmla, "_find_flash_mla", lambda: False)
     assert "flash_mla is not importable" in flashmla.FlashMlaImplementation().skip_reason("sparse_mla_forward", "cuda")

@@ -79,8 +79,9 @@ Built-ins
   SM90/SM100 sparse decode (``T <= 64``) and sparse prefill, from a built ``flash_mla``. Each
   declares what its peer takes (``declaration`` / ``declarations``) and answers
   ``unsupported_reason(capability, *args, **kwargs)`` (a reason to skip, or ``None``) before a
-  call; the call raises ``_peer.UnsupportedByPeer`` (a ``NotImplementedError``) with the same text,
-  and ``_peer.UnsafeForPeer`` for valid inputs the peer would mishandle out of bounds.
+  call; the call raises ``_peer.UnsupportedByPeer`` with the same text (a ``NotImplementedError``
+  that pytest reports as a skip), and ``_peer.UnsafeForPeer`` for valid inputs the peer would
+  mishandle out of bounds.
 
 The hooks module (``pytest_sparse_mla.plugin``) calls :func:`configure` from ``pytest_configure``
 (the implementation is resolved once, so a bad ``--sparse-mla-impl`` is a usage error before any

@@ -4,10 +4,10 @@ the LSE conversion.
 
 Two kinds of refusal, so a suite can tell "the peer lacks this" from "the peer gets this wrong":
 
-* :class:`UnsupportedByPeer` (a ``NotImplementedError``): the call needs a capability the peer does
-  not have (a head count, a format, a top-k width, an extra cache, ...). The same text comes back from
-  the adapter's ``unsupported_reason(capability, *args, **kwargs)`` before the call, so a suite can
-  skip instead of failing (``pytest.skip(reason)``).
+* :class:`UnsupportedByPeer` (a ``NotImplementedError`` that pytest reports as a skip): the call
+  needs a capability the peer does not have (a head count, a format, a top-k width, an extra cache,
+  ...). The same text comes back from the adapter's ``unsupported_reason(capability, *args,
+  **kwargs)`` before the call, so a suite can skip before it builds inputs.
 * :class:`UnsafeForPeer` (a ``RuntimeError``): the inputs are valid for this project, but the peer's
   kernel would read or write out of bounds on them (for instance FlashMLA's decode masks only ``-1``
   and turns ``-2`` into a page index of about 67 million). Running it would kill the CUDA context of
@@ -24,6 +24,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
+
 __all__ = [
     "UnsupportedByPeer",
     "UnsafeForPeer",
@@ -37,11 +39,18 @@ __all__ = [
 ]
 
 
-class UnsupportedByPeer(NotImplementedError):
+class UnsupportedByPeer(NotImplementedError, pytest.skip.Exception):  # type: ignore[misc, name-defined]
     """The peer lacks a capability the call needs; ``str(error)`` names the peer's limit and source.
 
-    Suites may turn it into a skip; ``unsupported_reason`` returns the same text before the call.
+    It is a ``NotImplementedError`` and also pytest's skip exception, so a test that calls the
+    adapter without asking ``unsupported_reason`` first is *skipped* with this reason, not failed
+    (a capability the peer lacks is a skip whose reason names the peer's limit, never a failure);
+    outside a test it is an ordinary exception.
     """
+
+    def __init__(self, reason: str) -> None:
+        pytest.skip.Exception.__init__(self, msg=reason, pytrace=False)
+        self.args = (reason,)
 
 
 class UnsafeForPeer(RuntimeError):

@@ -566,7 +566,6 @@ class _SglangBase:
                 left out under CUDA-graph capture and under torch's sync debug mode).
             Whatever SGLang raises (``AssertionError`` for a page size that is not a multiple of 64).
         """
-        import torch
 
         from pytest_sparse_mla.page_split import default_registry
 
