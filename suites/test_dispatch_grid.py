@@ -168,3 +168,14 @@ def test_declared_release_errors_and_runs_like_the_release(
     route = getattr(res, "route", None)
     if route is not None:
         assert route == ("decode" if t <= 64 else "prefill"), f"{where}: route {route!r}"
+
+
+def test_declared_release_serves_an_empty_batch(
+    declared_release: str, sparse_mla_impl, sparse_mla_generator, sparse_mla_device
+) -> None:  # type: ignore[no-untyped-def]
+    """FlashInfer's entry returns before dispatching when ``q.shape[0] == 0``, so no release
+    rejects an empty batch (an idle data-parallel rank), even with 8 heads and a 512-wide extra
+    cache: the result is a ``[0, H, 512]`` output and a ``[0, H]`` LSE."""
+    shape = GridShape("empty", "DSV4", 0, 8, 128, topk_extra=512, extra_page_block_size=2)
+    res = sparse_mla_impl.sparse_mla_forward(**_inputs(shape, sparse_mla_generator, sparse_mla_device))
+    assert tuple(res.output.shape) == (0, 8, 512) and tuple(res.lse.shape) == (0, 8), declared_release
