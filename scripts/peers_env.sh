@@ -19,7 +19,7 @@
 # MAX_JOBS (16), NVCC_THREADS (2). With PEERS_ENV_FUNCTIONS_ONLY=1 it only defines the functions
 # (scripts/device_conformance.sh builds FlashMLA in the background while other suites run).
 
-PEERS_DIR=${PEERS_DIR:-/tmp/sparse-mla-peers}
+export PEERS_DIR=${PEERS_DIR:-/tmp/sparse-mla-peers}
 PEERS_ROOT=$(pwd)
 
 peers_log() { echo "peers_env: $*" >&2; }
