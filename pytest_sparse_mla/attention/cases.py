@@ -432,6 +432,16 @@ CONFORMANCE_CASES: tuple[AttentionCase, ...] = (
     _cf("peaked-T64", 64, 8, 128, query="peaked", sink_kind="large", **_C128),
     _cf("peaked-T65", 65, 8, 128, query="peaked", sink_kind="large", **_C128),
     _cf("peaked-T65-dsv32", 65, 8, 128, query="peaked", fmt="dsv3_2"),
+    # 64 heads (what head-specialised kernels such as FlashMLA's SM90 sparse decode take)
+    _cf("h64-peaked-dual-c4-large-sink", 4, 64, 128, query="peaked", sink_kind="large", masked_fraction=0.25, **_C4),
+    _cf("h64-mixed-inf-sink-c128", 4, 64, 128, query="peaked", sink_kind="mixed-inf", **_C128),
+    _cf("h64-dominant-key-dsv32", 4, 64, 128, query="peaked", peak=30.0, fmt="dsv3_2"),
+    _cf("h64-peaked-dsv32-large-sink", 4, 64, 192, query="peaked", fmt="dsv3_2", sink_kind="large"),
+    _cf("h64-near-uniform", 4, 64, 128, query="flat", sink_kind="large", **_C4),
+    _cf("h64-extra-x64-layers", 4, 64, 128, query="peaked", extra_value_scale=64.0, layer=1, num_layers=2,
+        extra_layer=2, extra_num_layers=3, extra_page_stride="tight", **_C4),
+    _cf("h64-trunc", 4, 64, 192, query="peaked", topk_length=100, extra_topk_length=50, masked_fraction=0.0, **_C4),
+    _cf("h64-peaked-T65", 65, 64, 128, query="peaked", sink_kind="large", **_C4),
 )  # fmt: skip
 
 
