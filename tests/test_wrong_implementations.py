@@ -9,22 +9,28 @@ Each catalogue kernel gets one fresh pytest process running ``suites`` whole
   fails) when none does; the message names the rule it breaks.
 * An **approximate** kernel passes the gate when no item fails or errors; the message lists the
   failing items and their first lines.
-* Either way the run itself must be sound: exit status 0 or 1 (tests failed), never a usage,
-  collection or internal error, so a kernel that breaks the harness is not counted as caught.
+* Either way the run itself must be sound: exit status 0 or 1, no suite file that fails to import,
+  at least one item run. A kernel that breaks the harness is not counted as caught.
 
-Cost (2-core CPU machine): one suite run per kernel. A wrong kernel's run stops after
-:data:`WRONG_MAXFAIL` failures (``--maxfail``), so the kill table's count for a caught kernel
-reads ``>= N`` when it hit the cap; an approximate kernel's run is always whole. Under ``-n 2`` the
-two workers run two kernels at a time.
+Cost (the 2-core CPU machine). An approximate kernel's run is the whole suite, every time. A wrong
+kernel's run stops at its first failure (``--maxfail=1``) and runs breadth-first over the suite's
+test functions (``tests/gate_order.py``), so a kernel caught by one rule only is reached after one
+case of every test function, not after every case of the functions before it; the run is the whole
+suite only when the kernel survives. The kill table therefore gives, per wrong kernel, the first
+failing test and how many items ran before it (``ran``); ``failed`` reads ``1+`` (stopped at the
+first). ``SPARSE_MLA_GATE_MAXFAIL=0`` runs every wrong kernel whole for exact failure counts
+(``=N`` stops after N). ``SPARSE_MLA_GATE_PYTEST_ARGS`` passes extra arguments to every inner run
+(e.g. an ``--ignore`` of a suite file being rewritten). Under ``-n 2`` two kernels run at a time.
 
-The kill table (kernel, outcome, failing count, first failing test, rule) is printed at the end
-of the session by ``tests/conftest.py`` from each gate test's ``user_properties``, which
-pytest-xdist carries from the workers.
+The kill table (kernel, outcome, failing count, items run, seconds, first failing test, rule, the
+first line of the first failure) is printed at the end of the session by ``tests/conftest.py`` from
+each gate test's ``user_properties``, which pytest-xdist carries from the workers.
 """
 
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -39,13 +45,16 @@ ROOT = Path(__file__).resolve().parents[1]
 SUITES = ROOT / "suites"
 TESTS = Path(__file__).resolve().parent
 
-#: ``--maxfail`` for a wrong kernel's run (``None``: run the suite whole). The first failure is
-#: what kills it; the cap bounds the time a badly broken kernel costs.
-WRONG_MAXFAIL: int | None = 5
+#: Environment variable: ``--maxfail`` of a wrong kernel's run (default 1: the first failure kills
+#: it; ``0`` runs the suite whole and gives exact failure counts, at the price of a full run each).
+MAXFAIL_ENV = "SPARSE_MLA_GATE_MAXFAIL"
 #: Wall-clock limit of one suite run, seconds.
 RUN_TIMEOUT = 600
 #: user_properties key of a kill-table row.
 ROW_KEY = "sparse_mla_kill_row"
+#: Environment variable with extra arguments for every inner run (split with ``shlex``), e.g.
+#: ``--ignore=suites/test_golden.py`` while a suite file is being rewritten; unset in CI.
+EXTRA_ARGS_ENV = "SPARSE_MLA_GATE_PYTEST_ARGS"
 
 
 @dataclass(frozen=True)
@@ -58,6 +67,7 @@ class SuiteRun:
         failures: ``(test id, first line of the message)`` of each failed item, in run order.
         seconds: wall-clock time of the run.
         capped: the run stopped at ``--maxfail``.
+        collection_errors: suite files that failed to import (a harness error, not a kill).
         output: the tail of the run's terminal output.
     """
 
@@ -68,6 +78,7 @@ class SuiteRun:
     failures: tuple[tuple[str, str], ...]
     seconds: float
     capped: bool
+    collection_errors: tuple[str, ...]
     output: str
 
 
@@ -86,17 +97,20 @@ def _first_line(case: ET.Element) -> str:
     return ""
 
 
-def run_suite(name: str, tmp_path: Path, maxfail: int | None) -> SuiteRun:
-    """Run the whole conformance suite against ``kernel_catalogue:<name>`` in a fresh process."""
+def run_suite(name: str, tmp_path: Path, maxfail: int) -> SuiteRun:
+    """Run the whole conformance suite against ``kernel_catalogue:<name>`` in a fresh process,
+    breadth-first over test functions (``gate_order``), stopping after ``maxfail`` failures
+    (``0``: never)."""
     report = tmp_path / "junit.xml"
     cmd = [
         sys.executable, "-m", "pytest", "-p", "sparse_mla", str(SUITES),
         "--sparse-mla-impl", f"kernel_catalogue:{name}", "--sparse-mla-device", "cpu",
-        "-p", "no:cacheprovider", "-p", "no:xdist", "-q", "--no-header", "-rN", "--tb=no",
+        "-p", "no:cacheprovider", "-p", "no:xdist", "-p", "gate_order", "-q", "--no-header", "-rN", "--tb=no",
         f"--junitxml={report}", "-o", "junit_family=xunit1", "--basetemp", str(tmp_path / "basetemp"),
     ]  # fmt: skip
-    if maxfail is not None:
+    if maxfail:
         cmd.append(f"--maxfail={maxfail}")
+    cmd += shlex.split(os.environ.get(EXTRA_ARGS_ENV, ""))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), env.get("PYTHONPATH")]))
     env.pop("PYTEST_XDIST_WORKER", None)  # the inner run is not an xdist worker
@@ -106,20 +120,22 @@ def run_suite(name: str, tmp_path: Path, maxfail: int | None) -> SuiteRun:
     seconds = time.perf_counter() - start
     output = (proc.stdout + proc.stderr)[-4000:]
     if not report.exists():
-        return SuiteRun(proc.returncode, 0, 0, 0, (), seconds, False, output)
+        return SuiteRun(proc.returncode, 0, 0, 0, (), seconds, False, (), output)
     cases = list(ET.parse(report).getroot().iter("testcase"))
+    broken = tuple(c.get("name") or "?" for c in cases if _first_line(c) == "collection failure")
+    cases = [c for c in cases if _first_line(c) != "collection failure"]
     failures = tuple(
         (_test_id(c), _first_line(c)) for c in cases if c.find("failure") is not None or c.find("error") is not None
     )
     skipped = sum(1 for c in cases if c.find("skipped") is not None)
     passed = len(cases) - skipped - len(failures)
-    capped = maxfail is not None and len(failures) >= maxfail
-    return SuiteRun(proc.returncode, passed, len(failures), skipped, failures, seconds, capped, output)
+    capped = bool(maxfail) and len(failures) >= maxfail
+    return SuiteRun(proc.returncode, passed, len(failures), skipped, failures, seconds, capped, broken, output)
 
 
 def _row(entry: catalogue.Entry, run: SuiteRun, outcome: str) -> dict[str, str]:
     first = run.failures[0][0] if run.failures else "-"
-    count = f">={run.failed}" if run.capped else str(run.failed)
+    count = f"{run.failed}+" if run.capped else str(run.failed)
     return {
         "kernel": entry.name,
         "kind": entry.kind,
@@ -137,8 +153,8 @@ def _row(entry: catalogue.Entry, run: SuiteRun, outcome: str) -> dict[str, str]:
 def test_catalogue_kernel_against_the_whole_suite(name: str, tmp_path: Path, record_property) -> None:
     entry = catalogue.CATALOGUE[name]
     wrong = entry.kind == "wrong"
-    run = run_suite(name, tmp_path, WRONG_MAXFAIL if wrong else None)
-    sound = run.returncode in (0, 1) and run.passed + run.failed > 0
+    run = run_suite(name, tmp_path, int(os.environ.get(MAXFAIL_ENV, "1")) if wrong else 0)
+    sound = run.returncode in (0, 1) and run.passed + run.failed > 0 and not run.collection_errors
     if not sound:
         outcome = "HARNESS ERROR"
     elif wrong:
@@ -148,7 +164,8 @@ def test_catalogue_kernel_against_the_whole_suite(name: str, tmp_path: Path, rec
     record_property(ROW_KEY, _row(entry, run, outcome))
     assert sound, (
         f"suite run against kernel_catalogue:{name} did not complete (exit status {run.returncode}; "
-        f"{run.passed} passed, {run.failed} failed):\n{run.output}"
+        f"{run.passed} passed, {run.failed} failed; suite files that failed to import: "
+        f"{', '.join(run.collection_errors) or 'none'}):\n{run.output}"
     )
     if wrong:
         assert run.failed, (
