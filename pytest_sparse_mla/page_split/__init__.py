@@ -53,7 +53,8 @@ Backends. ``"torch"`` (:mod:`._torch`): readable strided-view copies. ``"triton"
   ``registry.backend_scratch``'s ``flash_mla_sm120_worklist{key_suffix}:{dev}``; the registry's
   int8 mask stays the public artefact.
 
-Both backends are byte-identical (``suites/test_page_split.py``).
+Both backends are byte-identical (``tests/test_page_split_bundled.py``); the conformance suite
+``suites/test_page_split.py`` specifies any implementation's split.
 
 Public API
 ==========
