@@ -44,6 +44,7 @@ __all__ = [
     "probe",
     "evaluate_marker",
     "is_gpu_marker",
+    "skip_unmet",
     "parse_sm_spec",
     "load_triton_kernels",
     "triton_unavailable_reason",
@@ -273,6 +274,35 @@ def evaluate_marker(name: str, mark: Any, caps: Capabilities) -> str | None:
 def is_gpu_marker(name: str) -> bool:
     """True for markers whose miss means "no usable GPU" (see ``--sparse-mla-require-gpu``)."""
     return name in _GPU_MARKERS
+
+
+def skip_unmet(items: list[Any], gpu_required_marker: str | None = None) -> None:
+    """Mark each item whose capability markers this machine does not meet: ``skip`` with the
+    reason (``"<marker>: requires ...; found ..."``), or, for a GPU marker when
+    ``gpu_required_marker`` is given (``--sparse-mla-require-gpu``), that marker with the reason
+    (the test then fails at setup). Probes the machine only when an item carries a marker.
+
+    Raises:
+        pytest.UsageError: a marker's spec is malformed (naming the test).
+    """
+    import pytest
+
+    caps: Capabilities | None = None
+    for item in items:
+        for name in MARKERS:
+            for mark in item.iter_markers(name=name):
+                if caps is None:
+                    caps = probe()
+                try:
+                    reason = evaluate_marker(name, mark, caps)
+                except ValueError as exc:
+                    raise pytest.UsageError(f"{item.nodeid}: {exc}") from None
+                if reason is None:
+                    continue
+                if gpu_required_marker is not None and is_gpu_marker(name):
+                    item.add_marker(getattr(pytest.mark, gpu_required_marker)(reason=reason))
+                else:
+                    item.add_marker(pytest.mark.skip(reason=f"{name}: {reason}"))
 
 
 def load_triton_kernels(module: str) -> ModuleType:

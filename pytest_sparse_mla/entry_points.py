@@ -13,14 +13,13 @@ loaded like ``--sparse-mla-impl mykernel.sparse_mla:implementation`` (an object 
 the protocol of ``pytest_sparse_mla.implementations``). Nothing is imported until that name is
 selected, so an installed kernel library costs nothing in sessions that do not use it.
 
-This module implements the ``pytest_sparse_mla_implementations`` hook (``hookspecs.py``) with the
-group's entry points, so ``implementations.available_implementations`` sees them; it is registered
-by ``pytest_sparse_mla.plugin`` (``_PLUGIN_MODULES``). The hook returns each entry point's *value*
-(the ``"module:attribute"`` string), which ``implementations.resolve_implementation`` imports only
-for the selected name: a broken or heavy kernel library is never imported in a session that does
-not select it. The hookimpl is ``trylast``: ``available_implementations`` lets the hook result
-called first win, so a name defined in a ``conftest.py`` or a plugin overrides the same name
-declared by an installed package.
+The hooks module (``pytest_sparse_mla.plugin``) implements the ``pytest_sparse_mla_implementations``
+hook (``hookspecs.py``) with :func:`entry_point_specs`, so ``implementations.available_implementations``
+sees the group's names. The hook returns each entry point's *value* (the ``"module:attribute"``
+string), which ``implementations.resolve_implementation`` imports only for the selected name: a
+broken or heavy kernel library is never imported in a session that does not select it. The hookimpl
+is ``trylast``: ``available_implementations`` lets the hook result called first win, so a name
+defined in a ``conftest.py`` or a plugin overrides the same name declared by an installed package.
 """
 
 from __future__ import annotations
@@ -36,7 +35,6 @@ __all__ = [
     "SparseMlaEntryPointWarning",
     "entry_point_implementations",
     "entry_point_specs",
-    "pytest_sparse_mla_implementations",
 ]
 
 #: The entry-point group downstream packages declare their implementations in.
@@ -105,10 +103,3 @@ def entry_point_specs(group: str = ENTRY_POINT_GROUP) -> dict[str, str]:
         specs[ep.name] = ep.value
         origin[ep.name] = ep
     return specs
-
-
-@pytest.hookimpl(trylast=True)
-def pytest_sparse_mla_implementations(config: pytest.Config) -> dict[str, Any] | None:
-    """The implementations installed packages declare in :data:`ENTRY_POINT_GROUP`, as
-    ``{name: "module:attribute"}`` (imported by ``implementations`` only when selected)."""
-    return dict(entry_point_specs()) or None

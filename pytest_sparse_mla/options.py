@@ -1,44 +1,115 @@
-"""Typed, validated values of the ``--sparse-mla-*`` command-line options.
+"""Every ``--sparse-mla-*`` option and ``sparse_mla_*`` ini key: registered, parsed and typed here.
 
-The plugin registers the options (``plugin.py``); this module parses them once in
-``pytest_configure`` into a frozen :class:`SparseMlaOptions` kept in ``config.stash``. Parse
-functions raise :class:`pytest.UsageError` naming the option, the value and what was expected
-(the pytest-xdist convention: pytest-dev/pytest-xdist src/xdist/plugin.py ``parse_numprocesses``).
-Every value is a plain string/int/bool so xdist can ship the command line to workers.
+The hooks module (``pytest_sparse_mla.plugin``) calls :func:`add_options` from
+``pytest_addoption`` and :func:`from_config` from ``pytest_configure``; the result, a frozen
+:class:`SparseMlaOptions`, is kept in ``config.stash`` and read everywhere else through
+:func:`get_options`. Parse functions raise :class:`pytest.UsageError` naming the option, the value
+and what was expected (the pytest-xdist convention: pytest-dev/pytest-xdist ``src/xdist/plugin.py``
+``parse_numprocesses``).
+
+Activation (:func:`activation`). Installing the package registers the options (so they parse) but
+changes nothing else in a session until the plugin is *used*: it is loaded by name
+(``-p sparse_mla`` or ``-p pytest_sparse_mla.plugin``, on the command line, in ``PYTEST_ADDOPTS``
+or in the ini ``addopts``; or listed in ``PYTEST_PLUGINS``), or any ``--sparse-mla-*`` option is
+given, or any ``sparse_mla_*`` ini key is set. ``-p no:sparse_mla`` keeps it from loading at all.
+Every option therefore defaults to ``None`` (or ``False``) on the command line, so "given" can be
+told from "default"; the defaults of the typed object are filled in here.
+
+Nothing here imports torch.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-__all__ = ["SparseMlaOptions", "OPTIONS_KEY", "get_options", "parse_device", "parse_grid"]
+__all__ = [
+    "DEVICES",
+    "HELP_GROUP",
+    "HELP_GROUP_TITLE",
+    "IMPL_FORMS",
+    "INI_KEYS",
+    "OPTIONS_KEY",
+    "PLUGIN_NAMES",
+    "SparseMlaOptions",
+    "activation",
+    "add_options",
+    "deployment_report_request",
+    "from_config",
+    "get_options",
+    "is_active",
+    "marker_lines",
+    "parse_device",
+    "parse_grid",
+]
 
 DEVICES = ("auto", "cpu", "cuda")
+#: The option group's name and its title in ``pytest --help`` (README, "Options").
+HELP_GROUP = "sparse-mla"
+HELP_GROUP_TITLE = "sparse-mla: sparse MLA kernel regression suites (pytest-sparse-mla)"
+#: Names that load the plugin with ``-p`` (the entry-point name and the module).
+PLUGIN_NAMES = ("sparse_mla", "pytest_sparse_mla.plugin")
+#: The forms ``--sparse-mla-impl`` accepts, in resolution order (``--help`` and miss errors).
+IMPL_FORMS = (
+    "a built-in name (reference, triton, flashinfer)",
+    "a name from an installed package's 'pytest_sparse_mla.implementations' entry point",
+    "a name returned by a pytest_sparse_mla_implementations(config) hook in a plugin or conftest.py",
+    "MODULE or PACKAGE.MODULE: the module object itself, importable from sys.path or found in the "
+    "rootdir, the ini file's folder, the current folder, a test path's folder or beside a conftest.py",
+    "MODULE:ATTRIBUTE (dotted attribute path; a class is instantiated without arguments)",
+)
+
+#: Internal marker: a GPU test that cannot run under ``--sparse-mla-require-gpu``.
+GPU_REQUIRED_MARKER = "sparse_mla_gpu_required"
+
+#: ini key -> (help, type, default).
+INI_KEYS: dict[str, tuple[str, Any, Any]] = {
+    "sparse_mla_golden_dir": (
+        "Root directory of golden snapshots, relative to the ini file (default: the package's goldens)",
+        "string",
+        "",
+    ),
+    "sparse_mla_impl": ("Default implementation under test (forms: see --sparse-mla-impl)", "string", ""),
+    "sparse_mla_tolerances": (
+        "Per-profile comparison tolerances, one 'PROFILE.PARAMETER = VALUE' per line "
+        "(see pytest_sparse_mla.tolerances)",
+        "linelist",
+        [],
+    ),
+}
 
 
 @dataclass(frozen=True)
 class SparseMlaOptions:
-    """Parsed ``--sparse-mla-*`` options.
+    """Parsed ``--sparse-mla-*`` options and ``sparse_mla_*`` ini keys of one session.
 
     Attributes:
         device: ``"auto"`` (CUDA when available), ``"cpu"`` or ``"cuda"``.
-        seed: base seed of every generator fixture (per-test seeds derive from it and the node id).
-        impl: implementation under test: a built-in name or ``package.module:attribute``.
+        seed: base seed of every generator fixture (per-test seeds derive from it and the test id).
+        impl: implementation under test (forms: :data:`IMPL_FORMS`); ``"reference"`` by default.
+        impl_given: ``impl`` came from ``--sparse-mla-impl`` or the ini key, not the default.
         grid: FlashInfer release whose dispatch grid the reference enforces (``"0.6.17"``), or
             ``None`` for no enforcement.
         require_gpu: turn "no GPU" skips into errors (GPU CI lanes).
-        golden_dir: root of the golden snapshots, or ``None`` for the built-in ``golden/``.
-        xfail_file / skip_file: files of test ids to mark xfail / skip.
-        deployment_report: ``None``, ``"text"`` or ``"json"``.
+        golden_dir: absolute root of the golden snapshots, or ``None`` for the packaged goldens.
+        xfail_file / skip_file: absolute paths of the files of test ids to mark xfail / skip.
+        deployment_report: ``None``, ``"text"`` or ``"json"`` (print the report and exit).
         gpu_per_worker: pin each xdist worker to one visible GPU.
+        report_json: absolute path of the JSON run report, or ``None``.
+        tolerances: parsed ``sparse_mla_tolerances`` ini lines,
+            ``{profile: {parameter: value}}`` (``pytest_sparse_mla.tolerances.parse_ini_lines``).
+        activated_by: why the plugin is active in this session (e.g. ``"-p sparse_mla"``).
     """
 
     device: str = "auto"
     seed: int = 0
     impl: str = "reference"
+    impl_given: bool = False
     grid: str | None = None
     require_gpu: bool = False
     golden_dir: Path | None = None
@@ -46,9 +117,151 @@ class SparseMlaOptions:
     skip_file: Path | None = None
     deployment_report: str | None = None
     gpu_per_worker: bool = True
+    report_json: Path | None = None
+    tolerances: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    activated_by: str = ""
 
 
 OPTIONS_KEY = pytest.StashKey[SparseMlaOptions]()
+
+
+def add_options(parser: pytest.Parser) -> None:
+    """Register every ``--sparse-mla-*`` option (group :data:`HELP_GROUP`) and ini key.
+
+    Command-line defaults are ``None``/``False`` so :func:`activation` can tell a given option from
+    a default; :func:`from_config` supplies the real defaults.
+    """
+    group = parser.getgroup(HELP_GROUP, HELP_GROUP_TITLE)
+    group.addoption(
+        "--sparse-mla-device",
+        default=None,
+        choices=DEVICES,
+        help="Device the suites run on: auto (CUDA when available; the default), cpu or cuda",
+    )
+    group.addoption(
+        "--sparse-mla-seed",
+        default=None,
+        help="Base seed of every generator fixture (default 0); per-test seeds derive from it and the test id",
+    )
+    group.addoption(
+        "--sparse-mla-impl",
+        default=None,
+        metavar="IMPL",
+        help="Implementation under test (default: reference), tried in this order: "
+        + "; ".join(IMPL_FORMS)
+        + ". Example: --sparse-mla-impl mykernel (mykernel.py in the rootdir)",
+    )
+    group.addoption(
+        "--sparse-mla-grid",
+        default=None,
+        help="Make the reference enforce a FlashInfer release's dispatch grid, "
+        "e.g. flashinfer==0.6.17 (default: none)",
+    )
+    group.addoption(
+        "--sparse-mla-require-gpu",
+        action="store_true",
+        default=False,
+        help="Turn 'no GPU' skips into errors, so a GPU CI lane where everything skipped fails",
+    )
+    group.addoption(
+        "--sparse-mla-golden-dir",
+        default=None,
+        help="Root directory of golden snapshots (default: the package's goldens)",
+    )
+    group.addoption(
+        "--sparse-mla-xfail-file",
+        default=None,
+        help="File of test ids (one per line, # comments) to mark as expected failures",
+    )
+    group.addoption(
+        "--sparse-mla-skip-file",
+        default=None,
+        help="File of test ids (one per line, # comments) to skip",
+    )
+    group.addoption(
+        "--sparse-mla-deployment-report",
+        default=None,
+        choices=("text", "json"),
+        help="Print which DeepSeek-V4 deployments each FlashInfer release serves, then exit "
+        "(the console script sparse-mla-deployments prints the same)",
+    )
+    group.addoption(
+        "--sparse-mla-no-gpu-pinning",
+        action="store_true",
+        default=False,
+        help="Do not pin each xdist worker to one visible GPU",
+    )
+    group.addoption(
+        "--sparse-mla-report-json",
+        default=None,
+        metavar="PATH",
+        help="Write versions, device, options and the GPU of every xdist worker to PATH as JSON",
+    )
+    from pytest_sparse_mla import tolerances
+
+    for name, (text, kind, default) in INI_KEYS.items():
+        if name == "sparse_mla_tolerances":
+            text += f"; parameters: {', '.join(tolerances.PARAMETERS)}; profiles: "
+            text += f"{', '.join(tolerances.DEFAULT_PROFILES)} or your own"
+        parser.addini(name, text, type=kind, default=default)
+
+
+def marker_lines() -> list[str]:
+    """Every marker the plugin registers when active (``config.addinivalue_line("markers", ...)``)."""
+    from pytest_sparse_mla import capabilities, tolerances
+
+    return [
+        *capabilities.MARKERS.values(),
+        f"{tolerances.MARKER}(profile=None, **parameters): tolerance profile and rounding-model "
+        f"overrides for the sparse_mla_tolerances fixture; parameters: {', '.join(tolerances.PARAMETERS)}",
+        f"{GPU_REQUIRED_MARKER}(reason): internal; set by --sparse-mla-require-gpu",
+    ]
+
+
+#: command-line option dests (``--sparse-mla-x-y`` -> ``sparse_mla_x_y``).
+_DESTS = (
+    "sparse_mla_device",
+    "sparse_mla_seed",
+    "sparse_mla_impl",
+    "sparse_mla_grid",
+    "sparse_mla_require_gpu",
+    "sparse_mla_golden_dir",
+    "sparse_mla_xfail_file",
+    "sparse_mla_skip_file",
+    "sparse_mla_deployment_report",
+    "sparse_mla_no_gpu_pinning",
+    "sparse_mla_report_json",
+)
+
+
+def _named_with_p(config: pytest.Config) -> str | None:
+    for value in getattr(config.option, "plugins", None) or ():
+        if value in PLUGIN_NAMES:
+            return f"-p {value}"
+    env = os.environ.get("PYTEST_PLUGINS", "")
+    if any(part.strip() in PLUGIN_NAMES[1:] for part in env.split(",")):
+        return "PYTEST_PLUGINS"
+    return None
+
+
+def activation(config: pytest.Config) -> str | None:
+    """Why the plugin is active in this session, or ``None`` when it must stay out of the way.
+
+    Active when the plugin is loaded by name (``-p sparse_mla`` / ``-p pytest_sparse_mla.plugin``
+    from the command line, ``PYTEST_ADDOPTS`` or ini ``addopts``; ``PYTEST_PLUGINS``), when any
+    ``--sparse-mla-*`` option is given, or when any ``sparse_mla_*`` ini key is set.
+    """
+    named = _named_with_p(config)
+    if named is not None:
+        return named
+    for dest in _DESTS:
+        value = config.getoption(dest, None)
+        if value is not None and value is not False:
+            return "--" + dest.replace("_", "-")
+    for name in INI_KEYS:
+        if config.getini(name):
+            return f"ini {name}"
+    return None
 
 
 def parse_device(value: str) -> str:
@@ -58,20 +271,21 @@ def parse_device(value: str) -> str:
         pytest.UsageError: any other value.
     """
     if value not in DEVICES:
-        raise pytest.UsageError(
-            f"--sparse-mla-device={value!r}: expected one of {', '.join(DEVICES)}"
-        )
+        raise pytest.UsageError(f"--sparse-mla-device={value!r}: expected one of {', '.join(DEVICES)}")
     return value
 
 
 def parse_grid(value: str | None) -> str | None:
     """Validate ``--sparse-mla-grid``: ``none``, ``flashinfer==X.Y.Z`` or a bare ``X.Y.Z``.
 
+    The release must be one the bundled grids describe: from the first release with SM120 sparse
+    MLA up to the last examined release (``pytest_sparse_mla.dispatch.check_known_release``).
+
     Returns:
         The release version string, or ``None``.
 
     Raises:
-        pytest.UsageError: not a version.
+        pytest.UsageError: not a version, or a release the grids do not cover.
     """
     from packaging.version import InvalidVersion, Version
 
@@ -82,13 +296,12 @@ def parse_grid(value: str | None) -> str | None:
         Version(text)
     except InvalidVersion:
         raise pytest.UsageError(
-            f"--sparse-mla-grid={value!r}: expected 'flashinfer==X.Y.Z' (e.g. flashinfer==0.6.17) "
-            "or 'none'"
+            f"--sparse-mla-grid={value!r}: expected 'flashinfer==X.Y.Z' (e.g. flashinfer==0.6.17) or 'none'"
         ) from None
-    from pytest_sparse_mla.dispatch import UnsupportedReleaseError, parse_release
+    from pytest_sparse_mla.dispatch import UnsupportedReleaseError, check_known_release
 
     try:
-        parse_release(text)  # a release with SM120 sparse MLA that the bundled grids can place
+        check_known_release(text)
     except UnsupportedReleaseError as exc:
         raise pytest.UsageError(f"--sparse-mla-grid={value!r}: {exc}") from None
     return text
@@ -108,7 +321,7 @@ def _existing_file(option: str, value: str | None, rootpath: Path) -> Path | Non
 def _golden_dir(config: pytest.Config) -> Path | None:
     """CLI paths are relative to the working directory, ini paths to the ini file (pytest's rule
     for ``paths`` ini values)."""
-    cli = config.getoption("sparse_mla_golden_dir")
+    cli = config.getoption("sparse_mla_golden_dir", None)
     value = cli or config.getini("sparse_mla_golden_dir")
     if not value:
         return None
@@ -125,48 +338,80 @@ def _golden_dir(config: pytest.Config) -> Path | None:
     return path
 
 
-def _check_report_json(config: pytest.Config) -> None:
+def _report_json(config: pytest.Config) -> Path | None:
     value = config.getoption("sparse_mla_report_json", None)
-    if value and not Path(value).resolve().parent.is_dir():
+    if not value:
+        return None
+    path = Path(value).resolve()
+    if not path.parent.is_dir():
         raise pytest.UsageError(
-            f"--sparse-mla-report-json={value!r}: no such directory {Path(value).resolve().parent}; "
+            f"--sparse-mla-report-json={value!r}: no such directory {path.parent}; "
             "expected a file path in an existing directory"
         )
+    return path
 
 
-def from_config(config: pytest.Config) -> SparseMlaOptions:
-    """Parse every option from ``config`` (command line first, then ini values).
+def _seed(config: pytest.Config) -> int:
+    text = config.getoption("sparse_mla_seed", None)
+    if text is None:
+        return 0
+    try:
+        return int(text)
+    except (TypeError, ValueError):
+        raise pytest.UsageError(f"--sparse-mla-seed={text!r}: expected an integer") from None
+
+
+def from_config(config: pytest.Config, activated_by: str = "") -> SparseMlaOptions:
+    """Parse every option and ini key of ``config`` (command line first, then ini values).
 
     Raises:
         pytest.UsageError: a bad device, grid release or seed, a missing xfail/skip file, a
-            report path in a missing directory, or a golden directory that does not exist (unless
-            ``--snapshot-update`` will create it).
+            report path in a missing directory, a golden directory that does not exist (unless
+            ``--snapshot-update`` will create it), or a malformed ``sparse_mla_tolerances`` line.
     """
-    report = config.getoption("sparse_mla_deployment_report")
-    _check_report_json(config)
-    seed_text = config.getoption("sparse_mla_seed")
-    try:
-        seed = int(seed_text)
-    except (TypeError, ValueError):
-        raise pytest.UsageError(f"--sparse-mla-seed={seed_text!r}: expected an integer") from None
+    from pytest_sparse_mla import tolerances
+
+    impl_option = config.getoption("sparse_mla_impl", None) or config.getini("sparse_mla_impl")
     return SparseMlaOptions(
-        device=parse_device(config.getoption("sparse_mla_device")),
-        seed=seed,
-        impl=config.getoption("sparse_mla_impl") or config.getini("sparse_mla_impl") or "reference",
-        grid=parse_grid(config.getoption("sparse_mla_grid")),
-        require_gpu=bool(config.getoption("sparse_mla_require_gpu")),
+        device=parse_device(config.getoption("sparse_mla_device", None) or "auto"),
+        seed=_seed(config),
+        impl=impl_option or "reference",
+        impl_given=bool(impl_option),
+        grid=parse_grid(config.getoption("sparse_mla_grid", None)),
+        require_gpu=bool(config.getoption("sparse_mla_require_gpu", False)),
         golden_dir=_golden_dir(config),
         xfail_file=_existing_file(
-            "--sparse-mla-xfail-file", config.getoption("sparse_mla_xfail_file"), config.rootpath
+            "--sparse-mla-xfail-file", config.getoption("sparse_mla_xfail_file", None), config.rootpath
         ),
         skip_file=_existing_file(
-            "--sparse-mla-skip-file", config.getoption("sparse_mla_skip_file"), config.rootpath
+            "--sparse-mla-skip-file", config.getoption("sparse_mla_skip_file", None), config.rootpath
         ),
-        deployment_report=report,
-        gpu_per_worker=not config.getoption("sparse_mla_no_gpu_pinning"),
+        deployment_report=config.getoption("sparse_mla_deployment_report", None),
+        gpu_per_worker=not config.getoption("sparse_mla_no_gpu_pinning", False),
+        report_json=_report_json(config),
+        tolerances=tolerances.parse_ini_lines(list(config.getini("sparse_mla_tolerances"))),
+        activated_by=activated_by,
     )
 
 
+def deployment_report_request(config: pytest.Config) -> tuple[str, str | None] | None:
+    """``(format, grid release)`` when ``--sparse-mla-deployment-report`` is given, else ``None``
+    (read in ``pytest_cmdline_main``, before the other options are parsed).
+
+    Raises:
+        pytest.UsageError: a bad ``--sparse-mla-grid``.
+    """
+    fmt = config.getoption("sparse_mla_deployment_report", None)
+    if fmt is None:
+        return None
+    return str(fmt), parse_grid(config.getoption("sparse_mla_grid", None))
+
+
+def is_active(config: pytest.Config) -> bool:
+    """Whether the plugin is active in this session (configured by ``pytest_configure``)."""
+    return OPTIONS_KEY in config.stash
+
+
 def get_options(config: pytest.Config) -> SparseMlaOptions:
-    """The parsed options of this session (defaults if the plugin did not configure them)."""
+    """The parsed options of this session (defaults when the plugin is not active)."""
     return config.stash.get(OPTIONS_KEY, SparseMlaOptions())

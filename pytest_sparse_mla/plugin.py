@@ -1,103 +1,46 @@
-"""pytest hooks of pytest-sparse-mla (entry point ``pytest11: sparse_mla``; load with ``-p sparse_mla``).
+"""The hooks module of pytest-sparse-mla: every pytest hook the plugin implements, and only hooks.
 
-This module holds hooks only: options (one ``sparse-mla`` group), markers, the report header,
-collection-time skips and the xdist GPU pinning. It imports neither torch, triton nor flashinfer
-and never touches CUDA at import time; the capability probe (``capabilities.probe``) runs lazily,
-once, at collection time. Models followed: pytest-randomly (header that makes CI logs reproducible,
-controller-to-worker data through ``workerinput``) and pytest-xdist (option parse functions
-raising ``UsageError``, hookspecs added through ``pytest_addhooks``); see
-``shared/reference/pytest-plugin-anchors.md`` sections 1.1 and 1.6.
+Entry point ``pytest11: sparse_mla``; load it with ``-p sparse_mla``. Each hook is a few lines
+that delegate to a logic module (the shape of pytest-xdist's ``src/xdist/plugin.py`` over its
+``newhooks.py``, or syrupy's ``src/syrupy/__init__.py`` over its session object):
+
+=================================  ===========================================================
+logic module                       what the hooks ask it
+=================================  ===========================================================
+``options``                        register and parse every option and ini key; activation
+``capabilities``                   the machine probe; capability markers -> skips
+``xdist_gpu``                      one GPU and a CPU-thread share per xdist worker; the run report
+``selection``                      ``--sparse-mla-xfail-file`` / ``--sparse-mla-skip-file``
+``implementations``                resolve ``--sparse-mla-impl``; ``sparse_mla_needs`` -> skips
+``snapshot_plugin``                the ``--snapshot-update`` guard and the session's golden root
+``entry_points``                   implementations declared by installed packages
+``dispatch.report``                ``--sparse-mla-deployment-report`` (print, then exit)
+``fixtures``                       the fixtures (registered as a plugin module; no hooks)
+=================================  ===========================================================
+
+Opt-in. Installing the package makes the options known to pytest and nothing else: until the
+session *uses* the plugin (``options.activation``: ``-p sparse_mla``, any ``--sparse-mla-*``
+option, any ``sparse_mla_*`` ini key), every hook returns at once, so a foreign project's markers,
+header, environment (``CUDA_VISIBLE_DEVICES``, ``OMP_NUM_THREADS``, ``TRITON_INTERPRET``) and
+fixtures are exactly what they are without the package. ``-p no:sparse_mla`` keeps it unloaded.
+
+Nothing here imports torch, triton or flashinfer, or touches CUDA, at import time.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
+import sys
+from typing import Any
 
 import pytest
 
 from pytest_sparse_mla import capabilities, options
 
-#: Modules whose fixtures and hooks the plugin registers in ``pytest_configure``.
-_PLUGIN_MODULES = (
-    "pytest_sparse_mla.fixtures",
-    "pytest_sparse_mla.xdist_gpu",
-    "pytest_sparse_mla.snapshot_plugin",
-    "pytest_sparse_mla.dispatch.pytest_hooks",
-    "pytest_sparse_mla.selection",
-    "pytest_sparse_mla.entry_points",
-    "pytest_sparse_mla.implementations",
-    "pytest_sparse_mla.tolerances",
-)
-
-
-def pytest_addoption(parser: pytest.Parser) -> None:
-    """Register the ``--sparse-mla-*`` options and ini keys."""
-    group = parser.getgroup("sparse-mla", "sparse MLA kernel regression suites (pytest-sparse-mla)")
-    group.addoption(
-        "--sparse-mla-device",
-        default="auto",
-        choices=options.DEVICES,
-        help="Device the suites run on: auto (CUDA when available), cpu or cuda",
-    )
-    group.addoption(
-        "--sparse-mla-seed",
-        default="0",
-        help="Base seed of every generator fixture; per-test seeds derive from it and the test id",
-    )
-    group.addoption(
-        "--sparse-mla-impl",
-        default=None,
-        help="Implementation under test: a built-in name (reference, triton, flashinfer) "
-        "or package.module:attribute",
-    )
-    group.addoption(
-        "--sparse-mla-grid",
-        default=None,
-        help="Make the reference enforce a FlashInfer release's dispatch grid, "
-        "e.g. flashinfer==0.6.17 (default: none)",
-    )
-    group.addoption(
-        "--sparse-mla-require-gpu",
-        action="store_true",
-        default=False,
-        help="Turn 'no GPU' skips into errors, so a GPU CI lane where everything skipped fails",
-    )
-    group.addoption(
-        "--sparse-mla-golden-dir",
-        default=None,
-        help="Root directory of golden snapshots (default: the package's golden/)",
-    )
-    group.addoption(
-        "--sparse-mla-xfail-file",
-        default=None,
-        help="File of test ids (one per line, # comments) to mark as expected failures",
-    )
-    group.addoption(
-        "--sparse-mla-skip-file",
-        default=None,
-        help="File of test ids (one per line, # comments) to skip",
-    )
-    group.addoption(
-        "--sparse-mla-deployment-report",
-        default=None,
-        choices=("text", "json"),
-        help="Print which DeepSeek-V4 deployments each FlashInfer release serves, then run",
-    )
-    group.addoption(
-        "--sparse-mla-no-gpu-pinning",
-        action="store_true",
-        default=False,
-        help="Do not pin each xdist worker to one visible GPU",
-    )
-    group.addoption(
-        "--sparse-mla-report-json",
-        default=None,
-        metavar="PATH",
-        help="Write versions, device, options and the GPU of every xdist worker to PATH as JSON",
-    )
-    parser.addini("sparse_mla_golden_dir", "Root directory of golden snapshots", default="")
-    parser.addini("sparse_mla_impl", "Default implementation under test", default="")
+#: Modules registered as plugins when the plugin is active: fixtures only (no hooks).
+FIXTURE_MODULES = ("pytest_sparse_mla.fixtures",)
+GPU_REQUIRED_MARKER = options.GPU_REQUIRED_MARKER
 
 
 def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
@@ -107,65 +50,149 @@ def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
     pluginmanager.add_hookspecs(hookspecs)
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    """Register every ``--sparse-mla-*`` option and ``sparse_mla_*`` ini key (``options``)."""
+    options.add_options(parser)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config: pytest.Config) -> int | None:
+    """``--sparse-mla-deployment-report text|json``: print the report alone on stdout and exit 0,
+    like ``--markers`` (no header, no collection)."""
+    request = options.deployment_report_request(config)
+    if request is None:
+        return None
+    from pytest_sparse_mla.dispatch import report
+
+    fmt, grid = request
+    sys.stdout.write(report.render(fmt, report.releases_with(grid)) + "\n")
+    sys.stdout.flush()
+    return 0
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config: pytest.Config) -> None:
-    """Parse options, register markers and the fixture modules, pin xdist workers to GPUs."""
-    for line in capabilities.MARKERS.values():
+    """When the session uses the plugin: parse the options, pin an xdist worker to its GPU (before
+    anything can initialise CUDA), register markers and fixtures, resolve the implementation."""
+    reason = options.activation(config)
+    if reason is None:
+        return
+    from pytest_sparse_mla import implementations, snapshot_plugin, xdist_gpu
+
+    opts = options.from_config(config, reason)
+    config.stash[options.OPTIONS_KEY] = opts
+    xdist_gpu.configure_worker(config)
+    for line in options.marker_lines():
         config.addinivalue_line("markers", line)
-    config.addinivalue_line(
-        "markers", "sparse_mla_gpu_required(reason): internal; set by --sparse-mla-require-gpu"
-    )
-    parsed = options.from_config(config)
-    config.stash[options.OPTIONS_KEY] = parsed
-    if parsed.device == "cpu":
+    if opts.device == "cpu":
         # Triton decides at decoration time whether a kernel is interpreted; set it before any
         # kernel module is imported (triton-lang/triton docs/programming-guide/chapter-3/debugging.rst).
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    for name in _PLUGIN_MODULES:
+    if config.option.reportchars == "fE":  # pytest's default: show why the suites skipped
+        config.option.reportchars = "fEs"
+    snapshot_plugin.configure(config)
+    for name in FIXTURE_MODULES:
         module = importlib.import_module(name)
         if not config.pluginmanager.is_registered(module):
             config.pluginmanager.register(module, f"sparse_mla:{name.rsplit('.', 1)[-1]}")
+    implementations.configure(config)
 
 
-def pytest_report_header(config: pytest.Config) -> list[str]:
-    """Say what ran where: versions, device, compute capability, seed, implementation, grid."""
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Forget the session's golden root (pytester nests sessions in one process)."""
+    if options.is_active(config):
+        from pytest_sparse_mla import snapshot_plugin
+
+        snapshot_plugin.unconfigure(config)
+
+
+def pytest_report_header(config: pytest.Config) -> list[str] | None:
+    """What ran where: versions, device, compute capability, seed, implementation, grid, id files,
+    goldens, and why the plugin is active."""
+    if not options.is_active(config):
+        return None
+    from pytest_sparse_mla import selection, snapshot_plugin
+
     opts = options.get_options(config)
     caps = capabilities.probe()
     lines = [f"sparse-mla: {caps.summary()}"]
     lines.append(
         f"sparse-mla: device={opts.device} seed={opts.seed} impl={opts.impl} "
         f"grid={'flashinfer==' + opts.grid if opts.grid else 'none'} "
-        f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', 'auto (1 without CUDA)')}"
+        f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', 'auto (1 without CUDA)')} "
+        f"(active: {opts.activated_by})"
     )
-    for err in caps.errors:
-        lines.append(f"sparse-mla: probe error: {err}")
+    lines += [f"sparse-mla: probe error: {err}" for err in caps.errors]
+    lines += selection.header_lines(config)
+    lines += snapshot_plugin.header_lines(config)
     return lines
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Turn capability markers into skips (or errors under ``--sparse-mla-require-gpu``)."""
+    """Capability markers and the implementation's missing capabilities become skips; the xfail
+    and skip files mark their tests (all before ``-k``/``-m`` deselection)."""
+    if not options.is_active(config):
+        return
+    from pytest_sparse_mla import implementations, selection
+
     opts = options.get_options(config)
-    caps: capabilities.Capabilities | None = None
-    for item in items:
-        for name in capabilities.MARKERS:
-            for mark in item.iter_markers(name=name):
-                if caps is None:
-                    caps = capabilities.probe()
-                try:
-                    reason = capabilities.evaluate_marker(name, mark, caps)
-                except ValueError as exc:
-                    raise pytest.UsageError(f"{item.nodeid}: {exc}") from None
-                if reason is None:
-                    continue
-                if opts.require_gpu and capabilities.is_gpu_marker(name):
-                    item.add_marker(pytest.mark.sparse_mla_gpu_required(reason=reason))
-                else:
-                    item.add_marker(pytest.mark.skip(reason=f"{name}: {reason}"))
+    capabilities.skip_unmet(items, GPU_REQUIRED_MARKER if opts.require_gpu else None)
+    selection.apply_files(config, items)
+    implementations.skip_unservable(config, items)
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """Fail (not skip) a GPU test that cannot run when ``--sparse-mla-require-gpu`` is given."""
-    mark = item.get_closest_marker("sparse_mla_gpu_required")
-    if mark is not None:
+    mark = item.get_closest_marker(GPU_REQUIRED_MARKER)
+    if mark is not None and options.is_active(item.config):
         pytest.fail(f"--sparse-mla-require-gpu: {mark.kwargs['reason']}", pytrace=False)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Worker: send the device it saw to the controller. Controller: write the JSON run report."""
+    if options.is_active(session.config):
+        from pytest_sparse_mla import xdist_gpu
+
+        xdist_gpu.finish(session.config)
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    """Controller: one line per xdist worker saying which GPU it ran on."""
+    if not options.is_active(config):
+        return
+    from pytest_sparse_mla import xdist_gpu
+
+    lines = xdist_gpu.summary_lines(config)
+    if lines:
+        terminalreporter.section("sparse-mla devices per worker", sep="-")
+        for line in lines:
+            terminalreporter.write_line(line)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    """pytest-xdist controller: give worker ``gwN`` its GPU (``xdist_gpu.assign``)."""
+    if options.is_active(node.config):
+        from pytest_sparse_mla import xdist_gpu
+
+        xdist_gpu.configure_node(node.config, node)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    """pytest-xdist controller: keep the device record a finished worker sent."""
+    if options.is_active(node.config):
+        from pytest_sparse_mla import xdist_gpu
+
+        xdist_gpu.record_node(node.config, node)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sparse_mla_implementations(config: pytest.Config) -> dict[str, Any] | None:
+    """The implementations installed packages declare in the ``pytest_sparse_mla.implementations``
+    entry-point group, as ``{name: "module:attribute"}`` (imported only when selected). ``trylast``:
+    a name from a ``conftest.py`` or another plugin wins over an installed package's."""
+    from pytest_sparse_mla import entry_points
+
+    return dict(entry_points.entry_point_specs()) or None

@@ -2,8 +2,7 @@
 
 A kernel library that runs the suites against its own implementation lists the tests it knows it
 fails (or cannot run) in plain text files, one test id per line, the way array-api-tests does with
-``--xfails-file`` / ``--skips-file`` (data-apis/array-api-tests ``conftest.py``;
-``shared/reference/pytest-plugin-anchors.md`` section 1.7)::
+``--xfails-file`` / ``--skips-file`` (data-apis/array-api-tests ``conftest.py``)::
 
     # known failures of mykernel 0.3 (a '#' line is a comment; blank lines are ignored)
     suites/test_attention.py::test_sink_changes_the_output     # whole test, every parameter
@@ -29,8 +28,8 @@ test: it is reported once per session with :class:`SparseMlaSelectionWarning` (a
 ``pytest.PytestWarning``, shown in the warnings summary; ``-W error::pytest.PytestWarning`` turns it
 into an error). Under pytest-xdist each worker collects, so each worker warns.
 
-This module is registered by ``pytest_sparse_mla.plugin`` (``_PLUGIN_MODULES``) and imports neither
-torch nor triton.
+The hooks module (``pytest_sparse_mla.plugin``) calls :func:`apply_files` and :func:`header_lines`;
+this module imports neither torch nor triton.
 """
 
 from __future__ import annotations
@@ -50,6 +49,8 @@ __all__ = [
     "candidate_ids",
     "read_id_file",
     "apply_selection",
+    "apply_files",
+    "header_lines",
     "SUITES_ID_PREFIX",
 ]
 
@@ -169,9 +170,9 @@ def apply_selection(
     return [entry for _, entries in groups for entry in entries if id(entry) not in matched]
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Apply the xfail and skip files, before ``-k``/``-m`` deselect; warn on unmatched ids."""
+def apply_files(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Apply the session's xfail and skip files (called from ``pytest_collection_modifyitems``,
+    before ``-k``/``-m`` deselect); warn with :class:`SparseMlaSelectionWarning` on unmatched ids."""
     opts = options.get_options(config)
     if opts.xfail_file is None and opts.skip_file is None:
         return
@@ -188,10 +189,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         )
 
 
-def pytest_report_header(config: pytest.Config) -> list[str]:
-    """Name the xfail and skip files in use, so a CI log shows what was excused."""
+def header_lines(config: pytest.Config) -> list[str]:
+    """Report-header lines naming the xfail and skip files in use, so a CI log shows what was
+    excused."""
     opts = options.get_options(config)
-    lines = []
+    lines: list[str] = []
     for kind, path in (("xfail", opts.xfail_file), ("skip", opts.skip_file)):
         if path is not None:
             lines.append(f"sparse-mla: {kind} file: {path} ({len(read_id_file(path))} ids)")

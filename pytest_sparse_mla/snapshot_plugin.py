@@ -1,32 +1,67 @@
-"""Golden snapshots: the ``tensor_snapshot`` fixture and the hooks around syrupy.
+"""Golden snapshots around syrupy: the ``--snapshot-update`` guard, the session's golden root, and
+what to say when syrupy is missing.
 
-Registered by ``pytest_sparse_mla.plugin`` (``_PLUGIN_MODULES``). Importing it imports neither
-syrupy nor torch: the GPU image may run without syrupy, and then only the golden tests skip.
+Logic only: the hooks module (``pytest_sparse_mla.plugin``) calls :func:`configure`,
+:func:`unconfigure` and :func:`header_lines` in sessions that use the plugin; the fixture
+``tensor_snapshot`` lives in ``pytest_sparse_mla.fixtures``. Importing this module imports neither
+syrupy nor torch: where syrupy is not installed (a GPU image without it), only the golden tests
+skip, with :func:`syrupy_missing_reason`.
 
 * ``--snapshot-update`` is refused with a ``UsageError`` when more than one pytest-xdist worker
   would run: syrupy's writes are not coordinated between workers (syrupy-project/syrupy #1237,
   data loss under ``--snapshot-update -n N``); the guard follows daaain/claude-code-log PR #304.
   Regenerate goldens with one process: ``pytest -p sparse_mla suites/test_golden.py
-  --snapshot-update``.
+  --snapshot-update -n 0``.
 * The session's golden root (``--sparse-mla-golden-dir``) is handed to
   ``pytest_sparse_mla.snapshots`` for test locations that carry no config (xdist controller).
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
-from typing import TYPE_CHECKING, Any
 
 import pytest
 
-if TYPE_CHECKING:
-    from syrupy.assertion import SnapshotAssertion
+__all__ = [
+    "configure",
+    "header_lines",
+    "syrupy_missing_reason",
+    "syrupy_requirement",
+    "unconfigure",
+    "xdist_worker_count",
+]
 
-__all__ = ["tensor_snapshot", "xdist_worker_count"]
-
+#: Distribution name of this package (its metadata holds the syrupy pin).
+DISTRIBUTION = "pytest-sparse-mla"
 
 #: Set when this session pushed its golden root onto ``snapshots``' stack (popped at unconfigure).
 _ROOT_PUSHED = pytest.StashKey[bool]()
+
+
+def syrupy_requirement() -> str:
+    """The syrupy requirement of the installed distribution's metadata, e.g. ``"syrupy>=5.5"``
+    (the one version source: ``pyproject.toml``); ``"syrupy"`` when the metadata is unavailable."""
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    try:
+        requires = importlib.metadata.requires(DISTRIBUTION) or []
+    except importlib.metadata.PackageNotFoundError:
+        return "syrupy"
+    for line in requires:
+        try:
+            requirement = Requirement(line)
+        except InvalidRequirement:
+            continue
+        if requirement.name == "syrupy":
+            return f"syrupy{requirement.specifier}"
+    return "syrupy"
+
+
+def syrupy_missing_reason(exc: BaseException) -> str:
+    """Skip reason of a golden test where syrupy cannot be imported (names the pinned version)."""
+    wanted = syrupy_requirement()
+    return f"golden snapshots need {wanted} (pip install '{wanted}'): {exc}"
 
 
 def _tx_count(spec: str) -> int:
@@ -58,9 +93,12 @@ def xdist_worker_count(config: pytest.Config) -> int:
     return max(total, int(numprocesses or 0), 1)
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_configure(config: pytest.Config) -> None:
-    """Refuse ``--snapshot-update`` with several xdist workers; publish the golden root."""
+def configure(config: pytest.Config) -> None:
+    """Refuse ``--snapshot-update`` with several xdist workers; publish the golden root.
+
+    Raises:
+        pytest.UsageError: ``--snapshot-update`` with more than one xdist worker.
+    """
     if getattr(config.option, "update_snapshots", False):
         workers = xdist_worker_count(config)
         if workers > 1:
@@ -69,15 +107,13 @@ def pytest_configure(config: pytest.Config) -> None:
                 "snapshot writes between workers (syrupy #1237). Update goldens in one process, "
                 "e.g. `pytest -p sparse_mla suites/test_golden.py --snapshot-update -n 0`."
             )
-    try:
-        from pytest_sparse_mla import snapshots
-    except ImportError:  # syrupy is not installed: the golden tests skip
-        return
+    from pytest_sparse_mla import snapshots
+
     snapshots.push_session_root(snapshots.golden_root(config))
     config.stash[_ROOT_PUSHED] = True
 
 
-def pytest_unconfigure(config: pytest.Config) -> None:
+def unconfigure(config: pytest.Config) -> None:
     """Forget this session's golden root (pytester runs nest sessions in one process)."""
     if config.stash.get(_ROOT_PUSHED, False):
         from pytest_sparse_mla import snapshots
@@ -85,40 +121,13 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         snapshots.pop_session_root()
 
 
-def pytest_report_header(config: pytest.Config) -> list[str]:
+def header_lines(config: pytest.Config) -> list[str]:
     """Say where goldens are read from (and whether syrupy is there to read them)."""
+    from pytest_sparse_mla import snapshots
+
+    root = snapshots.golden_root(config)
     try:
-        from pytest_sparse_mla import snapshots
+        import syrupy  # noqa: F401
     except ImportError:
-        return ["sparse-mla: goldens: syrupy not installed, golden tests skip"]
-    return [f"sparse-mla: goldens: {snapshots.golden_root(config)}"]
-
-
-@pytest.fixture
-def tensor_snapshot(request: pytest.FixtureRequest) -> SnapshotAssertion:
-    """syrupy's ``snapshot`` using :class:`pytest_sparse_mla.snapshots.TensorSnapshotExtension`.
-
-    Compare a tensor with its golden file, naming each snapshot of a test::
-
-        from pytest_sparse_mla.snapshots import close, exact
-
-        assert tensor_snapshot(name="packed") == exact(cache.packed)
-        assert tensor_snapshot(name="output") == close(res.output, atol=2e-3, rtol=1e-2)
-
-    ``exact`` compares shape, dtype, strides and the SHA-256 of the raw bytes; ``close`` compares
-    shape, dtype and values within ``atol + rtol * |golden|``. Files:
-    ``<golden root>/<suite>/<module>/<test>[<name>].tensor.json``; the root is
-    ``--sparse-mla-golden-dir`` / ini ``sparse_mla_golden_dir`` or
-    ``snapshots.default_golden_dir()``. Write or refresh goldens with ``--snapshot-update`` (one
-    process only).
-
-    Skips the test when syrupy is not installed or its plugin is disabled (``-p no:syrupy``).
-    """
-    try:
-        from pytest_sparse_mla.snapshots import TensorSnapshotExtension
-    except ImportError as exc:
-        pytest.skip(f"golden snapshots need syrupy>=4.6 (pip install syrupy): {exc}")
-    if not request.config.pluginmanager.hasplugin("syrupy"):
-        pytest.skip("golden snapshots need the syrupy pytest plugin (disabled with -p no:syrupy?)")
-    snapshot: Any = request.getfixturevalue("snapshot")
-    return snapshot.use_extension(TensorSnapshotExtension)
+        return [f"sparse-mla: goldens: {root} (syrupy not installed: golden tests skip; need {syrupy_requirement()})"]
+    return [f"sparse-mla: goldens: {root}"]

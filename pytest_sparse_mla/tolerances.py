@@ -782,31 +782,9 @@ def resolve(
     return SparseMlaTolerances(profile, replace(model, **updates))
 
 
-_INI_KEY = pytest.StashKey[dict[str, dict[str, Any]]]()
-
-
 def ini_tolerances(config: pytest.Config) -> dict[str, dict[str, Any]]:
-    """The parsed ini values of this session (parsed once in ``pytest_configure``)."""
-    return config.stash.get(_INI_KEY, {})
+    """The parsed ``sparse_mla_tolerances`` ini lines of this session (parsed once, with the other
+    options, by ``pytest_sparse_mla.options.from_config``)."""
+    from pytest_sparse_mla import options
 
-
-def pytest_addoption(parser: pytest.Parser) -> None:
-    """Register the ``sparse_mla_tolerances`` ini key (a historic hook: runs on late registration)."""
-    parser.addini(
-        INI_NAME,
-        "Per-profile rounding-model parameters, one 'PROFILE.PARAMETER = VALUE' per line "
-        f"(parameters: {', '.join(PARAMETERS)}; profiles: {', '.join(DEFAULT_PROFILES)} or your own)",
-        type="linelist",
-        default=[],
-    )
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    """Register the ``sparse_mla_tolerance`` marker and parse the ini lines (errors are usage
-    errors)."""
-    config.addinivalue_line(
-        "markers",
-        f"{MARKER}(profile=None, **parameters): tolerance profile and rounding-model overrides for "
-        f"the sparse_mla_tolerances fixture; parameters: {', '.join(PARAMETERS)}",
-    )
-    config.stash[_INI_KEY] = parse_ini_lines(list(config.getini(INI_NAME)))
+    return {profile: dict(values) for profile, values in options.get_options(config).tolerances.items()}

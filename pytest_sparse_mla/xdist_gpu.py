@@ -1,5 +1,9 @@
 """One GPU per pytest-xdist worker, and the record of which worker ran on which GPU.
 
+Logic only: the hooks live in ``pytest_sparse_mla.plugin`` and call these functions only in
+sessions that use the plugin (``options.activation``); a foreign project's xdist workers keep the
+caller's ``CUDA_VISIBLE_DEVICES`` and ``OMP_NUM_THREADS``.
+
 The controller decides and the worker applies (the pytest-randomly ``workerinput`` pattern,
 pytest-dev/pytest-randomly; NVIDIA/cuml PR #7948):
 
@@ -8,7 +12,8 @@ pytest-dev/pytest-randomly; NVIDIA/cuml PR #7948):
   as written), else ``0 .. device_count-1``. Indexing into the caller's list, not physical ids, is
   the fix of triton-lang/triton PR #11831 (workers landed on physical GPU 0 when the caller had
   already narrowed ``CUDA_VISIBLE_DEVICES``);
-* worker, ``pytest_configure`` (tryfirst, before any test or fixture can initialise CUDA):
+* worker, :func:`configure_worker` from ``pytest_configure`` (tryfirst, before any test or
+  fixture can initialise CUDA):
   ``CUDA_VISIBLE_DEVICES`` is set to that one entry, so ``cuda:0`` inside the worker is its GPU.
 
 Workers report the device they really saw (``workeroutput``); the controller prints one line per
@@ -29,17 +34,28 @@ from __future__ import annotations
 import json
 import os
 import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from pytest_sparse_mla import options
 
-__all__ = ["visible_gpus", "assign_gpu", "worker_gpu", "worker_cpu_threads", "WORKER_KEY"]
+__all__ = [
+    "WORKER_KEY",
+    "assign_gpu",
+    "configure_node",
+    "configure_worker",
+    "finish",
+    "record_node",
+    "summary_lines",
+    "visible_gpus",
+    "worker_cpu_threads",
+    "worker_gpu",
+]
 
 WORKER_KEY = "sparse_mla_gpu"
 _RECORDS = pytest.StashKey[dict[str, dict[str, Any]]]()
+_GPUS = pytest.StashKey[list[str]]()
 
 
 def visible_gpus(environ: dict[str, str] | None = None, count: int | None = None) -> list[str]:
@@ -104,40 +120,38 @@ def _limit_cpu_threads(num_workers: int) -> None:
         torch.set_num_threads(threads)
 
 
-class _ControllerHooks:
-    """Registered on the controller only when pytest-xdist is active."""
-
-    def __init__(self, config: pytest.Config) -> None:
-        self.config = config
-        self.gpus: list[str] | None = None
-
-    def pytest_configure_node(self, node: Any) -> None:
-        if not options.get_options(self.config).gpu_per_worker:
-            return
-        if self.gpus is None:
-            self.gpus = visible_gpus()
-        gpu = assign_gpu(node.workerinput["workerid"], self.gpus)
-        if gpu is not None:
-            node.workerinput[WORKER_KEY] = gpu
-
-    def pytest_testnodedown(self, node: Any, error: Any) -> None:
-        record = getattr(node, "workeroutput", {}).get(WORKER_KEY)
-        if record is not None:
-            self.config.stash.setdefault(_RECORDS, {})[node.workerinput["workerid"]] = record
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_configure(config: pytest.Config) -> None:
-    """Worker: apply the pinning before CUDA initialises. Controller: register the node hooks."""
+def configure_worker(config: pytest.Config) -> None:
+    """On an xdist worker (called first thing in ``pytest_configure``, before any test or fixture
+    can initialise CUDA): set ``CUDA_VISIBLE_DEVICES`` to the GPU the controller assigned and cap
+    the CPU threads. Does nothing on the controller or without xdist."""
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is None:
+        return
     gpu = worker_gpu(config)
     if gpu is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = gpu
-    workerinput = getattr(config, "workerinput", None)
-    if workerinput is not None:
-        _limit_cpu_threads(int(workerinput.get("workercount", 1) or 1))
-    if getattr(config, "workerinput", None) is None and config.pluginmanager.hasplugin("xdist"):
-        if getattr(config.option, "numprocesses", None) or getattr(config.option, "tx", None):
-            config.pluginmanager.register(_ControllerHooks(config), "sparse_mla:xdist-controller")
+    _limit_cpu_threads(int(workerinput.get("workercount", 1) or 1))
+
+
+def configure_node(config: pytest.Config, node: Any) -> None:
+    """On the controller (``pytest_configure_node``): assign worker ``node`` its GPU in
+    ``node.workerinput`` (round robin over :func:`visible_gpus`, counted once per session)."""
+    if not options.get_options(config).gpu_per_worker:
+        return
+    gpus = config.stash.get(_GPUS, None)
+    if gpus is None:
+        gpus = visible_gpus()
+        config.stash[_GPUS] = gpus
+    gpu = assign_gpu(node.workerinput["workerid"], gpus)
+    if gpu is not None:
+        node.workerinput[WORKER_KEY] = gpu
+
+
+def record_node(config: pytest.Config, node: Any) -> None:
+    """On the controller (``pytest_testnodedown``): keep the device record the worker sent."""
+    record = getattr(node, "workeroutput", {}).get(WORKER_KEY)
+    if record is not None:
+        config.stash.setdefault(_RECORDS, {})[node.workerinput["workerid"]] = record
 
 
 def _device_record(config: pytest.Config) -> dict[str, Any]:
@@ -154,36 +168,37 @@ def _device_record(config: pytest.Config) -> dict[str, Any]:
     }
 
 
-def pytest_sessionfinish(session: pytest.Session) -> None:
-    """Worker: send the device it saw to the controller. Controller: write the JSON report."""
-    config = session.config
+def finish(config: pytest.Config) -> None:
+    """At session finish. Worker: send the device it saw to the controller (``workeroutput``).
+    Controller (or a run without xdist): write ``--sparse-mla-report-json``."""
     workeroutput = getattr(config, "workeroutput", None)
     if workeroutput is not None:
         workeroutput[WORKER_KEY] = _device_record(config)
         return
-    path = config.getoption("sparse_mla_report_json", None)
-    if path:
-        from pytest_sparse_mla import capabilities
-
-        records = config.stash.get(_RECORDS, {}) or {"controller": _device_record(config)}
-        opts = options.get_options(config)
-        report = {
-            "capabilities": capabilities.probe().__dict__ | {"errors": list(capabilities.probe().errors)},
-            "options": {"device": opts.device, "seed": opts.seed, "impl": opts.impl, "grid": opts.grid},
-            "workers": records,
-        }
-        Path(path).write_text(json.dumps(report, indent=2, sort_keys=True, default=str) + "\n")
-
-
-def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
-    """Controller: one line per worker saying which GPU it ran on."""
-    records = config.stash.get(_RECORDS, {})
-    if not records:
+    opts = options.get_options(config)
+    if opts.report_json is None:
         return
-    terminalreporter.section("sparse-mla devices per worker", sep="-")
+    from dataclasses import asdict
+
+    from pytest_sparse_mla import capabilities
+
+    records = config.stash.get(_RECORDS, {}) or {"controller": _device_record(config)}
+    report = {
+        "capabilities": asdict(capabilities.probe()),
+        "options": {"device": opts.device, "seed": opts.seed, "impl": opts.impl, "grid": opts.grid},
+        "workers": records,
+    }
+    opts.report_json.write_text(json.dumps(report, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def summary_lines(config: pytest.Config) -> list[str]:
+    """One line per worker that reported, ``gwN: CUDA_VISIBLE_DEVICES=... -> <device>``."""
+    records = config.stash.get(_RECORDS, {})
+    lines = []
     for worker in sorted(records, key=lambda w: int(w[2:]) if w[2:].isdigit() else -1):
         r = records[worker]
-        terminalreporter.write_line(
+        lines.append(
             f"{worker}: CUDA_VISIBLE_DEVICES={r['CUDA_VISIBLE_DEVICES']} -> "
             f"{r['device_name'] or 'no CUDA device'} (sm {r['compute_capability']}), pid {r['pid']}"
         )
+    return lines

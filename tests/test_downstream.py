@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "downstream"
 TESTS = Path(__file__).resolve().parent
 #: A fast slice of the attention-accuracy suite: one case without and one with a sink.
-LSE_PAIR = "lse_conventions and flashinfer-1.0"
+LSE_PAIR = "lse_conventions and dsv4 and flashinfer-1.0"
 ACCURACY = "pytest_sparse_mla.suites.test_attention_accuracy"
 
 
@@ -110,7 +110,7 @@ def test_installed_suites_run_against_the_example_by_import_string(pytester: pyt
     result.stdout.fnmatch_lines(["*impl=chunked_mla:ChunkedSparseMla*"])
     _assert_clean_pass(result, at_least=8)
     # The modules came from the package, not from a checkout path given on the command line.
-    assert "test_lse_conventions[sink-flashinfer-1.0] PASSED" in result.stdout.str()
+    assert "test_lse_conventions[dsv4-sink-flashinfer-1.0] PASSED" in result.stdout.str()
 
 
 def test_installed_suites_run_against_an_entry_point_implementation(
@@ -163,7 +163,9 @@ def test_entry_points_are_listed_lazily_and_hook_names_win(
     result = pytester.runpytest("-p", "sparse_mla", "--sparse-mla-impl", "chunked", "-s")
     result.stdout.fnmatch_lines(["*IMPL conftest-wins*"])
     result = pytester.runpytest("-p", "sparse_mla", "--sparse-mla-impl", "nosuch")
-    result.stderr.fnmatch_lines(["*expected one of chunked, flashinfer, reference, triton*"])
+    result.stderr.fnmatch_lines(
+        ["*expected one of chunked, flashinfer, *reference, *triton*", "*an entry-point name (group *: chunked"]
+    )
 
 
 def test_broken_entry_point_warns_instead_of_breaking_every_session(
@@ -193,11 +195,11 @@ def test_id_files_excuse_installed_suite_ids_and_warn_on_unmatched(
     xfails.write_text(
         "# known failures of kernel_catalogue:drops_sink\n"
         "\n"
-        "suites/test_attention_accuracy.py::test_lse_conventions[sink-flashinfer-1.0]  # sink ignored\n"
+        "suites/test_attention_accuracy.py::test_lse_conventions[dsv4-sink-flashinfer-1.0]  # sink ignored\n"
         "suites/test_attention_accuracy.py::test_renamed_long_ago\n"
     )
     skips = pytester.path / "skips.txt"
-    skips.write_text("suites/test_attention_accuracy.py::test_lse_conventions[no-sink\n")
+    skips.write_text("suites/test_attention_accuracy.py::test_lse_conventions[dsv4-no-sink\n")
     monkeypatch.setenv("PYTHONPATH", _pythonpath(TESTS))
     result = pytester.runpytest_subprocess(
         "-p", "sparse_mla", "--pyargs", ACCURACY, "--sparse-mla-impl", "kernel_catalogue:drops_sink",
@@ -210,7 +212,7 @@ def test_id_files_excuse_installed_suite_ids_and_warn_on_unmatched(
             "sparse-mla: xfail file: *xfails.txt (2 ids)",
             "*SparseMlaSelectionWarning: --sparse-mla-xfail-file: "
             "'suites/test_attention_accuracy.py::test_renamed_long_ago' (*xfails.txt:4) matches no collected test",
-            "*XFAIL*test_lse_conventions[[]sink-flashinfer-1.0[]] - listed in --sparse-mla-xfail-file (*xfails.txt:3)",
+            "*XFAIL*test_lse_conventions[[]dsv4-sink-flashinfer-1.0[]] - listed in --sparse-mla-xfail-file (*xfails.txt:3)",
             "*SKIPPED*listed in --sparse-mla-skip-file (*skips.txt:1)",
         ]
     )

@@ -10,7 +10,6 @@ an implementation defined outside the package (and fails a broken one).
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -62,9 +61,9 @@ def test_suites_catch_a_broken_external_implementation(pytester: pytest.Pytester
         "--sparse-mla-impl", "downstream_kernels.impl:NoSinkImpl", "--sparse-mla-device", "cpu",
         "-k", "lse_conventions and flashinfer-1.0", "-p", "no:cacheprovider", "-q",
     )  # fmt: skip
-    # lse_conventions[no-sink-flashinfer-1.0] passes, [sink-flashinfer-1.0] must fail.
-    result.assert_outcomes(passed=1, failed=1)
-    result.stdout.fnmatch_lines(["*FAILED*test_lse_conventions[[]sink-flashinfer-1.0[]]*"])
+    # lse_conventions[<fmt>-no-sink-flashinfer-1.0] pass, [<fmt>-sink-flashinfer-1.0] must fail.
+    result.assert_outcomes(passed=2, failed=2)
+    result.stdout.fnmatch_lines(["*FAILED*test_lse_conventions[[]dsv4-sink-flashinfer-1.0[]]*"])
 
 
 # --- selection, hooks, usage errors, capability skips (in-process) ----------------------------
@@ -92,26 +91,35 @@ def test_default_is_the_bundled_reference(pytester: pytest.Pytester) -> None:
     result.stdout.fnmatch_lines(["*IMPL-NAME reference*"])
 
 
-def test_unknown_name_is_a_usage_error_listing_the_valid_names(pytester: pytest.Pytester) -> None:
+def test_unknown_name_is_a_usage_error_listing_every_form(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(USES_IMPL)
     result = pytester.runpytest("-p", "sparse_mla", "--sparse-mla-impl", "nosuch")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(
-        ["*--sparse-mla-impl='nosuch': unknown implementation; expected one of "
-         "flashinfer, reference, triton or 'package.module:attribute'*"]
-    )  # fmt: skip
+        [
+            "*--sparse-mla-impl='nosuch': unknown implementation; expected one of flashinfer, *reference, *triton*",
+            "*a built-in name: flashinfer, *reference, *triton*",
+            "*an entry-point name (group 'pytest_sparse_mla.implementations'*",
+            "*pytest_sparse_mla_implementations(config) hook*",
+            "*MODULE or PACKAGE.MODULE*found as nosuch.py or nosuch/__init__.py in one of:",
+            f"*{pytester.path}",
+            "*MODULE:ATTRIBUTE, e.g. 'nosuch:implementation'*",
+        ]
+    )
 
 
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
-        ("no_such_module:impl", "*cannot import module 'no_such_module'*"),
+        ("no_such_module:impl", "*'no_such_module:impl': unknown implementation; expected one of*"),
         ("downstream_kernels.impl:nothing", "*has no attribute 'nothing'*"),
         ("downstream_kernels.impl:SimpleNamespace", "*provides none of pack, page_split, sparse_mla_forward*"),
+        ("downstream_kernels.broken", "*cannot import module 'downstream_kernels.broken' (No module named 'not_th*"),
     ],
 )  # fmt: skip
 def test_bad_import_strings_are_usage_errors(pytester: pytest.Pytester, spec: str, message: str) -> None:
     _downstream_package(pytester)
+    (pytester.path / "downstream_kernels" / "broken.py").write_text("import not_there\n")
     pytester.makepyfile(USES_IMPL)
     result = pytester.runpytest("-p", "sparse_mla", "--sparse-mla-impl", spec)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
@@ -146,7 +154,9 @@ def test_hook_registers_a_named_implementation(pytester: pytest.Pytester) -> Non
     result = pytester.runpytest("-p", "sparse_mla", "--sparse-mla-impl", "as-string", "-s")
     result.stdout.fnmatch_lines(["*IMPL-NAME downstream*"])
     result = pytester.runpytest("-p", "sparse_mla", "--sparse-mla-impl", "nosuch")
-    result.stderr.fnmatch_lines(["*expected one of as-string, flashinfer, mine, reference, triton*"])
+    result.stderr.fnmatch_lines(
+        ["*expected one of as-string, flashinfer, *mine, reference, *", "*initial conftest.py: as-string, mine"]
+    )
 
 
 def test_flashinfer_adapter_skips_with_a_clear_reason_without_sm12x(pytester: pytest.Pytester) -> None:
@@ -181,11 +191,11 @@ def test_builtins_and_import_strings_resolve(pytester: pytest.Pytester) -> None:
     config = pytester.parseconfigure("-p", "sparse_mla", "--sparse-mla-grid", "flashinfer==0.6.17")
     ref = implementations.resolve_implementation("reference", config)
     assert isinstance(ref, implementations.ReferenceImplementation)
-    assert ref.grid_release == "0.6.17" and ref.tolerance_profile == "tight"
+    assert ref.grid_release == "0.6.17" and ref.compute_mode == "exact"
     triton = implementations.resolve_implementation("triton", config)
     assert triton.split_backend == "triton" and triton.skip_reason("sparse_mla_forward", "cpu") is None
     fi = implementations.resolve_implementation("flashinfer", config)
-    assert fi.tolerance_profile == "kernel" and not hasattr(fi, "pack")
+    assert fi.compute_mode == "fp8" and not hasattr(fi, "pack")
     cls = implementations.resolve_implementation("pytest_sparse_mla.implementations:ReferenceImplementation", config)
     assert isinstance(cls, implementations.ReferenceImplementation)  # classes are instantiated
     module = implementations.resolve_implementation("pytest_sparse_mla.attention", config)

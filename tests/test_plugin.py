@@ -62,7 +62,9 @@ def test_capability_markers_are_registered_for_strict_markers(pytester: pytest.P
     result = pytester.runpytest("-p", "sparse_mla", "--strict-markers")
     result.assert_outcomes(passed=1)
     markers = pytester.runpytest("-p", "sparse_mla", "--markers")
-    markers.stdout.fnmatch_lines(["@pytest.mark.sparse_mla_requires_sm(spec)*", "@pytest.mark.sparse_mla_requires_flashinfer*"])
+    markers.stdout.fnmatch_lines(
+        ["@pytest.mark.sparse_mla_requires_sm(spec)*", "@pytest.mark.sparse_mla_requires_flashinfer*"]
+    )
 
 
 @pytest.mark.skipif(not CPU_ONLY, reason="checks the skip reasons of a machine without a GPU")
@@ -181,9 +183,9 @@ RTX_PRO_6000 = capabilities.Capabilities(
         # "12.10" >= "12.8" is False as strings; versions compare numerically.
         (RTX_PRO_6000, "sparse_mla_requires_cuda_version", _mark(">=12.8"), None),
         (H200, "sparse_mla_requires_cuda_version", _mark("<13"), "requires CUDA toolkit <13; found 13.0"),
-        (H200, "sparse_mla_requires_flashinfer", _mark(">=0.6.18"), "requires flashinfer-python>=0.6.18; not installed"),
+        (H200, "sparse_mla_requires_flashinfer", _mark(">=0.6.18"), "requires flashinfer-python>=0.6.18; not installed"),  # noqa: E501
         (RTX_PRO_6000, "sparse_mla_requires_flashinfer", _mark(">=0.6.18"), None),  # post release counts
-        (RTX_PRO_6000, "sparse_mla_requires_flashinfer", _mark(">=0.7"), "requires flashinfer-python>=0.7; found 0.6.18.post1"),
+        (RTX_PRO_6000, "sparse_mla_requires_flashinfer", _mark(">=0.7"), "requires flashinfer-python>=0.7; found 0.6.18.post1"),  # noqa: E501
         (H200, "sparse_mla_requires_torch", _mark(">=2.11"), None),  # the +cu130 local tag is ignored
         (H200, "sparse_mla_requires_triton", _mark(), None),
         (H200, "sparse_mla_requires_cuda", _mark(), None),

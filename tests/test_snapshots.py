@@ -256,7 +256,7 @@ def test_snapshot_update_is_refused_on_a_worker_of_several() -> None:
         workerinput={"workercount": 2}, option=SimpleNamespace(update_snapshots=True)
     )
     with pytest.raises(pytest.UsageError, match="--snapshot-update with 2 pytest-xdist workers"):
-        snapshot_plugin.pytest_configure(worker)  # type: ignore[arg-type]
+        snapshot_plugin.configure(worker)  # type: ignore[arg-type]
 
 
 TWO_TESTS = """

@@ -15,8 +15,7 @@ Public API (pure Python; nothing here imports torch or flashinfer)::
 Modules: ``grid`` (config, verdicts, the per-release control flow over ``grids.json``),
 ``errors`` (mirrored exception types and the exact texts per release), ``introspect`` (compare
 an installed FlashInfer with the bundled grids; CPU only), ``report`` (DeepSeek-V4 deployment
-coverage; console script ``sparse-mla-deployments``), ``pytest_hooks``
-(``--sparse-mla-deployment-report``).
+coverage; console script ``sparse-mla-deployments`` and ``--sparse-mla-deployment-report``).
 """
 
 from pytest_sparse_mla.dispatch.errors import (
@@ -32,6 +31,7 @@ from pytest_sparse_mla.dispatch.grid import (
     GridFamily,
     SparseMlaConfig,
     Verdict,
+    check_known_release,
     enforce_grid,
     families,
     parse_release,
@@ -50,6 +50,7 @@ __all__ = [
     "UnsupportedReleaseError",
     "UnsupportedShapeError",
     "Verdict",
+    "check_known_release",
     "enforce_grid",
     "families",
     "parse_release",

@@ -55,6 +55,7 @@ __all__ = [
     "grid_data",
     "families",
     "parse_release",
+    "check_known_release",
     "release_family",
     "supports",
     "enforce_grid",
@@ -344,6 +345,34 @@ def parse_release(release: object) -> Any:
             f"release={str(release)!r}: flashinfer-python {version} has no SM120 sparse-MLA "
             f"backend; the first release with it is {first} "
             f"({grid_data()['first_release_note']})"
+        )
+    return version
+
+
+def check_known_release(release: object) -> Any:
+    """:func:`parse_release`, and refuse a release newer than the last one the grids were read
+    from (``grids.json`` ``last_examined_release``): nothing is known about it.
+
+    For user input that names a release to judge (``--sparse-mla-grid``, the
+    ``sparse-mla-deployments --release`` option), so ``9.9`` is an error rather than a report on
+    a release that does not exist. :func:`supports` itself stays lenient (it flags an unexamined
+    release in :attr:`Verdict.notes`), so an installed newer FlashInfer can still be compared.
+
+    Returns:
+        ``packaging.version.Version``.
+
+    Raises:
+        UnsupportedReleaseError: as :func:`parse_release`, or newer than the last examined release.
+    """
+    from packaging.version import Version
+
+    version = parse_release(release)
+    last = Version(grid_data()["last_examined_release"])
+    if Version(version.public) > last:
+        raise errors.UnsupportedReleaseError(
+            f"release={str(release)!r}: flashinfer-python {version} is newer than the last release "
+            f"the bundled grids were read from ({last}); expected a release from "
+            f"{grid_data()['first_release']} to {last}"
         )
     return version
 

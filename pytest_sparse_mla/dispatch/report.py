@@ -1,8 +1,8 @@
 """Deployment coverage report: which DeepSeek-V4 deployments each FlashInfer release serves.
 
 Console script ``sparse-mla-deployments`` (``--format text|json``, ``--release X`` repeatable,
-``--gaps-only``) and the pytest option ``--sparse-mla-deployment-report {text,json}``
-(``pytest_hooks``). Rows are :data:`pytest_sparse_mla.deployments.DEPLOYMENTS` x
+``--gaps-only``) and the pytest option ``--sparse-mla-deployment-report {text,json}`` (which prints
+the report alone and exits, like ``--markers``). Rows are :data:`pytest_sparse_mla.deployments.DEPLOYMENTS` x
 {decode, prefill}; columns are releases (default: the last examined release of each family);
 each cell is the :func:`~pytest_sparse_mla.dispatch.supports` verdict, and every gap is listed
 with its reason and the exact error that release raises. Pure Python (no torch).
@@ -21,7 +21,16 @@ from typing import Any
 from pytest_sparse_mla.deployments import DEPLOYMENTS, PHASES, PREFILL_NUM_TOKENS, Deployment
 from pytest_sparse_mla.dispatch import grid
 
-__all__ = ["DEFAULT_RELEASES", "Row", "coverage", "render_text", "render_json", "render", "main"]
+__all__ = [
+    "DEFAULT_RELEASES",
+    "Row",
+    "coverage",
+    "main",
+    "releases_with",
+    "render",
+    "render_json",
+    "render_text",
+]
 
 #: one release per family: the last examined release of each.
 DEFAULT_RELEASES: tuple[str, ...] = tuple(f.examined[-1] for f in grid.families())
@@ -43,11 +52,12 @@ def coverage(
     """Judge every deployment x phase on every release.
 
     Raises:
-        UnsupportedReleaseError: a release has no SM120 sparse-MLA grid.
+        UnsupportedReleaseError: a release has no SM120 sparse-MLA grid or is newer than the last
+            examined release (:func:`~pytest_sparse_mla.dispatch.grid.check_known_release`).
     """
     releases = tuple(releases or DEFAULT_RELEASES)
     for release in releases:
-        grid.parse_release(release)
+        grid.check_known_release(release)
     rows = []
     for deployment in deployments or DEPLOYMENTS:
         for phase in PHASES:
@@ -145,12 +155,21 @@ def render_json(rows: Sequence[Row], releases: Sequence[str]) -> str:
     return json.dumps(document, indent=2)
 
 
+def releases_with(release: str | None) -> tuple[str, ...]:
+    """:data:`DEFAULT_RELEASES` plus ``release`` (the ``--sparse-mla-grid`` release) when it is
+    another one."""
+    if release is None or release in DEFAULT_RELEASES:
+        return DEFAULT_RELEASES
+    return (*DEFAULT_RELEASES, release)
+
+
 def render(fmt: str = "text", releases: Sequence[str] | None = None, *, gaps_only: bool = False) -> str:
     """The report in ``fmt`` (``"text"`` or ``"json"``) for ``releases`` (default: one per family).
 
     Raises:
         ValueError: unknown ``fmt``.
-        UnsupportedReleaseError: a release has no SM120 sparse-MLA grid.
+        UnsupportedReleaseError: a release has no SM120 sparse-MLA grid or is newer than the last
+            examined release.
     """
     releases = tuple(releases or DEFAULT_RELEASES)
     rows = coverage(releases)

@@ -1,0 +1,128 @@
+"""Find the module an ``--sparse-mla-impl`` value names, including one that only sits beside the tests.
+
+Plain ``pytest`` does not put the rootdir on ``sys.path`` (only the ``prepend`` import mode adds the
+folders of the test modules and ``conftest.py`` files it imports, and only once it imports them), so
+``--sparse-mla-impl mykernel`` for a ``mykernel.py`` beside the tests would not import at
+``pytest_configure``. :func:`import_module` therefore looks, after ``sys.path``, in the folders a
+user would expect (:func:`search_dirs`): the rootdir, the ini file's folder, the invocation folder,
+the folders of the command-line test paths and of every loaded ``conftest.py``. The folder where
+the module is found is put in front of ``sys.path`` (what the ``prepend`` import mode does for a
+test folder; pytest docs, "pytest import mechanisms and sys.path/PYTHONPATH"), so the module's own
+absolute imports of its siblings work.
+
+:func:`miss_message` is the error for a value that matches nothing: it lists every form that would
+have worked, with the names and folders actually available.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+__all__ = ["ModuleMissing", "search_dirs", "import_module", "miss_message", "is_module_path"]
+
+
+class ModuleMissing(ImportError):
+    """No module of that name exists on ``sys.path`` or in any searched folder."""
+
+
+def is_module_path(text: str) -> bool:
+    """Whether ``text`` is a dotted module path (``mykernel``, ``mypkg.kern``)."""
+    return bool(text) and all(part.isidentifier() for part in text.split("."))
+
+
+def search_dirs(config: pytest.Config) -> list[Path]:
+    """Folders searched for a local module, in order, without duplicates: the rootdir, the ini
+    file's folder, the invocation folder, each command-line test path's folder (a file's parent),
+    and the folder of every ``conftest.py`` loaded so far."""
+    found: list[Path] = [config.rootpath]
+    if config.inipath is not None:
+        found.append(config.inipath.parent)
+    found.append(config.invocation_params.dir)
+    for arg in config.args:
+        path = Path(arg.split("::", 1)[0])
+        if not path.is_absolute():
+            path = config.invocation_params.dir / path
+        if path.is_file():
+            found.append(path.parent)
+        elif path.is_dir():
+            found.append(path)
+    for plugin in config.pluginmanager.get_plugins():
+        file = getattr(plugin, "__file__", None)
+        if isinstance(file, str) and Path(file).name == "conftest.py":
+            found.append(Path(file).parent)
+    return list(dict.fromkeys(p.resolve() for p in found))
+
+
+def _top_level_missing(module_name: str, exc: ModuleNotFoundError) -> bool:
+    """Whether ``exc`` says ``module_name`` itself (or a parent package) is missing, rather than
+    something the module imports."""
+    missing = exc.name or ""
+    parts = module_name.split(".")
+    return missing in {".".join(parts[: i + 1]) for i in range(len(parts))}
+
+
+def _found_in(module_name: str, folder: Path) -> bool:
+    top = module_name.split(".", 1)[0]
+    return (folder / f"{top}.py").is_file() or (folder / top / "__init__.py").is_file()
+
+
+def import_module(module_name: str, dirs: Sequence[Path]) -> ModuleType:
+    """Import ``module_name`` from ``sys.path``, else from the first of ``dirs`` holding it.
+
+    Raises:
+        ModuleMissing: it exists in neither place.
+        ImportError: it exists but failed to import (the module's own error, chained).
+    """
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if not _top_level_missing(module_name, exc):
+            raise
+    for folder in dirs:
+        if _found_in(module_name, folder):
+            if str(folder) not in sys.path:
+                sys.path.insert(0, str(folder))
+            importlib.invalidate_caches()
+            return importlib.import_module(module_name)
+    raise ModuleMissing(f"No module named {module_name!r}", name=module_name)
+
+
+def _listed(names: Iterable[str]) -> str:
+    ordered = sorted(names)
+    return ", ".join(ordered) if ordered else "(none)"
+
+
+def miss_message(
+    spec: str,
+    *,
+    builtins: Iterable[str],
+    entry_points: Iterable[str],
+    hook_names: Iterable[str],
+    dirs: Sequence[Path],
+) -> str:
+    """The usage error for a ``--sparse-mla-impl`` value that matched nothing: every form that
+    would have worked, with what is available in this session."""
+    all_names = {*builtins, *entry_points, *hook_names}
+    module = spec.partition(":")[0] or spec
+    top = module.split(".", 1)[0]
+    folders = "\n".join(f"      {d}" for d in dirs)
+    return (
+        f"--sparse-mla-impl={spec!r}: unknown implementation; expected one of {_listed(all_names)}, "
+        "or a module. Forms that work:\n"
+        f"  * a built-in name: {_listed(builtins)}\n"
+        f"  * an entry-point name (group 'pytest_sparse_mla.implementations' of an installed "
+        f"package): {_listed(entry_points)}\n"
+        f"  * a name returned by a pytest_sparse_mla_implementations(config) hook in a plugin or an "
+        f"initial conftest.py: {_listed(hook_names)}\n"
+        f"  * MODULE or PACKAGE.MODULE (the module itself), importable from sys.path or found as "
+        f"{top}.py or {top}/__init__.py in one of:\n{folders}\n"
+        f"  * MODULE:ATTRIBUTE, e.g. '{module}:implementation' (a class is instantiated without "
+        "arguments)"
+    )

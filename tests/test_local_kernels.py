@@ -1,0 +1,109 @@
+"""``--sparse-mla-impl`` finds a kernel module that sits beside the tests, the obvious way.
+
+Each project is run with the virtual environment's ``pytest`` script from the project folder, as a
+user runs plain ``pytest``: unlike ``python -m pytest`` or pytester's subprocess runs (which put the
+working directory on ``PYTHONPATH``), the script does not make the rootdir importable.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PYTEST = Path(sys.executable).with_name("pytest")
+
+KERNEL = """
+from pytest_sparse_mla.attention import sparse_mla_forward as _forward
+
+name = "{name}"
+
+
+def sparse_mla_forward(q, kv_cache, indices, **kwargs):
+    return _forward(q, kv_cache, indices, **kwargs)
+"""
+
+TEST = """
+def test_selected(sparse_mla_impl):
+    print("SELECTED", sparse_mla_impl.name)
+"""
+
+
+def _run(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTEST_ADDOPTS", "PYTEST_PLUGINS")}
+    return subprocess.run(
+        [str(PYTEST), "-p", "sparse_mla", "-p", "no:cacheprovider", "-s", *args],
+        cwd=cwd, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Path:
+    """A project with its own ini file and its tests in ``tests/`` (no conftest, no package)."""
+    (tmp_path / "pyproject.toml").write_text("[tool.pytest.ini_options]\ntestpaths = ['tests']\n")
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_kernel.py").write_text(TEST)
+    return tmp_path
+
+
+def test_a_module_in_the_rootdir_is_found_by_its_name(project: Path) -> None:
+    (project / "mykernel.py").write_text(KERNEL.format(name="rootdir-kernel"))
+    result = _run(project, "--sparse-mla-impl", "mykernel")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "SELECTED rootdir-kernel" in result.stdout
+
+
+def test_a_package_module_in_the_rootdir_is_found_by_its_dotted_name(project: Path) -> None:
+    (project / "mypkg").mkdir()
+    (project / "mypkg" / "__init__.py").write_text("")
+    (project / "mypkg" / "kern.py").write_text(KERNEL.format(name="package-kernel"))
+    result = _run(project, "--sparse-mla-impl", "mypkg.kern")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "SELECTED package-kernel" in result.stdout
+    result = _run(project, "--sparse-mla-impl", "mypkg.kern:sparse_mla_forward")  # a bare function is
+    assert result.returncode == 4 and "provides none of" in result.stderr  # not an implementation
+
+
+def test_a_module_beside_a_conftest_is_found(project: Path) -> None:
+    suite = project / "kernels_suite"
+    suite.mkdir()
+    (suite / "conftest.py").write_text("")
+    (suite / "localkern.py").write_text(KERNEL.format(name="beside-conftest"))
+    (suite / "test_local.py").write_text(TEST)
+    result = _run(project, "kernels_suite", "--sparse-mla-impl", "localkern")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "SELECTED beside-conftest" in result.stdout
+
+
+def test_a_miss_lists_every_form_that_would_have_worked(project: Path) -> None:
+    (project / "mykernel.py").write_text(KERNEL.format(name="rootdir-kernel"))
+    result = _run(project, "--sparse-mla-impl", "my_kernel")
+    assert result.returncode == pytest.ExitCode.USAGE_ERROR
+    for needle in (
+        "--sparse-mla-impl='my_kernel': unknown implementation",
+        "a built-in name: flashinfer,",
+        "an entry-point name (group 'pytest_sparse_mla.implementations'",
+        "pytest_sparse_mla_implementations(config) hook",
+        "MODULE or PACKAGE.MODULE (the module itself), importable from sys.path or found as my_kernel.py",
+        f"      {project.resolve()}",
+        "MODULE:ATTRIBUTE, e.g. 'my_kernel:implementation'",
+    ):
+        assert needle in result.stderr, result.stderr
+
+
+def test_help_documents_every_form() -> None:
+    result = subprocess.run([str(PYTEST), "-p", "sparse_mla", "--help"], capture_output=True, text=True, check=True)
+    text = " ".join(result.stdout.split())
+    for needle in (
+        "--sparse-mla-impl=IMPL",
+        "a built-in name (reference, triton, flashinfer)",
+        "'pytest_sparse_mla.implementations' entry point",
+        "pytest_sparse_mla_implementations(config) hook",
+        "MODULE or PACKAGE.MODULE",
+        "beside a conftest.py",
+        "MODULE:ATTRIBUTE",
+    ):
+        assert needle in text, needle
