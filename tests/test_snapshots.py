@@ -374,3 +374,45 @@ def test_goldens_under_xdist_are_checked_and_unused_ones_reported(project: pytes
     )
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["*1 snapshot passed. 1 snapshot unused.*"])
+
+
+def _no_syrupy(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make ``import syrupy`` fail in subprocess runs, as on an image without syrupy (its pytest
+    plugin is blocked with ``-p no:syrupy`` by the callers)."""
+    shim = pytester.mkdir("no_syrupy")
+    (shim / "syrupy").mkdir()
+    (shim / "syrupy" / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'syrupy' (simulated)\", name='syrupy')\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", str(shim))
+
+
+def test_syrupy_skip_message_names_the_metadata_pin() -> None:
+    import tomllib
+
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    (pin,) = [d for d in pyproject["project"]["dependencies"] if d.startswith("syrupy")]
+    assert snapshot_plugin.syrupy_requirement() == pin.replace(" ", "")
+    reason = snapshot_plugin.syrupy_missing_reason(ImportError("x"))
+    assert reason.startswith(f"golden snapshots need {pin} (pip install '{pin}')")
+
+
+def test_without_syrupy_golden_tests_skip_with_the_pinned_version(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On an image without syrupy: no collection error; the golden suite and any test using
+    ``tensor_snapshot`` skip, saying which syrupy to install; the header says so too."""
+    _no_syrupy(pytester, monkeypatch)
+    pytester.makepyfile(test_x="def test_x(tensor_snapshot):\n    raise AssertionError('must not run')\n")
+    pin = snapshot_plugin.syrupy_requirement()
+    blocked = ("-p", "sparse_mla", "-p", "no:syrupy", "-p", "no:cacheprovider", "-rs")
+    suite = pytester.runpytest_subprocess(*blocked, "--pyargs", "pytest_sparse_mla.suites.test_golden")
+    outcomes = suite.parseoutcomes()
+    assert "error" not in outcomes and "errors" not in outcomes, suite.stdout.str()[-3000:]
+    assert outcomes.get("skipped", 0) >= 1 and "passed" not in outcomes, suite.stdout.str()[-3000:]
+    result = pytester.runpytest_subprocess(*blocked, "test_x.py")
+    result.assert_outcomes(skipped=1)
+    result.stdout.fnmatch_lines(
+        [f"sparse-mla: goldens: * (syrupy not installed: golden tests skip; need {pin})",
+         f"SKIPPED *golden snapshots need {pin} (pip install '{pin}'): *simulated*"]
+    )  # fmt: skip
