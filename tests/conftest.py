@@ -57,12 +57,13 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
             tr.write_line(("  " + "  ".join(r[key].ljust(w) for (key, _), w in cells)).rstrip())
             tr.write_line(f"      rule: {r['rule']}")
             if r["first_message"]:
-                tr.write_line(f"      first failure says: {r['first_message'][:200]}")
+                tr.write_line(f"      first failure says: {r['first_message'][:300]}")
+    parts = []
     wrong = [r for r in rows if r["kind"] == "wrong"]
-    killed = sum(r["outcome"] == "killed" for r in wrong)
+    if wrong:
+        parts.append(f"{sum(r['outcome'] == 'killed' for r in wrong)} of {len(wrong)} wrong kernels killed")
     approx = [r for r in rows if r["kind"] == "approximate"]
-    ok = sum(r["outcome"] == "passed" for r in approx)
-    tr.write_line(
-        f"{killed} of {len(wrong)} wrong kernels killed; {ok} of {len(approx)} approximate kernels passed; "
-        f"suite time {sum(float(r['seconds']) for r in rows):.0f} s over {len(rows)} runs"
-    )
+    if approx:
+        parts.append(f"{sum(r['outcome'] == 'passed' for r in approx)} of {len(approx)} approximate kernels passed")
+    seconds = sum(float(r["seconds"]) for r in rows)
+    tr.write_line(f"{'; '.join(parts)}; {seconds:.0f} s of suite runs over {len(rows)} kernels")

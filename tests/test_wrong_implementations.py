@@ -1,9 +1,11 @@
 """The wrong-kernel gate: the whole conformance suite must fail every wrong kernel of the catalogue
 and pass every approximate one (``tests/kernel_catalogue.py``).
 
-Each catalogue kernel gets one fresh pytest process running ``suites`` whole
-(``-p sparse_mla suites --sparse-mla-impl kernel_catalogue:<name> --sparse-mla-device cpu``, with
-``tests/`` on ``PYTHONPATH``); the outcome of every suite item is read from that run's JUnit XML.
+Each catalogue kernel gets one fresh pytest session running ``suites`` whole
+(``-p sparse_mla suites --sparse-mla-impl kernel_catalogue:<name> --sparse-mla-device cpu``), run
+in-process by ``pytester`` (its own config, plugins and collection; ``sys.modules`` and ``sys.path``
+restored afterwards), so torch and the plugin are imported once per worker, not once per kernel;
+the outcome of every suite item is read from that session's JUnit XML.
 
 * A **wrong** kernel passes the gate when at least one item fails. It **survives** (the gate test
   fails) when none does; the message names the rule it breaks.
@@ -31,8 +33,6 @@ from __future__ import annotations
 
 import os
 import shlex
-import subprocess
-import sys
 import time
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
@@ -48,8 +48,6 @@ TESTS = Path(__file__).resolve().parent
 #: Environment variable: ``--maxfail`` of a wrong kernel's run (default 1: the first failure kills
 #: it; ``0`` runs the suite whole and gives exact failure counts, at the price of a full run each).
 MAXFAIL_ENV = "SPARSE_MLA_GATE_MAXFAIL"
-#: Wall-clock limit of one suite run, seconds.
-RUN_TIMEOUT = 600
 #: user_properties key of a kill-table row.
 ROW_KEY = "sparse_mla_kill_row"
 #: Environment variable with extra arguments for every inner run (split with ``shlex``), e.g.
@@ -97,40 +95,57 @@ def _first_line(case: ET.Element) -> str:
     return ""
 
 
-def run_suite(name: str, tmp_path: Path, maxfail: int) -> SuiteRun:
-    """Run the whole conformance suite against ``kernel_catalogue:<name>`` in a fresh process,
-    breadth-first over test functions (``gate_order``), stopping after ``maxfail`` failures
-    (``0``: never)."""
-    report = tmp_path / "junit.xml"
-    cmd = [
-        sys.executable, "-m", "pytest", "-p", "sparse_mla", str(SUITES),
-        "--sparse-mla-impl", f"kernel_catalogue:{name}", "--sparse-mla-device", "cpu",
-        "-p", "no:cacheprovider", "-p", "no:xdist", "-p", "gate_order", "-q", "--no-header", "-rN", "--tb=no",
-        f"--junitxml={report}", "-o", "junit_family=xunit1", "--basetemp", str(tmp_path / "basetemp"),
+_XDIST_ENV = ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID", "PYTEST_ADDOPTS")
+
+
+def suite_args(name: str, report: Path, maxfail: int) -> list[str]:
+    """Arguments of one inner run: the whole suite against ``kernel_catalogue:<name>`` on the CPU,
+    breadth-first over test functions (``gate_order``), results to ``report`` (JUnit XML),
+    stopping after ``maxfail`` failures (``0``: never)."""
+    args = [
+        "-p", "sparse_mla", str(SUITES), "--sparse-mla-impl", f"kernel_catalogue:{name}",
+        "--sparse-mla-device", "cpu", "-p", "no:cacheprovider", "-p", "no:xdist", "-p", "gate_order",
+        "-qq", "--no-header", "-rN", "--tb=no", f"--junitxml={report}", "-o", "junit_family=xunit1",
     ]  # fmt: skip
     if maxfail:
-        cmd.append(f"--maxfail={maxfail}")
-    cmd += shlex.split(os.environ.get(EXTRA_ARGS_ENV, ""))
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), env.get("PYTHONPATH")]))
-    env.pop("PYTEST_XDIST_WORKER", None)  # the inner run is not an xdist worker
-    env.pop("PYTEST_ADDOPTS", None)
+        args.append(f"--maxfail={maxfail}")
+    return args + shlex.split(os.environ.get(EXTRA_ARGS_ENV, ""))
+
+
+def _message(case: ET.Element, lines: int = 2) -> str:
+    """The first ``lines`` non-empty lines of a failed item's message, joined with `` | ``."""
+    for tag in ("failure", "error"):
+        node = case.find(tag)
+        if node is not None:
+            text = (node.get("message") or node.text or "").strip()
+            return " | ".join([ln.strip() for ln in text.splitlines() if ln.strip()][:lines]) or tag
+    return ""
+
+
+def run_suite(name: str, pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, maxfail: int) -> SuiteRun:
+    """Run the suite against ``kernel_catalogue:<name>`` in this process (``pytester``: a fresh
+    session, sys.modules and sys.path restored afterwards; torch stays imported, which saves
+    seconds per kernel) and read the outcome of every item from its JUnit XML."""
+    report = pytester.path / "junit.xml"
+    for key in _XDIST_ENV:  # the inner session is not an xdist worker
+        monkeypatch.delenv(key, raising=False)
     start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    result = pytester.runpytest_inprocess(*suite_args(name, report, maxfail))
     seconds = time.perf_counter() - start
-    output = (proc.stdout + proc.stderr)[-4000:]
+    output = "\n".join(result.outlines[-40:] + result.errlines[-20:])
+    returncode = int(result.ret)
     if not report.exists():
-        return SuiteRun(proc.returncode, 0, 0, 0, (), seconds, False, (), output)
+        return SuiteRun(returncode, 0, 0, 0, (), seconds, False, (), output)
     cases = list(ET.parse(report).getroot().iter("testcase"))
     broken = tuple(c.get("name") or "?" for c in cases if _first_line(c) == "collection failure")
     cases = [c for c in cases if _first_line(c) != "collection failure"]
     failures = tuple(
-        (_test_id(c), _first_line(c)) for c in cases if c.find("failure") is not None or c.find("error") is not None
+        (_test_id(c), _message(c)) for c in cases if c.find("failure") is not None or c.find("error") is not None
     )
     skipped = sum(1 for c in cases if c.find("skipped") is not None)
     passed = len(cases) - skipped - len(failures)
     capped = bool(maxfail) and len(failures) >= maxfail
-    return SuiteRun(proc.returncode, passed, len(failures), skipped, failures, seconds, capped, broken, output)
+    return SuiteRun(returncode, passed, len(failures), skipped, failures, seconds, capped, broken, output)
 
 
 def _row(entry: catalogue.Entry, run: SuiteRun, outcome: str) -> dict[str, str]:
@@ -150,10 +165,12 @@ def _row(entry: catalogue.Entry, run: SuiteRun, outcome: str) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("name", list(catalogue.CATALOGUE))
-def test_catalogue_kernel_against_the_whole_suite(name: str, tmp_path: Path, record_property) -> None:
+def test_catalogue_kernel_against_the_whole_suite(
+    name: str, pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, record_property
+) -> None:
     entry = catalogue.CATALOGUE[name]
     wrong = entry.kind == "wrong"
-    run = run_suite(name, tmp_path, int(os.environ.get(MAXFAIL_ENV, "1")) if wrong else 0)
+    run = run_suite(name, pytester, monkeypatch, int(os.environ.get(MAXFAIL_ENV, "1")) if wrong else 0)
     sound = run.returncode in (0, 1) and run.passed + run.failed > 0 and not run.collection_errors
     if not sound:
         outcome = "HARNESS ERROR"
@@ -162,21 +179,25 @@ def test_catalogue_kernel_against_the_whole_suite(name: str, tmp_path: Path, rec
     else:
         outcome = "passed" if not run.failed else "FAILED"
     record_property(ROW_KEY, _row(entry, run, outcome))
-    assert sound, (
-        f"suite run against kernel_catalogue:{name} did not complete (exit status {run.returncode}; "
-        f"{run.passed} passed, {run.failed} failed; suite files that failed to import: "
-        f"{', '.join(run.collection_errors) or 'none'}):\n{run.output}"
-    )
-    if wrong:
-        assert run.failed, (
-            f"wrong kernel {name!r} SURVIVED the whole conformance suite ({run.passed} passed, "
-            f"{run.skipped} skipped). It breaks: {entry.rule}"
+    if not sound:
+        pytest.fail(
+            f"suite run against kernel_catalogue:{name} did not complete (exit status {run.returncode}; "
+            f"{run.passed} passed, {run.failed} failed; suite files that failed to import: "
+            f"{', '.join(run.collection_errors) or 'none'}):\n{run.output}",
+            pytrace=False,
         )
-    else:
+    if wrong and not run.failed:
+        pytest.fail(
+            f"wrong kernel {name!r} SURVIVED the whole conformance suite ({run.passed} passed, "
+            f"{run.skipped} skipped). It breaks: {entry.rule}",
+            pytrace=False,
+        )
+    if not wrong and run.failed:
         listing = "\n".join(f"  {tid}: {msg}" for tid, msg in run.failures[:20])
-        assert not run.failed, (
+        pytest.fail(
             f"approximate (correct) kernel {name!r} FAILED {run.failed} suite items; it computes: "
-            f"{entry.rule}\n{listing}"
+            f"{entry.rule}\n{listing}",
+            pytrace=False,
         )
 
 
