@@ -604,11 +604,14 @@ def test_rejects_bad_arguments(kwargs, error, match, sparse_mla_device):
 SUITES = Path(__file__).resolve().parents[1] / "suites"
 
 
-def test_triton_builtin_passes_the_page_split_suites(pytester: pytest.Pytester) -> None:
+def test_triton_builtin_passes_the_page_split_suites(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``--sparse-mla-impl triton`` (the Triton split, interpreted on the CPU) against the split
     suites, in a fresh process (Triton decides interpretation when its kernels are decorated)."""
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # also on a GPU lane, which sets it to 0
     result = pytester.runpytest_subprocess(
         "-p", "sparse_mla", str(SUITES / "test_page_split.py"), str(SUITES / "test_split_buffers.py"),
         "--sparse-mla-impl", "triton", "--sparse-mla-device", "cpu", "-p", "no:cacheprovider", "-q",
