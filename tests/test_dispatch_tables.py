@@ -542,7 +542,7 @@ def test_page_size_after_0_6() -> None:
         ({"topk": True}, "topk=True"),
         ({"num_tokens": 2.0}, "num_tokens=2.0"),
         ({"topk_extra": 512}, "topk_extra=512, extra_page_block_size=0"),
-        ({"model": "DSV3_2", "topk_extra": 512, "extra_page_block_size": 2}, "only DSV4"),
+        ({"model": "DSV3_2", "extra_page_block_size": 2}, "topk_extra=0, extra_page_block_size=2"),
     ],
 )
 def test_bad_config_names_the_argument(kwargs: dict, needle: str) -> None:

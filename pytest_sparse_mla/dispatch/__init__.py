@@ -19,6 +19,7 @@ coverage; console script ``sparse-mla-deployments`` and ``--sparse-mla-deploymen
 """
 
 from pytest_sparse_mla.dispatch.errors import (
+    IgnoredExtraCacheWarning,
     InternalError,
     SparseMlaGridError,
     UncheckedPageSizeWarning,
@@ -43,6 +44,7 @@ __all__ = [
     "COMPUTE_MODES",
     "ROUTES",
     "GridFamily",
+    "IgnoredExtraCacheWarning",
     "InternalError",
     "SparseMlaConfig",
     "SparseMlaGridError",

@@ -51,6 +51,7 @@ __all__ = [
     "UnsupportedShapeError",
     "UnsupportedReleaseError",
     "UncheckedPageSizeWarning",
+    "IgnoredExtraCacheWarning",
     "ERROR_TEMPLATES",
     "MISMATCH_FALLBACK",
     "tvm_check_failed",
@@ -111,6 +112,12 @@ class UnsupportedReleaseError(ValueError):
 class UncheckedPageSizeWarning(UserWarning):
     """0.6.14-0.6.18 prefill accepts any main ``page_block_size`` without checking it although
     every prefill kernel is compiled for 64 (INFERRED: another size is silently mis-addressed)."""
+
+
+class IgnoredExtraCacheWarning(UserWarning):
+    """0.6.14-0.6.18 accept a DSV3.2 decode call with an extra cache and run the DSV3.2 decode
+    kernel, which takes no extra cache: the extra cache is silently dropped (flashinfer
+    ``mla/_sparse_mla_sm120.py`` lines 360-365 in 0.6.17, 369-374 in 0.6.18; rejected from 0.7.0)."""
 
 
 #: The unsupported-configuration texts per release family: family -> ((path, upstream type, text)).

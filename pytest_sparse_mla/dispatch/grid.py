@@ -22,6 +22,15 @@ that flow changed between releases:
     As the planner, but main and extra page sizes are runtime values (any positive), the C++
     prefill text is gone, and ``num_heads > 128`` fails the C++ metadata check first.
 
+DeepSeek-V3.2 with an extra cache. DSV3.2 has no dual-cache kernel in any release, but 0.6.14-0.6.18
+do not reject the extra cache on the DSV3.2 decode route: a decode-sized call whose (heads, topk) is
+in the DSV3.2 decode table, on 64-token pages, runs the DSV3.2 decode kernel with the extra cache,
+its indices and lengths silently dropped (flashinfer ``mla/_sparse_mla_sm120.py`` lines 360-365 in
+0.6.17, 369-374 in 0.6.18). Such a verdict is supported with ``extra_cache_ignored=True`` and a note,
+and :func:`enforce_grid` warns with ``IgnoredExtraCacheWarning``, so serving code tested under
+``--sparse-mla-grid flashinfer==0.6.17`` can see the silent drop. Every other DSV3.2 call with an
+extra cache is rejected: by the C++ prefill text in 0.6.x, by the ``ValueError`` from 0.7.0.
+
 Routing always uses the primary index width ``topk`` (``indices.shape[-1]``), never
 ``topk_extra``. The grid models the SM120 sparse backend below the public wrapper
 (``_sparse_mla_sm120_paged_attention``; FP8 584/656 B/token cache, ``kv_scale_format="auto"``,
@@ -29,9 +38,14 @@ Routing always uses the primary index width ``topk`` (``indices.shape[-1]``), ne
 ``trtllm_batch_decode_sparse_mla_dsv4`` additionally rejects DSV4 heads outside
 {8, 16, 32, 64, 128} (reported in :attr:`Verdict.notes`).
 
-Sources: ``shared/reference/dispatch-grid.md`` (read from the flashinfer-python wheels
-0.6.13-0.7.4), flashinfer-ai/flashinfer PRs #3395, #4380, #4802, and the paths named in
-``grids.json``. Versions are compared with :mod:`packaging` only.
+Sources: the flashinfer-python wheels 0.6.13-0.7.4 (``flashinfer/mla/_sparse_mla_sm120*.py``,
+``flashinfer/data/csrc/sparse_mla_sm120*``; file paths per family in ``grids.json``),
+flashinfer-ai/flashinfer PRs #3395, #4380, #4802. How each family was checked: 0.6.x routing and
+error texts against each release's own Python dispatch with stubbed kernels, and the 0.7.0
+planner's predicates, all run on the CPU (``introspect``, the ``flashinfer-*`` tox lanes); the
+0.6.x prefill grid against the C++ dispatch source; the 0.7.1+ prefill grid is read from the C++
+sources the wheels ship (its routing is the compiled module's ``candidates()``, which needs an
+SM120 GPU), not executed. Versions are compared with :mod:`packaging` only.
 """
 
 from __future__ import annotations
@@ -113,12 +127,14 @@ class SparseMlaConfig:
         topk: primary (SWA) index width, ``indices.shape[-1]``, >= 1. Routing uses this.
         page_block_size: tokens per page of the main cache, >= 1.
         topk_extra: extra (compressed) index width, ``extra_indices.shape[-1]``; 0 = single cache.
-        extra_page_block_size: tokens per page of the extra cache; 0 = single cache.
+        extra_page_block_size: tokens per page of the extra cache; 0 = single cache. A DSV3_2
+            config may have one: no release has a DSV3.2 dual-cache kernel, but 0.6.14-0.6.18
+            accept the call on the DSV3.2 decode route and drop the extra cache
+            (:attr:`Verdict.extra_cache_ignored`).
 
     Raises:
-        ValueError: a field is not an int in range, only one of ``topk_extra`` /
-            ``extra_page_block_size`` is positive, or a DSV3_2 config has an extra cache
-            (DSV3.2 has no dual-cache form in any release).
+        ValueError: a field is not an int in range, or only one of ``topk_extra`` /
+            ``extra_page_block_size`` is positive.
     """
 
     model: str
@@ -142,11 +158,6 @@ class SparseMlaConfig:
                 f"topk_extra={self.topk_extra}, extra_page_block_size="
                 f"{self.extra_page_block_size}: expected both 0 (single cache) or both "
                 "positive (dual cache: extra_kv_cache + extra_indices)"
-            )
-        if self.dual and self.model != "DSV4":
-            raise ValueError(
-                f"model={self.model!r} with topk_extra={self.topk_extra}: only DSV4 has a "
-                "dual-cache (extra_kv_cache) form"
             )
 
     @property
@@ -211,6 +222,9 @@ class Verdict:
         error_message: the exact upstream text, or ``None``.
         unchecked_page_size: supported only because 0.6.x prefill does not check the main page
             size (kernels compiled for 64; INFERRED silently mis-addressed).
+        extra_cache_ignored: supported, but the release runs a kernel that does not read the
+            extra cache it was given (DSV3.2 decode in 0.6.14-0.6.18): the extra cache, its
+            indices and lengths are silently dropped.
         notes: caveats (public-wrapper head check, calibrated crossover, unexamined release...).
     """
 
@@ -224,6 +238,7 @@ class Verdict:
     error_type: type[errors.SparseMlaGridError] | None = None
     error_message: str | None = None
     unchecked_page_size: bool = False
+    extra_cache_ignored: bool = False
     notes: tuple[str, ...] = ()
 
     @property
@@ -254,6 +269,7 @@ class Verdict:
             "error_base": _builtin_base(self.error_type),
             "error_message": self.error_message,
             "unchecked_page_size": self.unchecked_page_size,
+            "extra_cache_ignored": self.extra_cache_ignored,
             "notes": list(self.notes),
         }
 
@@ -424,6 +440,8 @@ def _decode(cfg: SparseMlaConfig, fam: GridFamily) -> list[str]:
     reasons = []
     if cfg.num_tokens > data["max_num_tokens"]:
         reasons.append(f"num_tokens={cfg.num_tokens} > {data['max_num_tokens']} is not decode")
+    if cfg.dual and d.get("extra_cache") == "rejected":
+        reasons.append(f"{cfg.model} decode has no dual-cache form (extra_kv_cache given)")
     pages = d["page_block_sizes"]
     if pages is not None and cfg.page_block_size not in pages:
         reasons.append(
@@ -466,7 +484,10 @@ def _prefill(cfg: SparseMlaConfig, fam: GridFamily) -> _Prefill:
     p = data[cfg.model]
     kind = "dual" if cfg.dual else "single"
     out = _Prefill(route=f"prefill_{kind}")
-    g = p[kind]
+    g = p.get(kind)
+    if g is None:  # DSV3_2 with an extra cache: no dual-cache prefill kernel
+        out.reasons.append(f"{cfg.model} has no dual-cache prefill (extra_kv_cache given)")
+        return out
     if cfg.num_tokens < data["min_num_tokens"]:
         out.reasons.append(f"prefill serves num_tokens >= {data['min_num_tokens']} only")
     pages = p["page_block_sizes"]
@@ -564,6 +585,14 @@ def _common_notes(cfg: SparseMlaConfig, fam: GridFamily, release: str) -> list[s
     return notes
 
 
+def _ignored_extra_cache_note(cfg: SparseMlaConfig, fam: GridFamily) -> str:
+    return (
+        f"{fam.label} runs this {cfg.model} decode call on the {cfg.model} decode kernel, which "
+        f"takes no extra cache: extra_kv_cache, extra_indices and extra_topk_length "
+        f"(topk_extra={cfg.topk_extra}) are silently ignored ({fam.data['decode'][cfg.model]['extra_cache_source']})"
+    )
+
+
 def _unchecked_page_note(cfg: SparseMlaConfig, fam: GridFamily) -> str:
     return (
         f"page_block_size={cfg.page_block_size} is not checked by {fam.label} prefill; "
@@ -580,6 +609,9 @@ def _evaluate(cfg: SparseMlaConfig, fam: GridFamily, release: str) -> Verdict:
         extra = []
         if unchecked:
             extra.append(_unchecked_page_note(cfg, fam))
+        ignored = route == "decode" and cfg.dual and fam.data["decode"][cfg.model].get("extra_cache") == "ignored"
+        if ignored:
+            extra.append(_ignored_extra_cache_note(cfg, fam))
         if fam.engine == "resolver" and cfg.model == "DSV4":
             odd = [
                 name
@@ -603,6 +635,7 @@ def _evaluate(cfg: SparseMlaConfig, fam: GridFamily, release: str) -> Verdict:
             route=route,
             compute_mode=mode,
             unchecked_page_size=unchecked,
+            extra_cache_ignored=ignored,
             notes=tuple(notes + extra),
         )
 
@@ -778,6 +811,8 @@ def enforce_grid(
     Warns:
         UncheckedPageSizeWarning: 0.6.x prefill accepts a main page size other than 64 without
             checking it (the verdict is supported with ``unchecked_page_size=True``).
+        IgnoredExtraCacheWarning: 0.6.14-0.6.18 run a DSV3.2 decode call with an extra cache on
+            the DSV3.2 decode kernel, which drops the extra cache (``extra_cache_ignored=True``).
     """
     config = SparseMlaConfig(
         model=model,
@@ -794,6 +829,14 @@ def enforce_grid(
             errors.UncheckedPageSizeWarning(
                 f"flashinfer-python {verdict.release}: {config.describe()}: "
                 + _unchecked_page_note(config, release_family(verdict.release))
+            ),
+            stacklevel=2,
+        )
+    if verdict.extra_cache_ignored:
+        warnings.warn(
+            errors.IgnoredExtraCacheWarning(
+                f"flashinfer-python {verdict.release}: {config.describe()}: "
+                + _ignored_extra_cache_note(config, release_family(verdict.release))
             ),
             stacklevel=2,
         )

@@ -45,7 +45,7 @@ import contextlib
 import importlib
 import importlib.metadata
 import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -505,7 +505,7 @@ def compare_prefill_grid(
             if got_heads != heads:
                 mismatches.append(Mismatch("_PREFILL_DSV4_HEADS", repr(heads), repr(got_heads)))
             for model in ("DSV4", "DSV3_2"):
-                for dual in (False, True) if model == "DSV4" else (False,):
+                for dual in (False, True):
                     for p in (32, 64, 128):
                         for h in _PROBE_HEADS:
                             for k in _PROBE_TOPKS:
@@ -526,7 +526,8 @@ def compare_prefill_grid(
                                     )
                                 for t in (1, 64, 65):
                                     compared += 1
-                                    want_d = not grid._decode(_config(model, t, h, k, p), fam)
+                                    extra = (512, 64) if dual else (0, 0)
+                                    want_d = not grid._decode(_config(model, t, h, k, p, *extra), fam)
                                     got_d = bool(
                                         plan.decode_splitk_eligible(
                                             _MODEL_TYPE[model], h, k, p, dual, t
@@ -562,8 +563,8 @@ def _probe_configs(fam: grid.GridFamily) -> Iterator[Any]:
                 for k in (100, 128, 192, 256, 512, 2048):
                     for p in (32, 64, 128):
                         yield _config(model, t, h, k, p)
+                        yield _config(model, t, h, k, p, 512, 2)
                         if model == "DSV4":
-                            yield _config(model, t, h, k, p, 512, 2)
                             yield _config(model, t, h, k, p, 512, 128)
 
 
@@ -739,8 +740,9 @@ def compare_python_routing(fam: grid.GridFamily, sm: Any) -> CheckResult:
         def build_and_load(self) -> _Module:
             return _Module()
 
-    def stub(name: str) -> Callable[..., None]:
-        return lambda *args, **kwargs: calls.append(name)
+    def decode_stub(*args: Any, **kwargs: Any) -> None:
+        # Which decode kernel ran, and whether it was handed the extra cache (0.6.x DSV3.2 drops it).
+        calls.append("decode" if kwargs.get("extra_kv_cache") is not None else "decode without extra cache")
 
     def zeros(*shape: int, dtype: Any) -> Any:
         return torch.zeros((), dtype=dtype).expand(*shape)
@@ -751,8 +753,8 @@ def compare_python_routing(fam: grid.GridFamily, sm: Any) -> CheckResult:
     with _patched(
         sm,
         gen_sparse_mla_sm120_module=lambda *a, **k: _Gen(),
-        sparse_mla_sm120_decode_dsv4=stub("decode"),
-        sparse_mla_sm120_decode_dsv3_2=stub("decode"),
+        sparse_mla_sm120_decode_dsv4=decode_stub,
+        sparse_mla_sm120_decode_dsv3_2=decode_stub,
     ):
         paged_attention = builder().paged_attention
         for cfg in _probe_configs(fam):
@@ -781,7 +783,8 @@ def compare_python_routing(fam: grid.GridFamily, sm: Any) -> CheckResult:
                 got = f"ValueError: {exc}"
             verdict = grid.supports(cfg, release)
             if verdict.route == "decode":
-                want = "decode"
+                dropped = not cfg.dual or verdict.extra_cache_ignored
+                want = "decode without extra cache" if dropped else "decode"
             elif verdict.error_type is errors.UnsupportedShapeError:
                 want = f"ValueError: {verdict.error_message}"
             else:  # everything else reaches the C++ orchestrator
