@@ -321,7 +321,7 @@ def test_wheel_ships_suites_and_goldens_and_runs_them(
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
     for name in ("pytest_sparse_mla", "suites", "golden"):
         shutil.copytree(ROOT / name, src / name, symlinks=True, ignore=ignore)
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "LICENSE", "MANIFEST.in"):
         shutil.copy(ROOT / name, src / name)
     wheels = tmp_path / "wheels"
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
@@ -339,6 +339,8 @@ def test_wheel_ships_suites_and_goldens_and_runs_them(
     assert suites and goldens
     assert {f"pytest_sparse_mla/suites/{n}" for n in suites} <= names
     assert {f"pytest_sparse_mla/golden/{g}" for g in goldens} <= names
+    assert "pytest_sparse_mla/py.typed" in names  # PEP 561: downstream type checkers read the annotations
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
     assert not any("__pycache__" in n or n.startswith(("suites/", "golden/", "tests/")) for n in names)
 
     site = tmp_path / "site"

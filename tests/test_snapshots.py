@@ -388,7 +388,7 @@ def _no_syrupy(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> No
 
 
 def test_syrupy_skip_message_names_the_metadata_pin() -> None:
-    import tomllib
+    tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Python 3.11's tomllib")
 
     pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
     (pin,) = [d for d in pyproject["project"]["dependencies"] if d.startswith("syrupy")]

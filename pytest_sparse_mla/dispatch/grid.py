@@ -290,7 +290,8 @@ def _builtin_base(error_type: type[BaseException] | None) -> str | None:
 def grid_data() -> dict[str, Any]:
     """The parsed package file ``pytest_sparse_mla/dispatch/grids.json`` (cached; do not mutate)."""
     text = resources.files("pytest_sparse_mla.dispatch").joinpath("grids.json").read_text("utf-8")
-    return json.loads(text)
+    data: dict[str, Any] = json.loads(text)
+    return data
 
 
 @functools.cache

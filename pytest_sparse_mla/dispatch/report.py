@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from pytest_sparse_mla.deployments import DEPLOYMENTS, PHASES, PREFILL_NUM_TOKENS, Deployment
-from pytest_sparse_mla.dispatch import grid
+from pytest_sparse_mla.dispatch import errors, grid
 
 __all__ = [
     "DEFAULT_RELEASES",
@@ -200,7 +200,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         text = render(args.format, args.release, gaps_only=args.gaps_only)
-    except grid.errors.UnsupportedReleaseError as exc:
+    except errors.UnsupportedReleaseError as exc:
         print(f"sparse-mla-deployments: {exc}", file=sys.stderr)
         return 2
     try:

@@ -198,7 +198,7 @@ def _flashinfer_entry() -> Callable[..., None]:
             module = importlib.import_module(module_name)
         except ImportError:
             continue
-        entry = getattr(module, "_sparse_mla_sm120_paged_attention", None)
+        entry: Callable[..., None] | None = getattr(module, "_sparse_mla_sm120_paged_attention", None)
         if entry is not None:
             return entry
     raise ImportError(
