@@ -45,10 +45,12 @@ SUITES_PACKAGE = "pytest_sparse_mla.suites"
 
 
 def is_active(config: pytest.Config) -> bool:
-    """Whether pytest-sparse-mla configured this session (``-p sparse_mla`` or its entry point).
+    """Whether pytest-sparse-mla is active in this session.
 
-    ``False`` when the plugin is installed but disabled (``-p no:sparse_mla``) or not loaded yet
-    (before ``pytest_configure``).
+    Active when the session uses it: ``-p sparse_mla`` (also through ``PYTEST_ADDOPTS`` or the ini
+    ``addopts``), any ``--sparse-mla-*`` option, or any ``sparse_mla_*`` ini key
+    (``pytest_sparse_mla.options.activation``). ``False`` when the plugin is installed but not used,
+    disabled (``-p no:sparse_mla``), or not configured yet (before ``pytest_configure``).
     """
     return OPTIONS_KEY in config.stash
 
@@ -69,7 +71,8 @@ def get_implementation(config: pytest.Config) -> Any:
     """The session's implementation under test (``--sparse-mla-impl``), resolved once and cached.
 
     An object following the protocol of ``pytest_sparse_mla.implementations`` (optional ``pack``,
-    ``page_split``, ``sparse_mla_forward``; ``name``; ``tolerance_profile``).
+    ``page_split``, ``sparse_mla_forward``; ``name``; ``compute_mode``); type it with the
+    ``typing.Protocol`` classes of ``pytest_sparse_mla.implementations.protocol``.
 
     Raises:
         pytest.UsageError: unknown name (the message lists the valid ones), an import string that

@@ -18,6 +18,8 @@ def pytest_sparse_mla_implementations(config: pytest.Config) -> dict[str, Any] |
 
     Each value is an object (or module) following the protocol in
     ``pytest_sparse_mla.implementations`` (optional ``pack``, ``page_split``,
-    ``sparse_mla_forward`` ...). The names become valid values of ``--sparse-mla-impl``.
+    ``sparse_mla_forward`` ...; typed in ``pytest_sparse_mla.implementations.protocol``), or a
+    ``"module:attribute"`` string imported only when the name is selected. The names become valid
+    values of ``--sparse-mla-impl``.
     Called once per session; results of all implementers are merged (later names win).
     """
