@@ -8,7 +8,8 @@ Run explicitly, never by default (``testpaths`` excludes this folder and ``addop
 pytest-benchmark disables itself under xdist (pytest-benchmark ``session.py``), hence
 ``-p no:xdist``. Every item collected here gets the ``sparse_mla_benchmark`` marker.
 
-Timing (``shared/reference/pytest-plugin-anchors.md`` section 4): kernels launch asynchronously,
+Timing (pentschev/pybench ``pybench/pybench.py`` ``run_sync``; pytorch/pytorch PR #75393): kernels
+launch asynchronously,
 so each timed callable ends with ``torch.cuda.synchronize()`` for pytest-benchmark's own wall-clock
 statistics, and the numbers we report (``benchmark.extra_info``, the results table) are medians of
 CUDA-event times taken after warm-up (the flashinfer ``bench_gpu_time`` approach). Bandwidths count

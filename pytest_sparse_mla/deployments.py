@@ -21,7 +21,7 @@ longest sequence (runtime in every release); 512 stands for a 64K-token context
 draft block padded to a multiple of 64 = 192; SGLang pads its query to 64 heads when the rank
 owns fewer (``_PAD_NUM_HEADS = 64``), other integrations pass the exact local heads.
 
-Sources (see ``shared/reference/page-split-and-history.md`` sections 4-5):
+Sources:
 
 * heads: V4-Flash 64 (the deepseek-ai/DeepSeek-V4-Flash model config as reported by public
   config validators; SGLang pads per-rank queries to 64, sgl-project/sglang PR #27954); V4-Pro

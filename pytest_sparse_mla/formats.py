@@ -1,6 +1,8 @@
 """Packed FP8 paged KV-cache formats: byte geometry, quantize + pack, unpack + dequantize, tensor forms.
 
-Two formats (facts from ``shared/reference/dsv4-format-and-math.md`` section 1):
+Two formats (sources: deepseek-ai/FlashMLA ``tests/quant.py``; flashinfer-python 0.7.4
+``include/flashinfer/attention/sparse_mla_sm120/model/kv_cache_traits.cuh``; sgl-project/sglang
+``python/sglang/srt/mem_cache/deepseek_v4_memory_pool.py``):
 
 **DSV4** (DeepSeek-V4, FlashInfer model type 1), 584 bytes/token, *footer* layout. A page of
 ``ps`` tokens (``ps`` = ``page_block_size``) holds:

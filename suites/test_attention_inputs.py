@@ -4,9 +4,10 @@ Specification: a ``TypeError`` or ``ValueError`` whose message names the offendi
 wrong dtypes and shapes, a ``topk_length`` of the wrong length, a sink of the wrong size, an extra
 cache without extra indices (and the reverse), ``extra_topk_length`` without an extra cache, and
 tensors on different devices. FlashInfer 0.7.4 raises ``ValueError`` for its metadata checks
-(``shared/reference/dsv4-format-and-math.md`` 4.2 and 4.3; older releases raised
-``RuntimeError``, listed in an xfail file if needed). ``num_tokens == 0`` is a no-op that returns
-empty results (FlashInfer returns before launching, 4.2 step 8).
+(``flashinfer/mla/_sparse_mla_sm120/_api.py`` ``_sparse_mla_sm120_paged_attention`` and
+``data/csrc/sparse_mla_sm120/attention_validation.h``; older releases raised ``RuntimeError``, listed
+in an xfail file if needed). ``num_tokens == 0`` is a no-op that returns empty results (FlashInfer
+returns before launching).
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """Self-test of the float64 oracle against a computation written out by hand.
 
 The suites judge every implementation by ``attention.oracle.oracle_forward``; this test judges the
-oracle itself on a tiny dual-cache case whose softmax is spelled out term by term from the
-section 2.3 formulas of ``shared/reference/dsv4-format-and-math.md``: candidates main ``[a, a, -1,
+oracle itself on a tiny dual-cache case whose softmax is spelled out term by term (one softmax
+over main and extra candidates plus the sink, flashinfer-ai/flashinfer
+``tests/attention/sparse_mla_test_utils.py`` ``_ref_sparse_attn``): candidates main ``[a, a, -1,
 b | past the length]`` and extra ``[c, -1]``, sink ``s``:
 ``Z = 2 e^{s_a} + e^{s_b} + e^{s_c} + e^{sink}``, ``out = (2 e^{s_a} V_a + e^{s_b} V_b + e^{s_c} V_c) / Z``.
 """

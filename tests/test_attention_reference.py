@@ -6,7 +6,7 @@ selects; the conformance suites under ``suites/`` judge the selected implementat
 * its fp32 output (before BF16 rounding) and LSE are within 1e-5 relative of the float64 oracle at
   DeepSeek-V4 shapes, and its BF16 output is that fp32 output rounded once;
 * it rejects a positive index past its cache inside the valid prefix (the SM120 kernels do not
-  bounds-check: undefined behaviour, ``shared/reference/dsv4-format-and-math.md`` 2.2);
+  bounds-check: undefined behaviour, flashinfer-python 0.7.4 ``kernels/fp8_decode/decode.cuh``);
 * chunking over tokens (the memory bound) does not change the result;
 * with a FlashInfer release (``grid_release=`` / ``--sparse-mla-grid``) it raises that release's
   exact error for a shape the release cannot run, with the published text, and records the

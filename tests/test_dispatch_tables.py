@@ -5,8 +5,8 @@ helpers; ``suites/test_dispatch_grid.py`` holds the selected implementation to t
 ``flashinfer_release`` (its own runs under declared releases are at the end of this file).
 
 Expectations here are written independently of the shipped ``grids.json``: hand-transcribed
-tables of the instantiated sets and rules per release family (``shared/reference/
-dispatch-grid.md``, read from the flashinfer-python wheels), message templates typed from the
+tables of the instantiated sets and rules per release family (read from the flashinfer-python
+wheels' ``flashinfer/mla/_sparse_mla_sm120*.py`` and ``data/csrc/sparse_mla_sm120*``), message templates typed from the
 release sources, and literal error strings as published in public tracebacks (sgl-project/sglang
 #33134, #33985; flashinfer-ai/flashinfer #3828, PRs #3817 and #3896) or printed by the
 releases' own Python code run on CPU (0.6.18, 0.7.0, 0.7.4; see ``dispatch/introspect.py``).
@@ -40,11 +40,11 @@ from pytest_sparse_mla.dispatch import (
 from pytest_sparse_mla.dispatch import report as report_module
 
 # ----------------------------------------------------------------------------------------------
-# Hand-written tables (dispatch-grid.md "Summary table" and per-release sections).
+# Hand-written tables, one per release family (read from the wheels' sources).
 
 HEADS = (8, 16, 32, 64, 128)
 
-#: release -> family (the first release of the family), as dispatch-grid.md "Timeline" groups them.
+#: release -> family (the first release of the family): releases whose SM120 sources are identical.
 FAMILY_OF = {
     "0.6.14": "0.6.14",
     "0.6.15": "0.6.14",
@@ -136,7 +136,7 @@ META_HEADS = (
 
 
 def expected(family, model, t, h, k, p, e=0, ep=0):  # type: ignore[no-untyped-def]
-    """The release family's behaviour, from the prose of dispatch-grid.md.
+    """The release family's behaviour, written from the release sources' control flow.
 
     Returns ("ok", route, compute_mode, unchecked_page) or ("error", builtin base, message).
     """

@@ -212,7 +212,8 @@ def test_id_files_excuse_installed_suite_ids_and_warn_on_unmatched(
             "sparse-mla: xfail file: *xfails.txt (2 ids)",
             "*SparseMlaSelectionWarning: --sparse-mla-xfail-file: "
             "'suites/test_attention_accuracy.py::test_renamed_long_ago' (*xfails.txt:4) matches no collected test",
-            "*XFAIL*test_lse_conventions[[]dsv4-sink-flashinfer-1.0[]] - listed in --sparse-mla-xfail-file (*xfails.txt:3)",
+            "*XFAIL*test_lse_conventions[[]dsv4-sink-flashinfer-1.0[]] - listed in "
+            "--sparse-mla-xfail-file (*xfails.txt:3)",
             "*SKIPPED*listed in --sparse-mla-skip-file (*skips.txt:1)",
         ]
     )

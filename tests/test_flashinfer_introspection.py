@@ -60,7 +60,8 @@ def test_installed_flashinfer_matches_bundled_grid(
 
 
 def fake_0_6_17(extra_pairs: frozenset = frozenset(), page: int = 64) -> SimpleNamespace:
-    """The 0.6.14-0.6.17 constants, typed from dispatch-grid.md (15 + 20 pairs, page 64)."""
+    """The 0.6.14-0.6.17 constants, typed from ``flashinfer/mla/_sparse_mla_sm120.py`` (15 + 20 pairs,
+    page 64)."""
     return SimpleNamespace(
         _DECODE_DSV4_DISPATCH=frozenset((h, k) for h in HEADS for k in (128, 512, 1024))
         | extra_pairs,
@@ -90,7 +91,7 @@ def test_comparator_names_each_differing_cell() -> None:
 
 class FakeEnvelope:
     """A 0.7.1+-style decode envelope: membership 1 <= h <= max_heads and k >= 1, iteration
-    over the dedicated heads paired with topk 1 (dispatch-grid.md, 0.7.1 Introspection)."""
+    over the dedicated heads paired with topk 1 (0.7.1's ``_DECODE_DSV4_DISPATCH``, printed on CPU)."""
 
     def __init__(self, max_heads: int = 128) -> None:
         self.max_heads = max_heads

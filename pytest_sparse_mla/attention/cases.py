@@ -3,8 +3,8 @@
 Two families:
 
 * :data:`FLASHINFER_CASES`: the configurations and data distribution of FlashInfer's SM120 tests
-  (flashinfer-ai/flashinfer ``tests/attention/test_sparse_mla_sm120.py``; summarised in
-  ``shared/reference/dsv4-format-and-math.md`` sections 3.1, 3.3 and 3.4): latent rows and queries
+  (flashinfer-ai/flashinfer ``tests/attention/test_sparse_mla_sm120.py``, ``_DSV4_DECODE_CONFIGS``
+  and the prefill configs; reference ``tests/attention/sparse_mla_test_utils.py``): latent rows and queries
   ``(randn / 10).clamp(-1, 1)``, indices uniform over the cache with the second half ``-1``,
   ``sink = randn(H) * 2``, ``sm_scale = 512 ** -0.5``, page size 64; decode, prefill, runtime
   head counts and topk, ``topk_length`` truncation with stale padding, dual caches (extra page 64

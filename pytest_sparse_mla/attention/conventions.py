@@ -6,8 +6,7 @@
     multiplied by ``lse_scale`` (``math.log(2)`` gives natural log). An empty row without a sink is
     ``-inf``; with a finite sink it is ``sink * log2(e) * lse_scale``. Source: flashinfer-ai/flashinfer
     ``flashinfer/mla/_sparse_mla_sm120/_api.py`` (``run`` docstring "Final LSE uses base 2 by
-    default"), ``include/.../sparse_mla_sm120/common/lse.cuh`` ``scale_output_lse``;
-    ``shared/reference/dsv4-format-and-math.md`` sections 2.5 and 2.6.
+    default"), ``include/.../sparse_mla_sm120/common/lse.cuh`` ``scale_output_lse``.
   - ``"flashmla"``: natural-log LSE of the candidates only, the sink **excluded**; an empty row is
     ``+inf`` ("lonely" query). ``lse_scale`` must be 1. Source: deepseek-ai/FlashMLA ``tests/ref.py``
     and ``flash_mla/flash_mla_interface.py`` (the sink has "no affect on the returned softmax_lse");

@@ -1,10 +1,10 @@
 """Bundled reference sparse-MLA forward over packed FP8 paged KV caches (DSV4 and DSV3.2).
 
-Math (``shared/reference/dsv4-format-and-math.md`` sections 2 and 5; FlashInfer
-``tests/attention/sparse_mla_test_utils.py`` ``_ref_sparse_attn``): for query token ``t`` and head
-``h``, the candidates are the valid lanes of the main index row followed by the valid lanes of the
-extra index row; candidate ``j`` is the dequantized latent row ``K_j`` of its cache (``formats``
-section 1.6). Scores ``s_j = sm_scale * <q[t, h], K_j>`` over all ``d_qk`` dims; one softmax over
+Math (flashinfer-ai/flashinfer ``tests/attention/sparse_mla_test_utils.py`` ``_ref_sparse_attn``
+and the ``_sparse_mla_sm120_paged_attention`` docstring in ``flashinfer/mla/_sparse_mla_sm120/_api.py``):
+for query token ``t`` and head ``h``, the candidates are the valid lanes of the main index row
+followed by the valid lanes of the extra index row; candidate ``j`` is the dequantized latent row
+``K_j`` of its cache (``formats``). Scores ``s_j = sm_scale * <q[t, h], K_j>`` over all ``d_qk`` dims; one softmax over
 main and extra candidates together, plus ``exp(attn_sink[h])`` in the denominator (the sink has no
 value); output ``sum_j softmax_j * V_j`` where ``V_j = K_j`` (DSV4, 512 dims) or the first 512 dims
 of ``K_j`` (DSV3.2, ``d_qk`` 576).

@@ -66,8 +66,8 @@ Built-ins
   Compute mode ``"exact"``.
 * ``flashinfer``: an adapter over FlashInfer's SM120 sparse-MLA entry
   ``_sparse_mla_sm120_paged_attention`` (module ``flashinfer.mla._sparse_mla_sm120._api`` from
-  0.7.1, ``flashinfer.mla._sparse_mla_sm120`` before; signature in
-  ``shared/reference/dsv4-format-and-math.md`` section 4.2). It provides ``sparse_mla_forward``
+  0.7.1, ``flashinfer.mla._sparse_mla_sm120`` before; signature and checks in its docstring and
+  body, ``flashinfer/mla/_sparse_mla_sm120/_api.py`` of 0.7.4). It provides ``sparse_mla_forward``
   only (FlashInfer ships no DSV4-584 writer and no page split) and is skipped unless
   flashinfer-python is installed, the suites run on CUDA and the GPU is SM12x (FlashInfer's gate:
   ``flashinfer/utils.py`` ``is_sm12x_supported``). Compute mode ``"fp8"`` (its kernels quantize
@@ -210,8 +210,9 @@ def _flashinfer_entry() -> Callable[..., None]:
 class FlashInferImplementation:
     """Built-in ``flashinfer``: adapter over FlashInfer's SM120 sparse-MLA kernels (CUDA, SM12x).
 
-    Best effort: written against the 0.6.14 - 0.7.4 sources (reference notes sections 2.1, 2.8 and
-    4.2), not run on SM12x hardware by this project. It allocates ``output``/``out_lse`` (and the
+    Best effort: written against the 0.6.14 - 0.7.4 sources (``flashinfer/mla/_sparse_mla_sm120.py``,
+    ``flashinfer/mla/_sparse_mla_sm120/_api.py``), not run on SM12x hardware by this project. It
+    allocates ``output``/``out_lse`` (and the
     split-K decode scratch for ``num_tokens <= 64``: ``[T, heads, splits, 512]`` BF16 and
     ``[T, heads, splits]`` fp32 with ``splits = ceil(topk/64) + ceil(extra_topk/64)`` and
     ``heads`` = 8 if H == 8 else ``ceil(H/16)*16`` from 0.7.0, H before), calls the entry, and

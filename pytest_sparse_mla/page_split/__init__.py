@@ -6,7 +6,7 @@ Design note
 Why. FlashInfer's SM120 sparse-MLA kernels read DSV4 caches in 64-token pages, while serving pools
 use 256-token (SWA) or 128-token pages; SGLang splits the pool right before every call
 (sgl-project/sglang ``python/sglang/kernels/ops/attention/flash_mla_sm120.py``
-``_split_kv_pages_to_64``, PR #27455). Facts and history: ``shared/reference/page-split-and-history.md``.
+``_split_kv_pages_to_64``, PR #27455; later fixes: PRs #32320, #35116, #35833, #39288).
 
 Algorithm. A DSV4 page of ``ps`` tokens holds all data rows (``ps*576`` bytes) then all 8-byte
 scale records (``ps*8``) then padding (``formats`` module docstring). With ``ratio = ps/64``,
@@ -30,8 +30,9 @@ Buffers. Destination and mask live in a :class:`BufferRegistry` (grow-only, per 
 filled on (re)allocation because FlashInfer gathers slot 0 for masked candidates, SGLang PR
 #39288; allocated outside inference mode, PR #35116) under ``f"{name}{key_suffix}:{device}"``:
 ``flash_mla_sm120_split:{dev}`` / ``flash_mla_sm120_mask:{dev}`` for ``key_suffix=""`` (SGLang's
-historic keys), the suffix placed before the colon like the downstream ``buf_tag`` patch
-(reference notes section 1.7). A second split in one call (e.g. a 128-token extra cache) needs its
+historic keys), the suffix placed before the colon like a downstream ``buf_tag`` patch (the
+DeepSeek-V4.1 shim of flashinfer-ai/flashinfer #5095 splits a second cache). A second split in
+one call (e.g. a 128-token extra cache) needs its
 own suffix, or it overwrites the first split's pages (the aliasing bug).
 
 Backends. ``"torch"`` (:mod:`._torch`): readable strided-view copies. ``"triton"``

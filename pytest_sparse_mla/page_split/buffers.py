@@ -6,7 +6,8 @@ uses in its runtime resource registry (sgl-project/sglang
 ``python/sglang/kernels/ops/attention/flash_mla_sm120.py``, ``_split_kv_pages_to_64``). A non-empty
 suffix goes between the name and the colon, as the downstream ``buf_tag`` patch does
 (``flash_mla_sm120_split{buf_tag}:{dev}`` with ``buf_tag="_extra"`` for the second split of a call;
-``shared/reference/page-split-and-history.md`` section 1.7). ``key_suffix`` is the team's name for
+the DeepSeek-V4.1 shim of flashinfer-ai/flashinfer #5095 splits a second cache). ``key_suffix`` is
+this package's name for
 that tag; it must not contain ``":"`` so a key always splits into name+suffix and device.
 
 Allocation rules (each one fixes a reported bug):

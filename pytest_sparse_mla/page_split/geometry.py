@@ -4,8 +4,8 @@ Everything here is plain Python/torch metadata work: nothing allocates a page bu
 reads tensor values, so nothing synchronises with a GPU. The byte rules of a DSV4 page come from
 :mod:`pytest_sparse_mla.formats` (data rows ``[0, ps*576)``, scale footer ``[ps*576, ps*584)``);
 this module only derives the split's sub-page arithmetic from them
-(``shared/reference/page-split-and-history.md`` section 1.3; SGLang
-``python/sglang/kernels/ops/attention/flash_mla_sm120.py`` ``_split_kv_pages_to_64``, PR #27455).
+(sgl-project/sglang ``python/sglang/kernels/ops/attention/flash_mla_sm120.py``
+``_split_kv_pages_to_64``, PR #27455).
 """
 
 from __future__ import annotations
