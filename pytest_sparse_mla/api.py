@@ -37,6 +37,7 @@ __all__ = [
     "implementation_name",
     "is_active",
     "is_enforcing_grid",
+    "package_dir",
     "suites_dir",
 ]
 
@@ -108,14 +109,30 @@ def is_enforcing_grid(config: pytest.Config) -> bool:
     return grid_release(config) is not None
 
 
+def package_dir(name: str) -> Path | None:
+    """Where the sub-package ``name`` (``"pytest_sparse_mla.suites"``, ``"pytest_sparse_mla.golden"``)
+    lives, as the import system finds it without importing it: ``pytest_sparse_mla/suites`` of a
+    wheel, the checkout's top-level ``suites/`` under an editable install (the build maps it there);
+    ``None`` when it is not installed."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+    locations = list(spec.submodule_search_locations or ()) if spec is not None else []
+    return Path(locations[0]).resolve() if locations else None
+
+
 def suites_dir() -> Path:
-    """Directory of the shipped suites (``pytest_sparse_mla/suites`` of the installed package;
-    in a checkout, the top-level ``suites/`` it links to).
+    """Directory of the shipped suites, the package ``pytest_sparse_mla.suites``
+    (``pytest_sparse_mla/suites`` of an installed wheel; the checkout's ``suites/`` under an editable
+    install).
 
     Raises:
         FileNotFoundError: the package was installed without its suites.
     """
-    path = (Path(__file__).parent / "suites").resolve()
-    if not (path / "__init__.py").is_file():
-        raise FileNotFoundError(f"{path}: the suites are missing from this installation")
+    path = package_dir(SUITES_PACKAGE)
+    if path is None or not (path / "__init__.py").is_file():
+        raise FileNotFoundError(f"{SUITES_PACKAGE}: the suites are missing from this installation ({path})")
     return path

@@ -115,13 +115,13 @@ def read_id_file(path: str | Path) -> list[SelectionEntry]:
 
 
 def _suites_dirs() -> tuple[Path, ...]:
-    """Directories holding the shipped suites: the package's ``suites`` (installed wheel, or the
-    symlink in a checkout) and, resolved, the checkout's top-level ``suites/``."""
-    package_suites = Path(__file__).resolve().parent / "suites"
-    dirs = [package_suites]
-    if package_suites.exists():
-        dirs.append(package_suites.resolve())
-    return tuple(dict.fromkeys(dirs))
+    """Directories holding the shipped suites: the package ``pytest_sparse_mla.suites`` wherever it
+    is installed (a wheel's ``pytest_sparse_mla/suites``, a checkout's ``suites/`` under an editable
+    install) and, from a checkout, its top-level ``suites/``."""
+    from pytest_sparse_mla import api
+
+    dirs = [api.package_dir(api.SUITES_PACKAGE), Path(__file__).resolve().parent.parent / "suites"]
+    return tuple(dict.fromkeys(d for d in dirs if d is not None and (d / "__init__.py").is_file()))
 
 
 def candidate_ids(item: pytest.Item) -> list[str]:

@@ -97,15 +97,19 @@ _COMPARES = ("exact", "close")
 def default_golden_dir() -> Path:
     """The golden root used when neither ``--sparse-mla-golden-dir`` nor the ini key is given.
 
-    From a checkout (the package directory's parent holds ``pyproject.toml``), the repository's
-    top-level ``golden/``; otherwise (an installed wheel) ``golden/`` inside the package, where a
-    packaged copy would be shipped. Change the rule here, in one place.
+    The package data ``pytest_sparse_mla/golden`` wherever the import system finds it (a wheel's
+    copy; the checkout's top-level ``golden/`` under an editable install, which the build maps
+    there); from a bare checkout (the package directory's parent holds ``pyproject.toml``), its
+    ``golden/``. Change the rule here, in one place.
     """
+    from pytest_sparse_mla import api
+
     package = Path(__file__).resolve().parent
     checkout = package.parent
     if (checkout / "pyproject.toml").is_file() and (checkout / "golden").is_dir():
         return checkout / "golden"
-    return package / "golden"
+    found = api.package_dir("pytest_sparse_mla.golden")
+    return found if found is not None else package / "golden"
 
 
 def golden_root(config: pytest.Config) -> Path:

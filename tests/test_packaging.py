@@ -172,3 +172,36 @@ def test_readme_installs_cpu_torch_before_the_package() -> None:
         block = readme[readme.index(marker) :].split("```")[1]
         command = block.removeprefix("bash").strip()
         assert command.startswith("python3 -m venv .venv && .venv/bin/pip install torch==2.13.0 -e '.[test]' && ")
+
+
+def test_suites_and_goldens_are_real_folders_mapped_into_the_package(pyproject: dict[str, Any]) -> None:
+    """No symlinks: the build maps the top-level suites/ and golden/ into the package, and every
+    package folder on disk is listed for the build."""
+    package = ROOT / "pytest_sparse_mla"
+    assert not [p for p in package.rglob("*") if p.is_symlink()]
+    assert (ROOT / "suites").is_dir() and not (ROOT / "suites").is_symlink()
+    setuptools_cfg = pyproject["tool"]["setuptools"]
+    mapped = {"pytest_sparse_mla.suites": "suites", "pytest_sparse_mla.golden": "golden"}
+    assert setuptools_cfg["package-dir"] == mapped
+    on_disk = {
+        ".".join(p.relative_to(ROOT).parts)
+        for p in package.rglob("*")
+        if p.is_dir() and p.name != "__pycache__" and any(f.suffix in (".py", ".txt") for f in p.iterdir())
+    } | {"pytest_sparse_mla"}
+    listed = set(setuptools_cfg["packages"])
+    assert on_disk <= listed, f"package folders missing from [tool.setuptools] packages: {sorted(on_disk - listed)}"
+    assert {"pytest_sparse_mla.suites", "pytest_sparse_mla.golden"} <= listed
+
+
+def test_the_installed_package_provides_the_suites_and_goldens() -> None:
+    """Whatever the install (editable here from a checkout, a wheel or an sdist elsewhere), the
+    import system finds ``pytest_sparse_mla.suites`` and the goldens without importing them."""
+    from pytest_sparse_mla import api, snapshots
+
+    suites = api.suites_dir()
+    assert (suites / "conftest.py").is_file() and (suites / "test_golden.py").is_file()
+    golden = snapshots.default_golden_dir()
+    assert any(golden.rglob("*.tensor.json"))
+    from_checkout = Path(pytest_sparse_mla.__file__).resolve().parent == ROOT / "pytest_sparse_mla"
+    if from_checkout and (ROOT / "pyproject.toml").is_file():
+        assert suites == ROOT / "suites" and golden == ROOT / "golden"  # a checkout: the real folders
