@@ -13,7 +13,7 @@
 # plus machine.json (GPU, driver, versions, peer sources) and, from scripts/conformance_report.py,
 # conformance.json and conformance.md. Shipped xfail files (pytest_sparse_mla/xfail/IMPL.txt) are
 # applied unless XFAIL=0. Optional: SMOKE=1 runs scripts/peers_smoke.py (smoke.json), BENCH=1 the
-# peer benchmarks (bench/results.json). Variables: XDIST (workers, default 4), SUITE_TIMEOUT
+# peer and reference-attention benchmarks (bench/results.json). Variables: XDIST (workers, default 4), SUITE_TIMEOUT
 # (seconds per implementation, default 240), SMOKE_TIMEOUT (180), SMOKE_MAX_TOKENS (600),
 # BENCH_TIMEOUT (240), PEERS_EXT_OUT (pack a fresh FlashMLA build there),
 # PACK (write everything in $RESULTS into this one .tar.xz at the end).
@@ -118,7 +118,7 @@ fi
 if [ "${BENCH:-0}" = 1 ]; then
   stamp "bench"
   SPARSE_MLA_BENCH_DIR="$OUT/bench" timeout -s INT "${BENCH_TIMEOUT:-240}" python3 -m pytest -p "$PLUGIN" \
-    benchmarks/test_bench_peers.py \
+    benchmarks/test_bench_peers.py benchmarks/test_bench_attention.py \
     --benchmark-only -p no:xdist -p no:randomly -p no:cacheprovider --sparse-mla-require-gpu -q -rs \
     >"$OUT/bench.log" 2>&1
   stamp "bench: exit $?; $(tail -1 "$OUT/bench.log")"
