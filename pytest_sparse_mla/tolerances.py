@@ -581,7 +581,7 @@ class SparseMlaTolerances:
             AssertionError: as :meth:`check_output`.
         """
         expected_tensor, scales = _unpack_expected(expected, "lse")
-        convention = lse_convention or getattr(expected, "lse_convention", "flashinfer")
+        convention = str(lse_convention or getattr(expected, "lse_convention", "flashinfer"))
         scale = lse_scale if lse_scale is not None else float(getattr(expected, "lse_scale", 1.0))
         report = compare_lse(actual, expected_tensor, profile=self.model, fmt=fmt, scales=scales,
                              lse_convention=convention, lse_scale=scale, what=what)  # fmt: skip

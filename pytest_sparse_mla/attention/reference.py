@@ -185,7 +185,8 @@ def _check_index_tensor(indices: Any, name: str, num_tokens: int, q: torch.Tenso
         raise ValueError(f"{name}.shape={tuple(indices.shape)}: the leading dim must equal num_tokens={num_tokens}")
     if indices.shape[1] < 1:
         raise ValueError(f"{name}.shape={tuple(indices.shape)}: expected topk >= 1")
-    return indices
+    checked: torch.Tensor = indices
+    return checked
 
 
 def _check_vector(value: Any, name: str, dtype: torch.dtype, length: int, what: str, q: torch.Tensor) -> torch.Tensor:

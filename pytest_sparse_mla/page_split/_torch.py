@@ -25,8 +25,8 @@ def source_sub_pages(pages: torch.Tensor, src_page_block_size: int) -> tuple[tor
     """
     ratio = src_page_block_size // 64
     footer = src_page_block_size * 576
-    data = pages[:, :footer].unflatten(1, (ratio, SUB_PAGE_DATA_BYTES))
-    scales = pages[:, footer : src_page_block_size * 584].unflatten(1, (ratio, -1))
+    data = torch.unflatten(pages[:, :footer], 1, (ratio, SUB_PAGE_DATA_BYTES))
+    scales = torch.unflatten(pages[:, footer : src_page_block_size * 584], 1, (ratio, -1))
     return data, scales
 
 
@@ -36,8 +36,8 @@ def dest_sub_pages(dst: torch.Tensor, ratio: int) -> tuple[torch.Tensor, torch.T
     Destination page ``p*ratio + s`` holds data at bytes ``[0, 36864)`` and the footer at
     ``[36864, 37376)``; bytes ``[37376, stride)`` (the alignment tail) are not part of either view.
     """
-    data = dst[:, :SUB_PAGE_DATA_BYTES].unflatten(0, (-1, ratio))
-    scales = dst[:, SUB_PAGE_DATA_BYTES:DST_PAGE_BYTES].unflatten(0, (-1, ratio))
+    data = torch.unflatten(dst[:, :SUB_PAGE_DATA_BYTES], 0, (-1, ratio))
+    scales = torch.unflatten(dst[:, SUB_PAGE_DATA_BYTES:DST_PAGE_BYTES], 0, (-1, ratio))
     return data, scales
 
 

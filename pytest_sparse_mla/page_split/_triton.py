@@ -425,7 +425,7 @@ def _check_runnable(device: torch.device) -> None:
         )
 
 
-def _device_guard(device: torch.device) -> contextlib.AbstractContextManager:
+def _device_guard(device: torch.device) -> contextlib.AbstractContextManager[object]:
     if device.type == "cuda":
         return torch.cuda.device(device)
     return contextlib.nullcontext()
@@ -509,7 +509,8 @@ def _copy_programs(device: torch.device, num_dst_pages: int, programs_per_sm: in
     """Grid of the worklist copy: ``min(num_dst_pages, programs_per_sm * SMs)`` (shapes only)."""
     if device.type != "cuda":
         return min(num_dst_pages, _INTERPRETED_PROGRAMS)
-    return min(num_dst_pages, programs_per_sm * _cuda_properties(device).multi_processor_count)  # type: ignore[attr-defined]
+    sms = int(_cuda_properties(device).multi_processor_count)  # type: ignore[attr-defined]
+    return min(num_dst_pages, programs_per_sm * sms)
 
 
 def split_touched_pages(
