@@ -173,3 +173,17 @@ def test_ci_run_fails_on_exit_5(tmp_path: Path) -> None:
     repo = _ci_repo(tmp_path, "exit 5")
     result = subprocess.run([str(repo / ".ci" / "run")], capture_output=True, text=True)
     assert result.returncode == 5 and "collected no tests (exit 5)" in result.stderr
+
+
+def test_ci_run_outside_git_copies_all_but_the_venv(tmp_path: Path) -> None:
+    """From an unpacked sdist (no .git): the copy still leaves .venv behind."""
+    repo = tmp_path / "unpacked"
+    (repo / ".ci").mkdir(parents=True)
+    shutil.copy(ROOT / ".ci" / "run", repo / ".ci" / "run")
+    (repo / "README.md").write_text(
+        "<!-- test-command -->\n```bash\ntest ! -e .venv && test -f kept.txt\n```\n"
+    )
+    (repo / "kept.txt").write_text("x\n")
+    (repo / ".venv").mkdir()
+    result = subprocess.run([str(repo / ".ci" / "run")], capture_output=True, text=True, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
