@@ -125,10 +125,17 @@ def _rows(indices: torch.Tensor) -> torch.Tensor:
     return indices[:, 0] if indices.dim() == 3 else indices
 
 
-def _num_tokens_of(cache: torch.Tensor, fmt: Any, page_block_size: int | None) -> tuple[int, int]:
-    """(tokens, page_block_size) of a packed cache."""
-    layout = formats.parse_cache(cache, fmt, page_block_size=page_block_size)
+def _num_tokens_of(
+    cache: torch.Tensor, fmt: Any, page_block_size: int | None, name: str = "kv_cache"
+) -> tuple[int, int]:
+    """(tokens, page_block_size) of a packed cache (errors name ``name``, as the reference's do)."""
+    layout = formats.parse_cache(cache, fmt, page_block_size=page_block_size, name=name)
     return layout.num_tokens, layout.page_block_size
+
+
+def _has_extra(kw: dict[str, Any]) -> bool:
+    """Both halves of an extra cache are given (otherwise the reference reports the bad input)."""
+    return kw.get("extra_kv_cache") is not None and kw.get("extra_indices") is not None
 
 
 def _bf16_truncate(x: torch.Tensor) -> torch.Tensor:
@@ -295,11 +302,11 @@ class minus_one_reads_last_row(_WrapsReference):
     def sparse_mla_forward(self, q, kv_cache, indices, **kw):
         fmt = kw.get("fmt", "dsv4")
         n, _ = _num_tokens_of(kv_cache, fmt, kw.get("page_block_size"))
-        indices = torch.where(_rows(indices) < 0, n - 1, _rows(indices)).to(torch.int32)
-        if kw.get("extra_indices") is not None:
-            ne, _ = _num_tokens_of(kw["extra_kv_cache"], fmt, kw.get("extra_page_block_size"))
+        indices = torch.where(_rows(indices) < 0, n - 1, _rows(indices)).to(indices.dtype)
+        if _has_extra(kw):
+            ne, _ = _num_tokens_of(kw["extra_kv_cache"], fmt, kw.get("extra_page_block_size"), "extra_kv_cache")
             extra = _rows(kw["extra_indices"])
-            kw["extra_indices"] = torch.where(extra < 0, ne - 1, extra).to(torch.int32)
+            kw["extra_indices"] = torch.where(extra < 0, ne - 1, extra).to(extra.dtype)
         return self._reference(q, kv_cache, indices, **kw)
 
 
@@ -307,7 +314,7 @@ def _wrap_out_of_range(idx: torch.Tensor, n: int) -> torch.Tensor:
     """Lanes a kernel reads without a bounds check: an out-of-range index lands somewhere in the
     cache (modelled as ``idx % n``), -1 stays masked."""
     idx = _rows(idx)
-    return torch.where(idx >= 0, idx.remainder(n), idx).to(torch.int32)
+    return torch.where(idx >= 0, idx.remainder(n), idx).to(idx.dtype)
 
 
 @wrong(
@@ -319,8 +326,8 @@ class past_topk_length(_WrapsReference):
         fmt = kw.get("fmt", "dsv4")
         if kw.pop("topk_length", None) is not None:
             indices = _wrap_out_of_range(indices, _num_tokens_of(kv_cache, fmt, kw.get("page_block_size"))[0])
-        if kw.pop("extra_topk_length", None) is not None:
-            ne = _num_tokens_of(kw["extra_kv_cache"], fmt, kw.get("extra_page_block_size"))[0]
+        if kw.pop("extra_topk_length", None) is not None and _has_extra(kw):
+            ne = _num_tokens_of(kw["extra_kv_cache"], fmt, kw.get("extra_page_block_size"), "extra_kv_cache")[0]
             kw["extra_indices"] = _wrap_out_of_range(kw["extra_indices"], ne)
         return self._reference(q, kv_cache, indices, **kw)
 
@@ -331,8 +338,9 @@ class past_topk_length(_WrapsReference):
 )
 class ignores_extra_topk_length(_WrapsReference):
     def sparse_mla_forward(self, q, kv_cache, indices, **kw):
-        if kw.pop("extra_topk_length", None) is not None:
-            ne = _num_tokens_of(kw["extra_kv_cache"], kw.get("fmt", "dsv4"), kw.get("extra_page_block_size"))[0]
+        if kw.pop("extra_topk_length", None) is not None and _has_extra(kw):
+            fmt, eps = kw.get("fmt", "dsv4"), kw.get("extra_page_block_size")
+            ne = _num_tokens_of(kw["extra_kv_cache"], fmt, eps, "extra_kv_cache")[0]
             kw["extra_indices"] = _wrap_out_of_range(kw["extra_indices"], ne)
         return self._reference(q, kv_cache, indices, **kw)
 
@@ -398,9 +406,9 @@ class ignores_storage_offset(_WrapsReference):
         return self._reference(q, _rebased(kv_cache), indices, **kw)
 
 
-def _tight(cache: torch.Tensor, fmt: Any, page_block_size: int | None) -> torch.Tensor:
+def _tight(cache: torch.Tensor, fmt: Any, page_block_size: int | None, name: str = "kv_cache") -> torch.Tensor:
     """The same bytes read with page stride ``ps * bytes_per_token`` (padding assumed absent)."""
-    layout = formats.parse_cache(cache, fmt, page_block_size=page_block_size)
+    layout = formats.parse_cache(cache, fmt, page_block_size=page_block_size, name=name)
     stride = list(cache.stride())
     stride[0] = layout.page_block_size * layout.token_stride
     return torch.as_strided(cache, cache.shape, stride, cache.storage_offset())
@@ -414,7 +422,7 @@ class assumes_tight_page_stride(_WrapsReference):
     def sparse_mla_forward(self, q, kv_cache, indices, **kw):
         fmt = kw.get("fmt", "dsv4")
         if kw.get("extra_kv_cache") is not None:
-            kw["extra_kv_cache"] = _tight(kw["extra_kv_cache"], fmt, kw.get("extra_page_block_size"))
+            kw["extra_kv_cache"] = _tight(kw["extra_kv_cache"], fmt, kw.get("extra_page_block_size"), "extra_kv_cache")
         return self._reference(q, _tight(kv_cache, fmt, kw.get("page_block_size")), indices, **kw)
 
 
@@ -498,12 +506,13 @@ class bf16_output_truncated(_WrapsReference):
 )
 class extra_page2_index_off_by_one(_WrapsReference):
     def sparse_mla_forward(self, q, kv_cache, indices, **kw):
-        if kw.get("extra_kv_cache") is not None:
-            ne, ps = _num_tokens_of(kw["extra_kv_cache"], kw.get("fmt", "dsv4"), kw.get("extra_page_block_size"))
+        if _has_extra(kw):
+            fmt, eps = kw.get("fmt", "dsv4"), kw.get("extra_page_block_size")
+            ne, ps = _num_tokens_of(kw["extra_kv_cache"], fmt, eps, "extra_kv_cache")
             if ps == 2:
                 e = _rows(kw["extra_indices"]).to(torch.int64)
                 moved = ((e + 1) // 2 * 2 + e % 2).remainder(ne)
-                kw["extra_indices"] = torch.where(e >= 0, moved, e).to(torch.int32)
+                kw["extra_indices"] = torch.where(e >= 0, moved, e).to(kw["extra_indices"].dtype)
         return self._reference(q, kv_cache, indices, **kw)
 
 
@@ -563,7 +572,7 @@ def _first_occurrences(indices: torch.Tensor, length: torch.Tensor | None) -> to
     repeat = torch.zeros_like(valid)
     repeat[:, 1:] = order.values[:, 1:] == order.values[:, :-1]
     dup = torch.zeros_like(valid).scatter(1, order.indices, repeat)
-    return torch.where(dup & valid, -1, idx).to(torch.int32)
+    return torch.where(dup & valid, -1, idx).to(indices.dtype)
 
 
 # =================================================================================================
