@@ -84,6 +84,9 @@ def test_golden_suite_is_skipped_with_a_reason_without_syrupy(
     result = pytester.runpytest_subprocess(
         "-p", "sparse_mla", "-p", "no:syrupy", str(SUITE_FILE), "--sparse-mla-device", "cpu",
         "-p", "no:cacheprovider", "-rs",
+        # importlib: an installed suite file must not put site-packages (the real syrupy) before the
+        # hiding folder on sys.path, as the default prepend mode does.
+        "--import-mode=importlib",
     )  # fmt: skip
     assert result.ret == pytest.ExitCode.NO_TESTS_COLLECTED or result.ret == pytest.ExitCode.OK, result.stdout.str()
     result.stdout.fnmatch_lines(["*SKIPPED*golden snapshots need syrupy*"])
