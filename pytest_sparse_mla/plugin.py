@@ -41,6 +41,11 @@ from pytest_sparse_mla import capabilities, options
 #: Modules registered as plugins when the plugin is active: fixtures only (no hooks).
 FIXTURE_MODULES = ("pytest_sparse_mla.fixtures",)
 GPU_REQUIRED_MARKER = options.GPU_REQUIRED_MARKER
+#: Why a session that collects the shipped suites without using the plugin stops.
+NEEDS_PLUGIN = (
+    "the pytest-sparse-mla suites need the plugin, which is opt-in: run with -p sparse_mla (or add it to addopts)"
+)
+_NEEDS_PLUGIN_KEY = pytest.StashKey[bool]()
 
 
 def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
@@ -131,10 +136,17 @@ def pytest_report_header(config: pytest.Config) -> list[str] | None:
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Capability markers and the implementation's missing capabilities become skips; the xfail
-    and skip files mark their tests (all before ``-k``/``-m`` deselection)."""
-    if not options.is_active(config):
-        return
+    and skip files mark their tests (all before ``-k``/``-m`` deselection). Not active but
+    collecting the shipped suites: a usage error saying how to load the plugin."""
     from pytest_sparse_mla import implementations, selection
+
+    if not options.is_active(config):
+        suite_items = selection.shipped_suite_items(items)
+        if suite_items and getattr(config, "workerinput", None) is None:
+            raise pytest.UsageError(f"{suite_items[0].nodeid}: {NEEDS_PLUGIN}")
+        for item in suite_items:  # an xdist worker: a usage error there is an internal error
+            item.stash[_NEEDS_PLUGIN_KEY] = True
+        return
 
     opts = options.get_options(config)
     capabilities.skip_unmet(items, GPU_REQUIRED_MARKER if opts.require_gpu else None)
@@ -143,7 +155,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    """Fail (not skip) a GPU test that cannot run when ``--sparse-mla-require-gpu`` is given."""
+    """Fail (not skip) a GPU test that cannot run when ``--sparse-mla-require-gpu`` is given, and a
+    shipped suite test collected by an xdist worker of a session that does not use the plugin."""
+    if item.stash.get(_NEEDS_PLUGIN_KEY, False):
+        pytest.fail(NEEDS_PLUGIN, pytrace=False)
     mark = item.get_closest_marker(GPU_REQUIRED_MARKER)
     if mark is not None and options.is_active(item.config):
         pytest.fail(f"--sparse-mla-require-gpu: {mark.kwargs['reason']}", pytrace=False)

@@ -47,6 +47,7 @@ __all__ = [
     "SelectionEntry",
     "SparseMlaSelectionWarning",
     "candidate_ids",
+    "shipped_suite_items",
     "read_id_file",
     "apply_selection",
     "apply_files",
@@ -122,6 +123,17 @@ def _suites_dirs() -> tuple[Path, ...]:
 
     dirs = [api.package_dir(api.SUITES_PACKAGE), Path(__file__).resolve().parent.parent / "suites"]
     return tuple(dict.fromkeys(d for d in dirs if d is not None and (d / "__init__.py").is_file()))
+
+
+def shipped_suite_items(items: list[pytest.Item]) -> list[pytest.Item]:
+    """The items collected from the shipped suites (``pytest_sparse_mla.suites``, wherever installed)."""
+    dirs = _suites_dirs()
+    found = []
+    for item in items:
+        path = Path(item.path).resolve()
+        if any(path.is_relative_to(d) for d in dirs):
+            found.append(item)
+    return found
 
 
 def candidate_ids(item: pytest.Item) -> list[str]:
