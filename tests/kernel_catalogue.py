@@ -23,9 +23,10 @@ do and are correct: fp32 tiles; probabilities rounded to BF16 before P·V (Flash
 BF16 split-K partials merged in fp32 (FlashInfer decode ``mid_out``); keys dequantized to BF16 with
 a chunked dot in the base-2 domain; all three at once; and FlashInfer's FP8 compute mode (Q NoPE and
 P quantized to E4M3 before their dots: flashinfer ``fp8_decode`` ``quantize_q_to_smem`` and the
-``w_head_sc`` weight quantization). They declare ``compute_mode`` (``"bf16"`` or ``"fp8"``), which
-selects the tolerance profile; wrong kernels declare ``"bf16"``, so they are judged by the loose
-kernel profile, never by the tight one.
+``w_head_sc`` weight quantization; the row sums stay fp32 sums of the unquantized P, so the P
+quantization is not zero-mean: near-uniform rows round up towards the tile max). They declare
+``compute_mode`` (``"bf16"`` or ``"fp8"``), which selects the tolerance profile; wrong kernels
+declare ``"bf16"``, so they are judged by the loose kernel profile, never by the tight one.
 
 Nothing here is shipped: it exists to prove the suites catch real bugs and pass real kernels.
 """
@@ -903,7 +904,7 @@ class approx_bf16_production(TileKernel):
 @approximate(
     "FlashInfer FP8 compute: Q NoPE quantized to E4M3 per (token, head, 64 dims) with a "
     "power-of-two scale; P quantized to E4M3 per (token, head, tile) for P.V NoPE (BF16 P "
-    "for V RoPE); BF16 partials",
+    "for V RoPE), the row sums from the unquantized P; BF16 partials",
     "flashinfer fp8_decode quantize_q_to_smem, w_head_sc",
 )
 class approx_fp8(TileKernel):
