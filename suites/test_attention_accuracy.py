@@ -114,8 +114,8 @@ def test_lse_conventions(
     sparse_mla_generator, sparse_mla_device,
 ):  # fmt: skip
     dual = DUAL_C4 if fmt == "dsv4" else {}
-    case = AttentionCase("lse", 8, 16, 128, with_sink=with_sink, sink_kind="large", query="peaked", fmt=fmt,
-                         **dual)  # fmt: skip
+    case = AttentionCase("lse-conventions", 8, 16, 128, with_sink=with_sink, sink_kind="large", query="peaked",
+                         fmt=fmt, **dual)  # fmt: skip
     inputs = inputs_on(case, sparse_mla_generator, sparse_mla_device)
     inputs.indices[0] = -1  # token 0: no main candidate ...
     if inputs.extra_indices is not None:
@@ -178,7 +178,8 @@ def test_empty_row_on_a_minus_inf_sink_head_is_zero_with_the_documented_lse(spar
     inputs.indices[0] = -1
     sink = torch.tensor([-math.inf, 0.5], dtype=torch.float32, device=sparse_mla_device)
     res = inputs.run(sparse_mla_impl.sparse_mla_forward, attn_sink=sink)
-    assert bool((res.output[0] == 0).all()), f"token 0 output must be exactly 0, got NaN={bool(res.output[0].isnan().any())}"
+    nan = bool(res.output[0].isnan().any())
+    assert bool((res.output[0] == 0).all()), f"token 0 output must be exactly 0 (NaN present: {nan})"
     assert bool(torch.isfinite(res.output[1]).all())
     assert math.isinf(float(res.lse[0, 0])) and float(res.lse[0, 0]) < 0, f"head 0 LSE {float(res.lse[0, 0])}"
     assert abs(float(res.lse[0, 1]) - 0.5 * LOG2E) <= 1e-6, f"head 1 LSE {float(res.lse[0, 1])} != {0.5 * LOG2E}"

@@ -269,7 +269,8 @@ def test_poisoned_rows_never_reach_the_output(
     over: dict[str, object] = {"topk_length": lengths}
     if inputs.extra is not None:
         _avoid_ends(inputs.extra_indices, inputs.extra.num_tokens)
-        over["extra_topk_length"] = data.topk_lengths(num_tokens, 128, sparse_mla_generator, low=0).to(sparse_mla_device)
+        extra_lengths = data.topk_lengths(num_tokens, 128, sparse_mla_generator, low=0)
+        over["extra_topk_length"] = extra_lengths.to(sparse_mla_device)
     clean = inputs.run(sparse_mla_impl.sparse_mla_forward, **over)
     dirty_main = _poison(inputs.cache, _referenced(inputs.indices, lengths), byte)
     if inputs.extra is not None:
@@ -285,8 +286,8 @@ def test_poisoned_rows_never_reach_the_output(
     assert bool(torch.isfinite(dirty.output).all()), (
         f"{int((~torch.isfinite(dirty.output)).sum())} non-finite output elements: a never-read row was read"
     )
-    sparse_mla_tolerances.check_invariant(dirty, clean, oracle=inputs.run(oracle_forward, **{
-        k: v for k, v in over.items() if k != "extra_kv_cache"}), fmt=fmt, what="poisoned cache vs clean cache")  # fmt: skip
+    oracle = inputs.run(oracle_forward, **{k: v for k, v in over.items() if k != "extra_kv_cache"})
+    sparse_mla_tolerances.check_invariant(dirty, clean, oracle=oracle, fmt=fmt, what="poisoned cache vs clean cache")
 
 
 # --- main / extra ---------------------------------------------------------------------------------
@@ -338,8 +339,9 @@ def test_moving_candidates_between_the_caches_changes_nothing(
         inputs.q, inputs.cache.packed, main_idx, sm_scale=inputs.sm_scale, attn_sink=inputs.attn_sink,
         extra_kv_cache=same, extra_indices=extra_idx,
     )  # fmt: skip
-    sparse_mla_tolerances.check_invariant(moved, reference, oracle=inputs.run(oracle_forward),
-                                          what=f"candidates moved to the extra cache ({split})", bitwise=False)  # fmt: skip
+    what = f"candidates moved to the extra cache ({split})"
+    oracle = inputs.run(oracle_forward)
+    sparse_mla_tolerances.check_invariant(moved, reference, oracle=oracle, what=what, bitwise=False)
 
 
 # --- heads, tokens, layout ------------------------------------------------------------------------
@@ -362,10 +364,7 @@ def test_a_heads_result_does_not_depend_on_the_other_heads(
         inputs.q[:, lo:hi].contiguous(), inputs.cache.packed, inputs.indices,
         **inputs.kwargs(attn_sink=inputs.attn_sink[lo:hi].contiguous()),
     )  # fmt: skip
-    oracle = inputs.run(oracle_forward)
-    sliced = type(oracle)(oracle.output[:, lo:hi], oracle.lse[:, lo:hi], oracle.lse_convention, oracle.lse_scale,
-                          type(oracle.scales)(oracle.scales.abs_weighted[:, lo:hi], oracle.scales.rms_weighted[:, lo:hi],
-                                              oracle.scales.score_magnitude[:, lo:hi], oracle.scales.max_candidates))  # fmt: skip
+    sliced = inputs.run(oracle_forward).select(heads=slice(lo, hi))
     full_part = SimpleNamespace(output=full.output[:, lo:hi], lse=full.lse[:, lo:hi])
     sparse_mla_tolerances.check_invariant(full_part, part, oracle=sliced, fmt=fmt,
                                           what=f"heads {lo}..{hi - 1} alone vs inside {total} heads")  # fmt: skip
@@ -388,8 +387,8 @@ def test_a_tokens_result_does_not_depend_on_the_other_tokens(
     first = sparse_mla_impl.sparse_mla_forward(inputs.q[:64], inputs.cache.packed, inputs.indices[:64], **kw)
     oracle = oracle_forward(inputs.q[:64], inputs.cache.packed, inputs.indices[:64], **kw)
     head = SimpleNamespace(output=full.output[:64], lse=full.lse[:64])
-    sparse_mla_tolerances.check_invariant(head, first, oracle=oracle, fmt=fmt,
-                                          what=f"tokens 0..63 of a {num_tokens}-token call vs a 64-token call")  # fmt: skip
+    what = f"tokens 0..63 of a {num_tokens}-token call vs a 64-token call"
+    sparse_mla_tolerances.check_invariant(head, first, oracle=oracle, fmt=fmt, what=what)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -428,11 +427,20 @@ def test_layout_does_not_change_the_result(
 # --- BF16 rounding --------------------------------------------------------------------------------
 
 
-def test_bf16_output_is_rounded_to_nearest(sparse_mla_impl, sparse_mla_generator, sparse_mla_device):
+def test_bf16_output_is_rounded_to_nearest(
+    sparse_mla_impl, sparse_mla_tolerances, sparse_mla_generator, sparse_mla_device
+):
     """Mean of ``sign(E) * (A - E) / ulp(E)`` over 2**19 elements: about 0 for round-to-nearest-even
     (the kernel's own rounding noise is zero-mean), -0.5 for truncation toward zero, +0.5 for
     rounding away. Bound 0.2 ulp (the noise of a BF16-P kernel is about 1 ulp per element, so the
-    mean's standard deviation is about 0.0014 ulp; an FP8 kernel's about 0.03)."""
+    mean's standard deviation is about 0.0014 ulp). Not judged for FP8 compute (``u_p`` above
+    ``2**-8``): E4M3 probabilities scaled to the format's top are rounded with a bias of several
+    output ulps, which hides the output's own rounding."""
+    if sparse_mla_tolerances.model.p_unit_roundoff > 2.0**-8:
+        pytest.skip(
+            f"profile {sparse_mla_tolerances.profile!r}: probabilities rounded with u_p = "
+            f"{sparse_mla_tolerances.model.p_unit_roundoff:g} > 2**-8 hide the BF16 output rounding"
+        )
     case = AttentionCase("rounding", 64, 16, 128, topk_extra=64, extra_page_block_size=64, extra_num_pages=4)
     inputs = inputs_on(case, sparse_mla_generator, sparse_mla_device)
     res = inputs.run(sparse_mla_impl.sparse_mla_forward)

@@ -78,6 +78,16 @@ class OracleOutput:
     lse_scale: float = 1.0
     scales: ErrorScales | None = None
 
+    def select(self, tokens: slice = slice(None), heads: slice = slice(None)) -> OracleOutput:
+        """The results of a block of tokens and heads (``[tokens, heads]`` of every field)."""
+        s = self.scales
+        scales = None if s is None else ErrorScales(
+            s.abs_weighted[tokens, heads], s.rms_weighted[tokens, heads], s.score_magnitude[tokens, heads],
+            s.max_candidates,
+        )  # fmt: skip
+        return OracleOutput(self.output[tokens, heads], self.lse[tokens, heads], self.lse_convention,
+                            self.lse_scale, scales)  # fmt: skip
+
 
 def _valid_lanes(indices: torch.Tensor, length: torch.Tensor | None, token: int) -> torch.Tensor:
     """The valid flat indices of one token's index row (int64, in lane order)."""
