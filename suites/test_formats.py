@@ -91,12 +91,27 @@ def test_dsv4_known_vector_lands_on_hand_computed_bytes(ps, stride, sparse_mla_i
     for (p, t), token_exps in zip(slots, exps, strict=True):
         data_at = p * page_stride + t * 576
         scale_at = p * page_stride + ps * 576 + t * 8
+        where = f"page {p}, slot {t}"
         for g in range(7):
-            assert torch.equal(flat[data_at + 64 * g : data_at + 64 * g + 64], code_bits), (p, t, g)
-        assert torch.equal(flat[data_at + 448 : data_at + 576], rope_bytes), (p, t)
+            got = flat[data_at + 64 * g : data_at + 64 * g + 64]
+            assert torch.equal(got, code_bits), (
+                f"{where}, NoPE group {g}: E4M3 codes at bytes {data_at + 64 * g}.. differ from the hand-computed "
+                f"ones (first got {got[:4].tolist()}, expected {code_bits[:4].tolist()})"
+            )
+        got_rope = flat[data_at + 448 : data_at + 576]
+        assert torch.equal(got_rope, rope_bytes), (
+            f"{where}: BF16 RoPE bytes at {data_at + 448}.. differ (first got {got_rope[:4].tolist()}, "
+            f"expected {rope_bytes[:4].tolist()}; little-endian BF16 bits)"
+        )
         expected_scales = [127 + k for k in token_exps]
-        assert flat[scale_at : scale_at + 7].tolist() == expected_scales, (p, t)
-        assert flat[scale_at + 7].item() == 0  # pad byte, zero as FlashInfer's and SGLang's writers
+        got_scales = flat[scale_at : scale_at + 7].tolist()
+        off = {g - e for g, e in zip(got_scales, expected_scales, strict=True)}
+        hint = f"; every byte off by {off.pop():+d}: the UE8M0 bias (127) wrong?" if len(off) == 1 else ""
+        assert got_scales == expected_scales, (
+            f"{where}: UE8M0 scale bytes at {scale_at}..{scale_at + 6} are {got_scales}, expected "
+            f"{expected_scales} (byte = exponent + 127, footer after the page's {ps} x 576 data bytes){hint}"
+        )
+        assert flat[scale_at + 7].item() == 0, f"{where}: the scale record's pad byte {scale_at + 7} must be 0"
 
 
 @pytest.mark.parametrize("ps", [1, 65])
@@ -145,8 +160,12 @@ def test_pack_writes_the_scale_byte_of_the_requested_rule(amax, rule, byte, spar
         _one_group_row(amax, sparse_mla_device), "dsv4", scale_rule=rule, form="2d", page_stride="padded"
     )
     # DSV4 footer: a 1-token page holds 576 data bytes, then that token's 8 scale bytes.
-    assert packed.dtype == torch.uint8 and tuple(packed.shape) == (1, 584)
-    assert int(packed.reshape(-1)[576]) == byte
+    assert packed.dtype == torch.uint8 and tuple(packed.shape) == (1, 584), (packed.dtype, tuple(packed.shape))
+    got = int(packed.reshape(-1)[576])
+    assert got == byte, (
+        f"amax={amax!r}, scale_rule={rule!r}: UE8M0 byte {got} (scale 2**{got - 127}), expected {byte} "
+        f"(scale 2**{byte - 127}); byte 114 is FlashMLA's 1e-4 floor, SGLang's rule has no floor"
+    )
 
 
 def test_pack_scale_byte_is_the_smallest_power_of_two_covering_amax_over_448(sparse_mla_impl, sparse_mla_device):
@@ -200,8 +219,17 @@ def test_dsv4_round_trip_error_within_one_half_e4m3_step(
     # The scale rule, evaluated independently in float64: smallest power of two >= max(amax/448, 1e-4).
     scale = torch.exp2(torch.ceil(torch.log2(torch.clamp(amax / 448, min=1e-4))))
     err = (out[..., :448].reshape(num_pages, ps, 7, 64) - groups).abs()
-    assert bool((err <= _e4m3_half_step_bound(groups, scale)).all())
-    assert torch.equal(out[..., 448:], x[..., 448:])  # RoPE is stored exactly
+    bound = _e4m3_half_step_bound(groups, scale)
+    over = err > bound
+    if bool(over.any()):
+        p, t, g, i = (int(v) for v in over.nonzero()[0])
+        raise AssertionError(
+            f"{int(over.sum())} NoPE values round-trip outside half an E4M3 step of their group's scale; first at "
+            f"page {p}, slot {t}, group {g}, element {i}: source {float(groups[p, t, g, i]):.6g}, read back "
+            f"{float(out[p, t, 64 * g + i]):.6g}, |error| {float(err[p, t, g, i]):.3g} > "
+            f"{float(bound[p, t, g, i]):.3g} (scale {float(scale[p, t, g, 0]):.3g})"
+        )
+    assert torch.equal(out[..., 448:], x[..., 448:]), "RoPE must be stored exactly (BF16 bits)"
 
 
 @pytest.mark.parametrize("stride", ["tight", "padded", 37376 + 64 * 16])
