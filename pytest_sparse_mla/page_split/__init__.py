@@ -48,9 +48,9 @@ Backends. ``"torch"`` (:mod:`._torch`): readable strided-view copies. ``"triton"
   the device and loops over the (page, sub-page) items, then rewrites the int8 mask from the
   claims and resets them. Why: with one program per sub-page, 28,672 programs that mostly exit
   cost 18.9 us on an H200, and a 1% split took 5.2x its ideal time. Measured on an H200
-  (2026-11-29, ``docs/benchmarks.md``): 1% of pages 2.5x ideal (target 3x met), 10% 1.24x
-  (target 1.2x missed; one ``torch.index_select`` gather of the same pages alone takes 1.12x),
-  100% 1.14x (the old grid: 1.05x; a full split: 1.03x). The scratch (int32 ``[P + 2, 2]``) is
+  (2026-11-30, ``docs/benchmarks.md``, beside SGLang's split in the same run): 1% of pages 2.42x
+  ideal (target 3x met), 10% 1.25x (target 1.2x missed), a full split at 97.8% of a device copy's
+  bandwidth (the tuning sweeps behind these configurations are in the git history). The scratch (int32 ``[P + 2, 2]``) is
   ``registry.backend_scratch``'s ``flash_mla_sm120_worklist{key_suffix}:{dev}``; the registry's
   int8 mask stays the public artefact.
 

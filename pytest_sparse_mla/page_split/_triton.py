@@ -55,15 +55,13 @@ before the error propagates. The kernels of the first design remain as
 :func:`mark_touched_pages` (the ``touched_page_mask`` API) and :func:`copy_sub_pages` with a mask
 (the tuning script's baseline).
 
-Measured (H200, 2026-11-29, torch 2.11, Triton 3.6; 7,168 source pages of 256 tokens, [64, 512]
+Measured (H200, 2026-11-30, torch 2.11, Triton 3.6; 7,168 source pages of 256 tokens, [64, 512]
 int32 indices, CUDA graph of 8 splits, per split; ``docs/benchmarks.md``): with
-:data:`WORKLIST_CONFIG` (16 copy programs of 16 warps per SM, dependent launch) 5.4 us with
-nothing touched (first design: 21 us), 12.7 us = 2.5x ideal at 1% (was 26 us, 5.0-5.2x: target
-3x met), 63.6 us = 1.24x at 10% (first design 65-66 us, 1.27-1.28x; target 1.2x missed) and
-586 us = 1.14x at 100% (first design 537-540 us, 1.04-1.05x). What is left at 10% is the copy
-itself: ``torch.index_select`` of the same random pages (one tuned gather, no marking) takes
-1.12x the ideal on the same machine. A caller that touches most pages should split without
-indices (1.03x).
+:data:`WORKLIST_CONFIG` (16 copy programs of 16 warps per SM, dependent launch) 12.3 us = 2.42x
+ideal at 1% of pages (SGLang's split in the same run: 28.6 us, 5.62x; target 3x met) and 63.1 us =
+1.25x at 10% (SGLang's: 67.2 us, 1.33x; target 1.2x missed); a full split without indices runs at
+97.8% of a device copy's bandwidth. The sweeps behind the configuration (2026-11-29) are in the git
+history of ``docs/benchmarks.md``. A caller that touches most pages should split without indices.
 """
 
 from __future__ import annotations
