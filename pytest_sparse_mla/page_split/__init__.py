@@ -50,9 +50,9 @@ Backends. ``"torch"`` (:mod:`._torch`): readable strided-view copies. ``"triton"
   cost 18.9 us on an H200, and a 1% split took 5.2x its ideal time. Measured on an H200
   (2026-11-30, ``docs/benchmarks.md``, beside SGLang's split in the same run): 1% of pages 2.42x
   ideal (target 3x met), 10% 1.25x (target 1.2x missed), a full split at 97.8% of a device copy's
-  bandwidth (the tuning sweeps behind these configurations are in the git history). The scratch (int32 ``[P + 2, 2]``) is
-  ``registry.backend_scratch``'s ``flash_mla_sm120_worklist{key_suffix}:{dev}``; the registry's
-  int8 mask stays the public artefact.
+  bandwidth (the tuning sweeps behind these configurations are in the git history). The scratch
+  (int32 ``[P + 2, 2]``) is ``registry.backend_scratch``'s
+  ``flash_mla_sm120_worklist{key_suffix}:{dev}``; the registry's int8 mask stays the public artefact.
 
 Both backends are byte-identical (``tests/test_page_split_bundled.py``); the conformance suite
 ``suites/test_page_split.py`` specifies any implementation's split.
