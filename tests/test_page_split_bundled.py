@@ -15,7 +15,6 @@ then the 8-byte scale footer at ``ps*576``) and the split rule of SGLang's ``_sp
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -37,45 +36,23 @@ from pytest_sparse_mla.page_split import (
     triton_unavailable_reason,
 )
 
+# The pool geometries, their tensor forms and the random pools are the page-split suite's (one
+# definition serves the conformance suite and these self-tests of the bundled backends).
+from pytest_sparse_mla.suites.test_page_split import (
+    EXTRA_128,
+    FORMS,
+    GEOMETRIES,
+    Geometry,
+    random_pool,
+    view_as,
+)
+
 # Hand constants (bytes): 64 tokens * 576 data bytes, 64 * 8 footer bytes, FlashMLA-padded stride.
 DATA = 36_864
 SCALE = 512
 TAIL_START = 37_376
 DST_STRIDE = 37_440
 CANARY = 0xA5
-
-
-@dataclass(frozen=True)
-class Geometry:
-    """One real DSV4 source geometry, with its numbers written out by hand."""
-
-    name: str
-    ps: int  # tokens per source page
-    src_stride: int  # ceil(ps*584/576)*576
-    footer: int  # ps*576: where the scale footer starts
-    ratio: int  # ps/64
-    num_pages: int  # CPU-sized pool
-
-
-SWA_256 = Geometry("swa_256_to_64", 256, 149_760, 147_456, 4, 2)
-EXTRA_128 = Geometry("extra_128_to_64", 128, 74_880, 73_728, 2, 3)
-GEOMETRIES = [pytest.param(SWA_256, id=SWA_256.name), pytest.param(EXTRA_128, id=EXTRA_128.name)]
-#: Tensor forms; "2d_raw" is SGLang's [P, padded stride] page buffer (explicit page size).
-FORMS = ["nhd", "3d", "hnd", "2d", "2d_raw"]
-
-
-def random_pool(geo: Geometry, generator: torch.Generator, device: torch.device) -> torch.Tensor:
-    """[P, src_stride] random bytes (padding included), drawn on the CPU."""
-    shape = (geo.num_pages, geo.src_stride)
-    return torch.randint(0, 256, shape, generator=generator, dtype=torch.uint8).to(device)
-
-
-def view_as(pool: torch.Tensor, geo: Geometry, form: str) -> tuple[torch.Tensor, dict]:
-    """(cache view in ``form``, page_split kwargs it needs)."""
-    if form == "2d_raw":
-        return pool, {"src_page_block_size": geo.ps}
-    kwargs = {"src_page_block_size": geo.ps} if form == "2d" else {}
-    return formats.as_form(pool, "dsv4", geo.ps, form), kwargs
 
 
 def split_buffer(registry: BufferRegistry, device: torch.device, key_suffix: str = "") -> torch.Tensor:
