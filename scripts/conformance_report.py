@@ -29,7 +29,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 XFAIL_DIR = ROOT / "pytest_sparse_mla" / "xfail"
-OUTCOMES = ("passed", "failed", "error", "skipped", "xfailed", "xpassed", "unsupported")
+OUTCOMES = ("passed", "failed", "error", "skipped", "xfailed", "xpassed")
 _DEFINITION = re.compile(r"^#\s*\[(?P<key>[A-Za-z0-9_-]+)\]\s*(?P<kind>[a-z ]+):\s*(?P<text>.+)$")
 
 
@@ -51,8 +51,6 @@ def outcome(case: ET.Element) -> tuple[str, str]:
             message = node.get("message") or (node.text or "")
             if message.startswith("[XPASS(strict)]"):
                 return "xpassed", message
-            if "UnsupportedByPeer" in message:  # a capability the peer lacks, raised where no skip was asked
-                return "unsupported", message
             return ("failed" if tag == "failure" else "error"), message
     node = case.find("skipped")
     if node is not None:
@@ -123,7 +121,7 @@ def summarize(impl: str, results: Path, notes: dict[str, Any] | None = None) -> 
     suites: dict[str, Counter] = {}
     for r in rows:
         suites.setdefault(r["file"], Counter())[r["outcome"]] += 1
-    skips = Counter(_short(r["message"]) for r in rows if r["outcome"] in ("skipped", "unsupported"))
+    skips = Counter(_short(r["message"]) for r in rows if r["outcome"] == "skipped")
     return {
         "xfail_file_applied": applied,
         "xfailed_listed_after_run": listed_after_run,
@@ -233,21 +231,19 @@ def markdown(doc: dict[str, Any]) -> str:
         f"{'; '.join(m.get('flashmla_source') or ['not built'])}, built with FLASH_MLA_DISABLE_SM100=1.",
         *([f"Note: {m['note']}.", ""] if m.get("note") else [""]),
         f"Command: `{doc['command']}`. Each peer's shipped xfail file is applied, so a known discrepancy "
-        'counts as `xfailed` and a test that starts passing fails the run (`xfail_strict`). "not taken": the '
-        "adapter raised `UnsupportedByPeer` (a capability the peer lacks, the same reason its "
-        "`unsupported_reason` gives) in a test that did not ask first; it is counted apart from failures.",
+        "counts as `xfailed` and a test that starts passing fails the run (`xfail_strict`). A capability the "
+        "peer lacks is a skip whose reason names the peer's limit (`UnsupportedByPeer` is pytest's skip).",
         "",
         "## Totals",
         "",
-        "| implementation | tests | passed | failed | errors | skipped | not taken | xfailed | xpassed | exit "
-        "| seconds |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| implementation | tests | passed | failed | errors | skipped | xfailed | xpassed | exit | seconds |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name, s in impls.items():
         t = s["totals"]
         out.append(
             f"| `{name}` | {s['tests']} | {t['passed']} | {t['failed']} | {t['error']} | {t['skipped']} | "
-            f"{t['unsupported']} | {t['xfailed']} | {t['xpassed']} | {_fmt(s['exit'])} | {_fmt(s['seconds'])} |"
+            f"{t['xfailed']} | {t['xpassed']} | {_fmt(s['exit'])} | {_fmt(s['seconds'])} |"
         )
     late = {n: s["xfailed_listed_after_run"] for n, s in impls.items() if s["xfailed_listed_after_run"]}
     if late:
@@ -257,7 +253,7 @@ def markdown(doc: dict[str, Any]) -> str:
             f"This run was made before the xfail files existed: the failures their entries list ({listed}) are "
             "counted as xfailed here; every other failure is listed below.",
         ]
-    out += ["", "## Per suite (passed / failed+errors / skipped+not taken / xfailed)", ""]
+    out += ["", "## Per suite (passed / failed+errors / skipped / xfailed)", ""]
     suites = sorted({f for s in impls.values() for f in s["suites"]})
     out.append("| suite | " + " | ".join(f"`{n}`" for n in impls) + " |")
     out.append("| --- |" + " --- |" * len(impls))

@@ -76,15 +76,6 @@ def _assert_matches_oracle(result, call: dict, convention: str) -> None:
 # ------------------------------------------------------------------------------------------ registry
 
 
-def test_builtins_register_the_three_peers() -> None:
-    assert {"sglang-triton", "sglang-torch", "flashmla"} <= set(BUILTINS)
-    names = {name: BUILTINS[name](None).name for name in ("sglang-triton", "sglang-torch", "flashmla")}
-    assert names == {"sglang-triton": "sglang-triton", "sglang-torch": "sglang-torch", "flashmla": "flashmla"}
-    for name in names:
-        impl = BUILTINS[name](None)
-        assert impl.compute_mode == "bf16" and getattr(impl, "tolerance_profile", None) is None
-
-
 def test_importing_the_adapters_imports_neither_torch_nor_the_peers() -> None:
     code = (
         "import sys; import pytest_sparse_mla.implementations.sglang, pytest_sparse_mla.implementations.flashmla;"
@@ -140,17 +131,6 @@ def test_removing_a_dominant_sink_reports_an_empty_row_not_nan() -> None:
 # ------------------------------------------------------------------------------ declarations, reasons
 
 
-def test_flashmla_declares_its_limits() -> None:
-    impl = flashmla.FlashMlaImplementation()
-    decode, prefill = impl.declarations["decode"], impl.declarations["prefill"]
-    assert decode.num_heads == prefill.num_heads == (64, 128)
-    assert decode.topk_multiple == prefill.topk_multiple == 64
-    assert decode.extra_cache_formats == ("dsv4",) and decode.topk_length_formats == ("dsv4",)
-    assert decode.masked_indices == "minus_one" and prefill.masked_indices == "negative"
-    assert decode.min_tokens == 1 and decode.devices == ("cuda",)
-    assert impl.route(64) == "decode" and impl.route(65) == "prefill"
-
-
 @pytest.mark.parametrize(
     "change, expected",
     [
@@ -185,7 +165,6 @@ def _cuda_like(q: torch.Tensor) -> types.SimpleNamespace:
 
 
 def test_flashmla_refuses_padded_dsv3_2_rows() -> None:
-    gen = torch.Generator().manual_seed(0)
     buffer = torch.zeros((2, 4 * 672), dtype=torch.uint8)  # 672-byte rows (>= 656, multiple of 16)
     cache = torch.as_strided(buffer, (2, 4, 656), (4 * 672, 672, 1))
     q = _cuda_like(torch.empty((4, 64, 576), device="meta"))
@@ -193,16 +172,9 @@ def test_flashmla_refuses_padded_dsv3_2_rows() -> None:
         "sparse_mla_forward", q, cache, torch.zeros((4, 64), dtype=torch.int32), fmt="dsv3_2"
     )
     assert "exactly 656 bytes" in reason
-    del gen
 
 
-def test_sglang_declares_dsv4_any_heads_and_widths() -> None:
-    for decl in (sglang.TRITON_DECLARATION, sglang.TORCH_DECLARATION):
-        assert decl.formats == ("dsv4",) and decl.num_heads is None and decl.topk_multiple == 1
-        assert decl.masked_indices == "negative" and "37,440" in decl.page_split
-    assert sglang.TRITON_DECLARATION.devices == ("cuda",)
-    assert sglang.TORCH_DECLARATION.devices == ("cuda", "cpu")
-    assert sglang.TORCH_DECLARATION.lanes_past_topk_length == "gathered"
+def test_sglang_unsupported_reasons() -> None:
     q = torch.empty((4, 8, 576), dtype=torch.bfloat16)
     reason = sglang.SglangTorchImplementation().unsupported_reason(
         "sparse_mla_forward", q, None, torch.empty((4, 8), dtype=torch.int32), fmt="dsv3_2"
@@ -546,6 +518,15 @@ def test_sglang_torch_refuses_out_of_range_lanes_past_topk_length(fake_sglang: P
         call["q"], call["kv_cache"], call["indices"], **_kw(call)
     )
     _assert_matches_oracle(res, call, "flashinfer")  # the Triton path never reads those lanes
+
+
+@pytest.mark.parametrize("impl_name", ["sglang-torch", "sglang-triton"])
+def test_sglang_refuses_an_extra_cache_without_extra_indices(fake_sglang: Path, impl_name: str) -> None:
+    call = _inputs(4, 2)
+    del call["extra_indices"]
+    with pytest.raises(ValueError, match="extra_indices=None"):
+        BUILTINS[impl_name](None).sparse_mla_forward(call["q"], call["kv_cache"], call["indices"], **_kw(call))
+    assert not sglang.load_module("flash_mla_sm120_triton").CALLS and not sglang.load_module("flash_mla_sm120").CALLS
 
 
 # ----------------------------------------------------------------------- the real sglang wheel (lane)

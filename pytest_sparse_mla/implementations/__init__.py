@@ -310,15 +310,16 @@ class FlashInferImplementation:
             kwargs["mid_out"] = torch.empty((num_tokens, heads, splits, f.d_v), dtype=torch.bfloat16, device=q.device)
             kwargs["mid_lse"] = torch.empty((num_tokens, heads, splits), dtype=torch.float32, device=q.device)
         entry(q, kv_cache, indices, output, out_lse, float(sm_scale), **kwargs)
-        if lse_convention == "flashinfer":
-            lse = out_lse * lse_scale if lse_scale != 1.0 else out_lse
-        else:  # natural log without the sink: ln(2**lse2 - e**sink); empty rows +inf
-            total = out_lse.to(torch.float64) * math.log(2.0)
-            if attn_sink is not None:
-                sink = attn_sink.to(torch.float64).unsqueeze(0)
-                total = total + torch.log(-torch.expm1(sink - total))
-            lse = torch.where(torch.isneginf(total) | torch.isnan(total), math.inf, total)
-            lse = lse.to(torch.float32)
+        from pytest_sparse_mla.implementations._peer import lse_to_convention
+
+        # FlashInfer's out_lse: base 2, sink included -> natural log for the shared conversion
+        lse = lse_to_convention(
+            out_lse.to(torch.float64) * math.log(2.0),
+            sink_included=True,
+            attn_sink=attn_sink,
+            lse_convention=lse_convention,
+            lse_scale=lse_scale,
+        )
         return SparseMlaOutput(output, lse, route_for(num_tokens))
 
 

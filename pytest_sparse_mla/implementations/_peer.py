@@ -21,6 +21,7 @@ the plugin resolves ``--sparse-mla-impl`` and must stay light.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +37,9 @@ __all__ = [
     "valid_lanes",
     "check_valid_lanes_in_range",
     "lse_to_convention",
+    "shape_reason",
+    "PeerCall",
+    "open_forward",
 ]
 
 
@@ -288,3 +292,150 @@ def lse_to_convention(
     else:
         out = torch.where(torch.isneginf(excluded) | torch.isnan(excluded), math.inf, excluded)
     return out.to(torch.float32)
+
+
+def shape_reason(
+    declaration_for: Callable[[int], PeerDeclaration],
+    q: Any,
+    kv_cache: Any,
+    indices: Any,
+    *,
+    fmt: str = "dsv4",
+    topk_length: Any = None,
+    extra_indices: Any = None,
+    extra_topk_length: Any = None,
+    exact_token_stride: bool = False,
+    **_: Any,
+) -> str | None:
+    """Why a peer cannot take this forward call, from shapes, formats and devices only (no host sync).
+
+    Args:
+        declaration_for: ``num_tokens -> PeerDeclaration`` (the declaration of the kernel that runs).
+        q, kv_cache, indices, fmt, topk_length, extra_indices, extra_topk_length: as the forward.
+        exact_token_stride: also require token rows of exactly ``bytes_per_token`` bytes.
+
+    Returns:
+        The reason (``PeerDeclaration.forward_reason``'s text, or the token stride), or ``None``.
+
+    Raises:
+        ValueError: unknown ``fmt`` (``formats.get_format``).
+    """
+    from pytest_sparse_mla import formats
+
+    f = formats.get_format(fmt)
+    shape = tuple(getattr(q, "shape", ()))
+    num_tokens = int(shape[0]) if shape else 0
+    idx_shape = tuple(getattr(indices, "shape", ()))
+    extra_shape = tuple(getattr(extra_indices, "shape", ())) if extra_indices is not None else None
+    decl = declaration_for(num_tokens)
+    reason = decl.forward_reason(
+        fmt=f.name,
+        num_tokens=num_tokens,
+        num_heads=int(shape[1]) if len(shape) > 1 else 0,
+        topk=int(idx_shape[-1]) if idx_shape else 0,
+        extra_topk=int(extra_shape[-1]) if extra_shape else None,
+        has_topk_length=topk_length is not None or extra_topk_length is not None,
+        device=str(getattr(getattr(q, "device", None), "type", "cpu")),
+    )
+    if (
+        reason is None
+        and exact_token_stride
+        and isinstance(getattr(kv_cache, "shape", None), tuple)
+        and kv_cache.dim() >= 3
+    ):
+        token_axis = 2 if kv_cache.dim() == 4 and kv_cache.shape[1] == 1 else 1
+        if kv_cache.shape[token_axis] > 1 and kv_cache.stride(token_axis) != f.bytes_per_token:
+            reason = (
+                f"{decl.peer} needs token rows of exactly {f.bytes_per_token} bytes "
+                f"(stride(1) == bytes_per_token); kv_cache.stride({token_axis})={kv_cache.stride(token_axis)}"
+            )
+    return reason
+
+
+@dataclass(frozen=True)
+class PeerCall:
+    """A forward call checked by :func:`open_forward`, mapped to what the peers read.
+
+    Attributes:
+        num_tokens: ``T``.
+        kv4, layout: the main cache's ``[P, ps, 1, B]`` view and ``formats.CacheLayout``.
+        idx: ``[T, topk]`` main index rows.
+        extra: ``None``, or ``(extra_kv_cache, extra_kv4, extra_layout, extra_idx)`` likewise.
+        lse_convention, lse_scale: as checked by ``attention.conventions.check_lse_convention``.
+    """
+
+    num_tokens: int
+    kv4: Any
+    layout: Any
+    idx: Any
+    extra: tuple[Any, Any, Any, Any] | None
+    lse_convention: str
+    lse_scale: float
+
+
+def open_forward(
+    name: str,
+    reason: str | None,
+    q: Any,
+    kv_cache: Any,
+    indices: Any,
+    *,
+    fmt: str,
+    page_block_size: int | None,
+    topk_length: Any,
+    extra_kv_cache: Any,
+    extra_indices: Any,
+    extra_topk_length: Any,
+    extra_page_block_size: int | None,
+    lse_convention: str,
+    lse_scale: float,
+    return_fp32: bool,
+    check_rows: Callable[[Any, Any, int, str, str], None] | None = None,
+) -> PeerCall:
+    """The checks every peer adapter's ``sparse_mla_forward`` runs before it calls the peer.
+
+    Args:
+        name: the adapter's name (prefix of the :class:`UnsupportedByPeer` text).
+        reason: the adapter's ``unsupported_reason`` for this call (``None``: supported).
+        check_rows: ``(idx, length, num_slots, name, length_name)`` hook run on each index row set
+            before the in-range check, for values the peer cannot survive (raises
+            :class:`UnsafeForPeer`).
+        The rest: as the reference forward (``attention.sparse_mla_forward``).
+
+    Raises:
+        ValueError: a bad LSE convention; ``return_fp32=True`` (the peers return BF16 only); an
+            ``extra_kv_cache`` without ``extra_indices`` or the reverse (naming the missing one);
+            a cache ``formats.parse_cache`` refuses; index rows not ``[T, topk]``; a valid lane
+            past its cache.
+        TypeError: as ``check_lse_convention``, ``parse_cache`` and :func:`index_rows`.
+        UnsupportedByPeer: ``reason`` is not ``None``.
+    """
+    from pytest_sparse_mla.attention.conventions import check_lse_convention
+
+    lse_convention, lse_scale = check_lse_convention(lse_convention, lse_scale)
+    if return_fp32:
+        raise ValueError(f"return_fp32=True: {name} returns a BF16 output only (expected return_fp32=False)")
+    if reason is not None:
+        raise UnsupportedByPeer(f"{name}: {reason}")
+    if (extra_kv_cache is None) != (extra_indices is None):
+        given, missing = ("extra_kv_cache", "extra_indices")[:: 1 if extra_indices is None else -1]
+        raise ValueError(
+            f"{missing}=None with {given} given: extra_kv_cache and extra_indices must be provided together"
+        )
+    num_tokens = int(q.shape[0])
+
+    def rows(cache: Any, pbs: int | None, ind: Any, length: Any, names: tuple[str, str, str]) -> tuple[Any, Any, Any]:
+        view, layout = nhd_view(cache, fmt, pbs, names[0])
+        idx = index_rows(ind, names[1], num_tokens)
+        if check_rows is not None:
+            check_rows(idx, length, layout.num_tokens, names[1], names[2])
+        check_valid_lanes_in_range(idx, length, layout.num_tokens, names[1])
+        return view, layout, idx
+
+    kv4, layout, idx = rows(kv_cache, page_block_size, indices, topk_length, ("kv_cache", "indices", "topk_length"))
+    extra = None
+    if extra_kv_cache is not None:
+        names = ("extra_kv_cache", "extra_indices", "extra_topk_length")
+        ekv4, elayout, eidx = rows(extra_kv_cache, extra_page_block_size, extra_indices, extra_topk_length, names)
+        extra = (extra_kv_cache, ekv4, elayout, eidx)
+    return PeerCall(num_tokens, kv4, layout, idx, extra, lse_convention, lse_scale)

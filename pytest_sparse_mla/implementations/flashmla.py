@@ -54,11 +54,9 @@ from pytest_sparse_mla.implementations._peer import (
     PeerDeclaration,
     PeerResult,
     UnsafeForPeer,
-    UnsupportedByPeer,
-    check_valid_lanes_in_range,
-    index_rows,
     lse_to_convention,
-    nhd_view,
+    open_forward,
+    shape_reason,
     valid_lanes,
 )
 
@@ -175,47 +173,14 @@ class FlashMlaImplementation:
     @staticmethod
     def route(num_tokens: int) -> str:
         """``"decode"`` (``flash_mla_with_kvcache``) iff ``num_tokens <= 64``, else ``"prefill"``."""
-        from pytest_sparse_mla.attention.conventions import DECODE_MAX_TOKENS
+        from pytest_sparse_mla.attention.conventions import route_for
 
-        return "decode" if num_tokens <= DECODE_MAX_TOKENS else "prefill"
+        return route_for(num_tokens)
 
-    def _forward_reason(
-        self,
-        q: Any,
-        kv_cache: Any,
-        indices: Any,
-        *,
-        fmt: str = "dsv4",
-        topk_length: Any = None,
-        extra_indices: Any = None,
-        extra_topk_length: Any = None,
-        **_: Any,
-    ) -> str | None:
-        from pytest_sparse_mla import formats
-
-        f = formats.get_format(fmt)
-        shape = tuple(getattr(q, "shape", ()))
-        num_tokens = int(shape[0]) if shape else 0
-        idx_shape = tuple(getattr(indices, "shape", ()))
-        extra_shape = tuple(getattr(extra_indices, "shape", ())) if extra_indices is not None else None
-        decl = self.declarations[self.route(num_tokens)]
-        reason = decl.forward_reason(
-            fmt=f.name,
-            num_tokens=num_tokens,
-            num_heads=int(shape[1]) if len(shape) > 1 else 0,
-            topk=int(idx_shape[-1]) if idx_shape else 0,
-            extra_topk=int(extra_shape[-1]) if extra_shape else None,
-            has_topk_length=topk_length is not None or extra_topk_length is not None,
-            device=str(getattr(getattr(q, "device", None), "type", "cpu")),
+    def _forward_reason(self, *args: Any, **kwargs: Any) -> str | None:
+        return shape_reason(
+            lambda num_tokens: self.declarations[self.route(num_tokens)], *args, exact_token_stride=True, **kwargs
         )
-        if reason is None and isinstance(getattr(kv_cache, "shape", None), tuple) and kv_cache.dim() >= 3:
-            token_axis = 2 if kv_cache.dim() == 4 and kv_cache.shape[1] == 1 else 1
-            if kv_cache.shape[token_axis] > 1 and kv_cache.stride(token_axis) != f.bytes_per_token:
-                reason = (
-                    f"{decl.peer} needs token rows of exactly {f.bytes_per_token} bytes "
-                    f"(stride(1) == bytes_per_token); kv_cache.stride({token_axis})={kv_cache.stride(token_axis)}"
-                )
-        return reason
 
     # ---- the forward
 
@@ -252,40 +217,26 @@ class FlashMlaImplementation:
         Raises:
             UnsupportedByPeer: as :meth:`unsupported_reason`.
             UnsafeForPeer: the inputs the module docstring lists.
-            ValueError: ``return_fp32=True``; a bad LSE convention; a cache ``formats.parse_cache``
-                refuses; index rows not ``[T, topk]``; a valid lane past its cache.
+            ValueError: as :func:`_peer.open_forward` (``return_fp32=True``, a bad LSE convention,
+                an unpaired extra cache, a bad cache or index rows, a valid lane past its cache).
             ImportError: flash_mla does not import.
             Whatever FlashMLA raises (``RuntimeError`` from its ``TORCH_CHECK`` / ``KU_ASSERT``).
         """
-        from pytest_sparse_mla.attention.conventions import check_lse_convention
-
         del grid_release, chunk_tokens, backend
-        lse_convention, lse_scale = check_lse_convention(lse_convention, lse_scale)
-        if return_fp32:
-            raise ValueError("return_fp32=True: FlashMLA returns a BF16 output only")
         reason = self._forward_reason(
             q, kv_cache, indices, fmt=fmt, topk_length=topk_length,
             extra_indices=extra_indices, extra_topk_length=extra_topk_length,
         )  # fmt: skip
-        if reason is not None:
-            raise UnsupportedByPeer(f"flashmla: {reason}")
-        num_tokens = int(q.shape[0])
-        kv4, layout = nhd_view(kv_cache, fmt, page_block_size, "kv_cache")
-        idx = index_rows(indices, "indices", num_tokens)
-        self._check_lengths(topk_length, idx.shape[1], "topk_length")
-        check_valid_lanes_in_range(idx, topk_length, layout.num_tokens, "indices")
-        extra = None
-        if extra_kv_cache is not None or extra_indices is not None:
-            if extra_kv_cache is None or extra_indices is None:
-                raise ValueError(
-                    "extra_kv_cache and extra_indices must be provided together (FlashMLA: "
-                    "'extra_indices_in_kvcache must be provided when extra_kcache is provided')"
-                )
-            ekv4, elayout = nhd_view(extra_kv_cache, fmt, extra_page_block_size, "extra_kv_cache")
-            eidx = index_rows(extra_indices, "extra_indices", num_tokens)
-            self._check_lengths(extra_topk_length, eidx.shape[1], "extra_topk_length")
-            check_valid_lanes_in_range(eidx, extra_topk_length, elayout.num_tokens, "extra_indices")
-            extra = (extra_kv_cache, ekv4, elayout, eidx)
+        call = open_forward(
+            self.name, reason, q, kv_cache, indices, fmt=fmt, page_block_size=page_block_size,
+            topk_length=topk_length, extra_kv_cache=extra_kv_cache, extra_indices=extra_indices,
+            extra_topk_length=extra_topk_length, extra_page_block_size=extra_page_block_size,
+            lse_convention=lse_convention, lse_scale=lse_scale, return_fp32=return_fp32,
+            check_rows=lambda idx, length, _slots, _name, length_name: self._check_lengths(
+                length, idx.shape[1], length_name
+            ),
+        )  # fmt: skip
+        num_tokens, kv4, layout, idx, extra = call.num_tokens, call.kv4, call.layout, call.idx, call.extra
         route = self.route(num_tokens)
         if route == "decode":
             out, lse, entry = self._decode(
@@ -296,7 +247,7 @@ class FlashMlaImplementation:
                 q, kv_cache, layout, idx, topk_length, attn_sink, extra, extra_topk_length, float(sm_scale)
             )
         lse = lse_to_convention(
-            lse, sink_included=False, attn_sink=attn_sink, lse_convention=lse_convention, lse_scale=lse_scale
+            lse, sink_included=False, attn_sink=attn_sink, lse_convention=call.lse_convention, lse_scale=call.lse_scale
         )
         return PeerResult(out, lse, route, entry)
 

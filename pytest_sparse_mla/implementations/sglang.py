@@ -59,6 +59,7 @@ behaviour, judged by the suites.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib.util
 import os
@@ -74,10 +75,9 @@ from pytest_sparse_mla.implementations._peer import (
     PeerResult,
     UnsafeForPeer,
     UnsupportedByPeer,
-    check_valid_lanes_in_range,
-    index_rows,
     lse_to_convention,
-    nhd_view,
+    open_forward,
+    shape_reason,
     valid_lanes,
 )
 
@@ -137,18 +137,12 @@ TRITON_DECLARATION = PeerDeclaration(
     ),
 )
 
-TORCH_DECLARATION = PeerDeclaration(
+TORCH_DECLARATION = dataclasses.replace(
+    TRITON_DECLARATION,
     peer="SGLang _sm120_sparse_decode_fwd",
-    formats=("dsv4",),
-    num_heads=None,
-    topk_multiple=1,
-    extra_cache_formats=("dsv4",),
-    topk_length_formats=("dsv4",),
-    masked_indices="negative",
     lanes_past_topk_length="gathered",
     lse="natural log, sink excluded, empty row -inf, [T, H, 1]",
     devices=("cuda", "cpu"),
-    page_split=SPLIT_DECLARATION,
     notes=_COMMON_NOTES
     + (
         "NoPE dequantized to BF16 (exact), fp32 einsum over main + extra in one softmax, output rounded to BF16 once",
@@ -388,33 +382,8 @@ class _SglangBase:
             return self._split_reason(*args, **kwargs)
         return f"{self.name} provides no {capability!r}"
 
-    def _forward_reason(
-        self,
-        q: Any,
-        kv_cache: Any,
-        indices: Any,
-        *,
-        fmt: str = "dsv4",
-        topk_length: Any = None,
-        extra_indices: Any = None,
-        extra_topk_length: Any = None,
-        **_: Any,
-    ) -> str | None:
-        from pytest_sparse_mla import formats
-
-        f = formats.get_format(fmt)
-        shape = tuple(getattr(q, "shape", ()))
-        idx_shape = tuple(getattr(indices, "shape", ()))
-        extra_shape = tuple(getattr(extra_indices, "shape", ())) if extra_indices is not None else None
-        return self.declaration.forward_reason(
-            fmt=f.name,
-            num_tokens=int(shape[0]) if shape else 0,
-            num_heads=int(shape[1]) if len(shape) > 1 else 0,
-            topk=int(idx_shape[-1]) if idx_shape else 0,
-            extra_topk=int(extra_shape[-1]) if extra_shape else None,
-            has_topk_length=topk_length is not None or extra_topk_length is not None,
-            device=str(getattr(getattr(q, "device", None), "type", "cpu")),
-        )
+    def _forward_reason(self, *args: Any, **kwargs: Any) -> str | None:
+        return shape_reason(lambda _num_tokens: self.declaration, *args, **kwargs)
 
     @staticmethod
     def _src_pbs(kv_cache: Any, src_page_block_size: int | None) -> int:
@@ -491,39 +460,27 @@ class _SglangBase:
         Raises:
             UnsupportedByPeer: as :meth:`unsupported_reason`.
             UnsafeForPeer: ``sglang-torch`` with an out-of-range index past ``topk_length``.
-            ValueError: ``return_fp32=True``; a bad LSE convention; a cache ``formats.parse_cache``
-                refuses; index rows not ``[T, topk]``; a valid lane past its cache.
+            ValueError: as :func:`_peer.open_forward` (``return_fp32=True``, a bad LSE convention,
+                an unpaired extra cache, a bad cache or index rows, a valid lane past its cache).
             Whatever SGLang raises.
         """
-        from pytest_sparse_mla.attention.conventions import check_lse_convention
-
         del grid_release, chunk_tokens, backend
-        lse_convention, lse_scale = check_lse_convention(lse_convention, lse_scale)
-        if return_fp32:
-            raise ValueError("return_fp32=True: SGLang's kernels return a BF16 output only")
         reason = self._forward_reason(
             q, kv_cache, indices, fmt=fmt, topk_length=topk_length,
             extra_indices=extra_indices, extra_topk_length=extra_topk_length,
         )  # fmt: skip
-        if reason is not None:
-            raise UnsupportedByPeer(f"{self.name}: {reason}")
-        num_tokens = int(q.shape[0])
-        kv4, layout = nhd_view(kv_cache, fmt, page_block_size, "kv_cache")
-        idx = index_rows(indices, "indices", num_tokens)
-        check_valid_lanes_in_range(idx, topk_length, layout.num_tokens, "indices")
-        self._refuse_unsafe_lanes(idx, topk_length, layout.num_tokens, "indices", "topk_length")
+        call = open_forward(
+            self.name, reason, q, kv_cache, indices, fmt=fmt, page_block_size=page_block_size,
+            topk_length=topk_length, extra_kv_cache=extra_kv_cache, extra_indices=extra_indices,
+            extra_topk_length=extra_topk_length, extra_page_block_size=extra_page_block_size,
+            lse_convention=lse_convention, lse_scale=lse_scale, return_fp32=return_fp32,
+            check_rows=self._refuse_unsafe_lanes,
+        )  # fmt: skip
+        idx = call.idx
         extra4 = extra_idx3 = None
-        if extra_kv_cache is not None:
-            extra4, extra_layout = nhd_view(extra_kv_cache, fmt, extra_page_block_size, "extra_kv_cache")
-            if extra_indices is not None:
-                extra_idx = index_rows(extra_indices, "extra_indices", num_tokens)
-                check_valid_lanes_in_range(extra_idx, extra_topk_length, extra_layout.num_tokens, "extra_indices")
-                self._refuse_unsafe_lanes(
-                    extra_idx, extra_topk_length, extra_layout.num_tokens, "extra_indices", "extra_topk_length"
-                )
-                extra_idx3 = extra_idx.unsqueeze(1)
-        elif extra_indices is not None:
-            extra_idx3 = index_rows(extra_indices, "extra_indices", num_tokens).unsqueeze(1)
+        if call.extra is not None:
+            extra4, extra_idx3 = call.extra[1], call.extra[3].unsqueeze(1)
+        kv4 = call.kv4
         out, lse = self._forward_callable()(
             q.unsqueeze(1), kv4, idx.unsqueeze(1), topk_length, attn_sink, 512, float(sm_scale),
             extra4, extra_idx3, extra_topk_length,
@@ -532,8 +489,8 @@ class _SglangBase:
             lse[:, :, 0],
             sink_included=self._lse_has_sink and attn_sink is not None,
             attn_sink=attn_sink,
-            lse_convention=lse_convention,
-            lse_scale=lse_scale,
+            lse_convention=call.lse_convention,
+            lse_scale=call.lse_scale,
         )
         return PeerResult(out[:, 0], lse, None, f"sglang {self._forward_function}")
 
