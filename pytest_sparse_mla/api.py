@@ -19,8 +19,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pytest_sparse_mla import options
 from pytest_sparse_mla.entry_points import ENTRY_POINT_GROUP, entry_point_specs
-from pytest_sparse_mla.options import OPTIONS_KEY, SparseMlaOptions, get_options
+from pytest_sparse_mla.options import SparseMlaOptions, get_options
 
 if TYPE_CHECKING:
     import pytest
@@ -53,7 +54,7 @@ def is_active(config: pytest.Config) -> bool:
     (``pytest_sparse_mla.options.activation``). ``False`` when the plugin is installed but not used,
     disabled (``-p no:sparse_mla``), or not configured yet (before ``pytest_configure``).
     """
-    return OPTIONS_KEY in config.stash
+    return options.is_active(config)
 
 
 def implementation_name(config: pytest.Config) -> str:

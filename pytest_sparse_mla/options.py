@@ -98,7 +98,6 @@ class SparseMlaOptions:
         require_gpu: turn "no GPU" skips into errors (GPU CI lanes).
         golden_dir: absolute root of the golden snapshots, or ``None`` for the packaged goldens.
         xfail_file / skip_file: absolute paths of the files of test ids to mark xfail / skip.
-        deployment_report: ``None``, ``"text"`` or ``"json"`` (print the report and exit).
         gpu_per_worker: pin each xdist worker to one visible GPU.
         report_json: absolute path of the JSON run report, or ``None``.
         tolerances: parsed ``sparse_mla_tolerances`` ini lines,
@@ -115,7 +114,6 @@ class SparseMlaOptions:
     golden_dir: Path | None = None
     xfail_file: Path | None = None
     skip_file: Path | None = None
-    deployment_report: str | None = None
     gpu_per_worker: bool = True
     report_json: Path | None = None
     tolerances: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
@@ -287,24 +285,14 @@ def parse_grid(value: str | None) -> str | None:
     Raises:
         pytest.UsageError: not a version, or a release the grids do not cover.
     """
-    from packaging.version import InvalidVersion, Version
-
     if value is None or value.lower() in ("", "none"):
         return None
-    text = value.split("==", 1)[1] if value.startswith("flashinfer==") else value
-    try:
-        Version(text)
-    except InvalidVersion:
-        raise pytest.UsageError(
-            f"--sparse-mla-grid={value!r}: expected 'flashinfer==X.Y.Z' (e.g. flashinfer==0.6.17) or 'none'"
-        ) from None
     from pytest_sparse_mla.dispatch import UnsupportedReleaseError, check_known_release
 
     try:
-        check_known_release(text)
+        return str(check_known_release(value))  # accepts X.Y.Z and flashinfer(-python)==X.Y.Z
     except UnsupportedReleaseError as exc:
         raise pytest.UsageError(f"--sparse-mla-grid={value!r}: {exc}") from None
-    return text
 
 
 def _existing_file(option: str, value: str | None, rootpath: Path) -> Path | None:
@@ -386,7 +374,6 @@ def from_config(config: pytest.Config, activated_by: str = "") -> SparseMlaOptio
         skip_file=_existing_file(
             "--sparse-mla-skip-file", config.getoption("sparse_mla_skip_file", None), config.rootpath
         ),
-        deployment_report=config.getoption("sparse_mla_deployment_report", None),
         gpu_per_worker=not config.getoption("sparse_mla_no_gpu_pinning", False),
         report_json=_report_json(config),
         tolerances=tolerances.parse_ini_lines(list(config.getini("sparse_mla_tolerances"))),

@@ -40,7 +40,6 @@ from pytest_sparse_mla import capabilities, options
 
 #: Modules registered as plugins when the plugin is active: fixtures only (no hooks).
 FIXTURE_MODULES = ("pytest_sparse_mla.fixtures",)
-GPU_REQUIRED_MARKER = options.GPU_REQUIRED_MARKER
 #: Why a session that collects the shipped suites without using the plugin stops.
 NEEDS_PLUGIN = (
     "the pytest-sparse-mla suites need the plugin, which is opt-in: run with -p sparse_mla (or add it to addopts)"
@@ -149,7 +148,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
 
     opts = options.get_options(config)
-    capabilities.skip_unmet(items, GPU_REQUIRED_MARKER if opts.require_gpu else None)
+    capabilities.skip_unmet(items, options.GPU_REQUIRED_MARKER if opts.require_gpu else None)
     selection.apply_files(config, items)
     implementations.skip_unservable(config, items)
 
@@ -159,8 +158,8 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     shipped suite test collected by an xdist worker of a session that does not use the plugin."""
     if item.stash.get(_NEEDS_PLUGIN_KEY, False):
         pytest.fail(NEEDS_PLUGIN, pytrace=False)
-    mark = item.get_closest_marker(GPU_REQUIRED_MARKER)
-    if mark is not None and options.is_active(item.config):
+    mark = item.get_closest_marker(options.GPU_REQUIRED_MARKER)
+    if mark is not None:  # only an active session adds it
         pytest.fail(f"--sparse-mla-require-gpu: {mark.kwargs['reason']}", pytrace=False)
 
 

@@ -123,7 +123,10 @@ def test_require_gpu_turns_gpu_skips_into_failures(pytester: pytest.Pytester) ->
     "args, message",
     [
         (["--sparse-mla-device", "tpu"], "*invalid choice: 'tpu'*"),
-        (["--sparse-mla-grid", "flashinfer==latest"], "*--sparse-mla-grid='flashinfer==latest': expected*"),
+        (
+            ["--sparse-mla-grid", "flashinfer==latest"],
+            "*--sparse-mla-grid='flashinfer==latest': *expected a flashinfer-python version*",
+        ),
         (["--sparse-mla-seed", "abc"], "*--sparse-mla-seed='abc': expected an integer*"),
         (["--sparse-mla-grid", "flashinfer==0.6.13"], "*--sparse-mla-grid='flashinfer==0.6.13': *0.6.14*"),
         (["--sparse-mla-xfail-file", "missing.txt"], "*--sparse-mla-xfail-file='missing.txt': no such file*"),
