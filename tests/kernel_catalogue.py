@@ -407,6 +407,23 @@ class ignores_storage_offset(_WrapsReference):
         return self._reference(q, _rebased(kv_cache), indices, **kw)
 
 
+def _dense_rows(indices: torch.Tensor) -> torch.Tensor:
+    """The index tensor read as if its rows were packed (row stride = topk): a pitched view's rows
+    then run into its padding."""
+    return torch.as_strided(indices, indices.shape, torch.empty(indices.shape).stride(), indices.storage_offset())
+
+
+@wrong(
+    "index rows read as if packed: the row stride of a pitched [T, topk] view (a slice of a wider table) is ignored",
+    "FlashInfer's own bitwise check of row-pitched index views (tests/attention/test_sparse_mla_sm120.py)",
+)
+class ignores_index_row_stride(_WrapsReference):
+    def sparse_mla_forward(self, q, kv_cache, indices, **kw):
+        if kw.get("extra_indices") is not None:
+            kw["extra_indices"] = _dense_rows(kw["extra_indices"])
+        return self._reference(q, kv_cache, _dense_rows(indices), **kw)
+
+
 def _tight(cache: torch.Tensor, fmt: Any, page_block_size: int | None, name: str = "kv_cache") -> torch.Tensor:
     """The same bytes read with page stride ``ps * bytes_per_token`` (padding assumed absent)."""
     layout = formats.parse_cache(cache, fmt, page_block_size=page_block_size, name=name)

@@ -52,8 +52,8 @@ def test_fp32_within_1e5_of_oracle(
     lse_rel = ((res.lse.double() - expected.lse).abs() / expected.lse.abs())[finite]
     record_property("max_abs_err_output_fp32", float(out_err.max()))
     record_property("max_rel_err_lse", float(lse_rel.max()))
-    sparse_mla_tolerances.assert_close(res.output_fp32, expected.output, "output_fp32", what="fp32 output")
-    sparse_mla_tolerances.assert_close(res.lse, expected.lse, "lse", what="lse")
+    sparse_mla_tolerances.check_output(res.output_fp32, expected, what="fp32 output")
+    sparse_mla_tolerances.check_lse(res.lse, expected)
     assert torch.equal(res.output, res.output_fp32.to(torch.bfloat16))
 
 
@@ -80,8 +80,7 @@ def test_chunking_over_tokens_keeps_results(
     inputs = inputs_on(case, sparse_mla_generator, sparse_mla_device)
     res = inputs.run(sparse_mla_forward, chunk_tokens=chunk_tokens)
     expected = inputs.run(oracle_forward)
-    sparse_mla_tolerances.assert_close(res.output, expected.output, "output", what="output")
-    sparse_mla_tolerances.assert_close(res.lse, expected.lse, "lse", what="lse")
+    sparse_mla_tolerances.check_result(res, expected)
 
 
 def test_zero_tokens_returns_empty(sparse_mla_device):
@@ -151,8 +150,8 @@ def test_triton_backend_within_1e5_of_oracle(case, sparse_mla_tolerances, sparse
     inputs = inputs_on(case, sparse_mla_generator, sparse_mla_device)
     res = inputs.run(sparse_mla_forward, backend="triton", return_fp32=True)
     expected = inputs.run(oracle_forward)
-    sparse_mla_tolerances.assert_close(res.output_fp32, expected.output, "output_fp32", what="fp32 output")
-    sparse_mla_tolerances.assert_close(res.lse, expected.lse, "lse", what="lse")
+    sparse_mla_tolerances.check_output(res.output_fp32, expected, what="fp32 output")
+    sparse_mla_tolerances.check_lse(res.lse, expected)
     assert torch.equal(res.output, res.output_fp32.to(torch.bfloat16))
 
 
@@ -179,8 +178,8 @@ def test_triton_backend_dsv32_with_arbitrary_fp32_scales(
     assert not torch.equal(table.to(torch.bfloat16).float(), table)  # the three-piece path runs
     res = inputs.run(sparse_mla_forward, backend="triton", return_fp32=True)
     expected = inputs.run(oracle_forward)
-    sparse_mla_tolerances.assert_close(res.output_fp32, expected.output, "output_fp32", what="fp32 output")
-    sparse_mla_tolerances.assert_close(res.lse, expected.lse, "lse", what="lse")
+    sparse_mla_tolerances.check_output(res.output_fp32, expected, what="fp32 output")
+    sparse_mla_tolerances.check_lse(res.lse, expected)
 
 
 def test_triton_backend_takes_a_query_view_with_a_strided_last_dim(sparse_mla_generator, sparse_mla_device):
