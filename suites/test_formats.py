@@ -245,13 +245,18 @@ def test_all_tensor_forms_hold_the_same_bytes_and_values(
         "hnd": (3, 1, 64, 584),
         "nhd": (3, 64, 1, 584),
     }
-    reference = formats.unpack_dequantize(forms["3d"], "dsv4")
+    # Expected bytes and values from the specified packer (itself pinned to hand-computed bytes in
+    # tests/test_formats_bytes.py), never from the implementation's own other forms.
+    want = formats.quantize_pack(src.cpu(), "dsv4", page_stride=stride, form="3d")
+    want_raw = _raw_pages(want)[:, : 64 * 584]
+    want_values = formats.unpack_dequantize(want, "dsv4")
     for form, packed in forms.items():
         assert tuple(packed.shape) == expected_shapes[form], form
         assert packed.stride(0) == page_stride, form
-        raw = _raw_pages(packed)[:, : 64 * 584]
-        assert torch.equal(raw, _raw_pages(forms["3d"])[:, : 64 * 584]), form
-        assert torch.equal(formats.unpack_dequantize(packed, "dsv4", page_block_size=64), reference), form
+        raw = _raw_pages(packed)[:, : 64 * 584].cpu()
+        assert torch.equal(raw, want_raw), f"form {form!r}: packed bytes differ from the specified packer's"
+        values = formats.unpack_dequantize(packed, "dsv4", page_block_size=64).cpu()
+        assert torch.equal(values, want_values), f"form {form!r}: dequantized values differ"
 
 
 def test_pad_fill_goes_to_the_pad_bytes_and_the_page_padding_only(

@@ -82,6 +82,7 @@ class Packer(Protocol):
         page_stride: int | str = "tight",
         form: str = "nhd",
         scale_rule: str = "flashmla",
+        pad_fill: int = 0,
     ) -> torch.Tensor:
         """Pack ``source``.
 
@@ -93,6 +94,8 @@ class Packer(Protocol):
                 ``"padded"`` (FlashMLA/SGLang: 37,440 B at 64 tokens) or a byte count.
             form: ``"2d"``, ``"3d"``, ``"hnd"`` or ``"nhd"`` tensor form of the result.
             scale_rule: ``"flashmla"`` (scale floor ``1e-4``) or ``"sglang"`` (``eps = 1e-8``).
+            pad_fill: the byte written into bytes no reader uses (each DSV4 scale record's 8th byte
+                and the page padding); the suites poison them with ``0xFF`` to prove they are unread.
 
         Returns:
             The packed uint8 cache on ``source``'s device.
