@@ -417,10 +417,9 @@ def sparse_mla_forward(
     output = torch.empty((num_tokens, num_heads, d_v), dtype=torch.bfloat16, device=device)
     lse = torch.empty((num_tokens, num_heads), dtype=torch.float32, device=device)
     output_fp32 = torch.empty((num_tokens, num_heads, d_v), dtype=torch.float32, device=device) if return_fp32 else None
-    # Every entry is written (the Triton kernel stores each token's count; the torch loop adds).
-    out_of_range = (torch.empty if backend == "triton" else torch.zeros)(
-        (num_tokens,), dtype=torch.int32, device=device
-    )
+    # Zeroed for both backends (the torch loop adds to it; the Triton kernel stores each token's
+    # count), so a count never depends on which program happens to store it.
+    out_of_range = torch.zeros((num_tokens,), dtype=torch.int32, device=device)
     if num_tokens == 0:
         return SparseMlaOutput(output, lse, route, output_fp32, grid, out_of_range)
 
