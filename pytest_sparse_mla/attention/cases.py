@@ -227,29 +227,35 @@ def _peaked_queries(
     peak: float,
 ) -> torch.Tensor:
     """Queries aligned with one valid candidate per (token, head): head ``h`` picks cache
-    ``h % len(caches)`` (falling back to the other when its row has no valid lane) and that row's
-    ``(h // len(caches)) % n``-th valid lane; ``q += peak / (sm_scale * ||k||) * k / ||k||``."""
-    out = q.float().clone()
+    ``h % len(caches)`` (falling back to the others, in order, when its row has no valid lane) and
+    that row's ``(h // len(caches)) % n``-th valid lane; ``q += peak / (sm_scale * ||k||) * k / ||k||``."""
     num_tokens, num_heads = q.shape[0], q.shape[1]
+    heads = torch.arange(num_heads)
+    own = heads % len(caches)
     tables = [cache.flat_dequantized().cpu().double() for cache, _, _ in caches]
-    for t in range(num_tokens):
-        valid = []
-        for _cache_obj, indices, lengths in caches:
-            row = indices[t].cpu().long()
+    offsets = [0]
+    for table in tables[:-1]:
+        offsets.append(offsets[-1] + table.shape[0])
+    picked = torch.zeros((num_tokens, num_heads), dtype=torch.long)  # row of the concatenated tables
+    taken = torch.zeros((num_tokens, num_heads), dtype=torch.bool)
+    for fallback in (False, True):
+        for c, (_cache, indices, lengths) in enumerate(caches):
+            prefers = (own != c) if fallback else (own == c)
+            row = indices.cpu().long()
+            valid = row >= 0
             if lengths is not None:
-                row = row[: max(0, min(int(lengths[t]), row.numel()))]
-            valid.append(row[row >= 0])
-        for h in range(num_heads):
-            order = [h % len(caches), *(i for i in range(len(caches)) if i != h % len(caches))]
-            which = next((i for i in order if valid[i].numel()), None)
-            if which is None:
-                continue
-            lanes = valid[which]
-            k = tables[which][int(lanes[(h // len(caches)) % lanes.numel()])]
-            norm = float(k.norm())
-            if norm > 0:
-                out[t, h] += (peak / (sm_scale * norm) * k / norm).float()
-    return out.to(torch.bfloat16)
+                valid &= torch.arange(row.shape[1]) < lengths.cpu().long().clamp(0, row.shape[1]).unsqueeze(1)
+            count = valid.sum(dim=1, keepdim=True)  # [T, 1]
+            in_order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)  # valid lanes first
+            lane = (heads // len(caches)).unsqueeze(0) % count.clamp(min=1)  # [T, H]
+            use = prefers.unsqueeze(0) & (count > 0) & ~taken
+            picked = torch.where(use, row.gather(1, in_order.gather(1, lane)) + offsets[c], picked)
+            taken |= use
+    k = torch.cat(tables)[picked]  # [T, H, d_qk]
+    norm = k.norm(dim=-1, keepdim=True)
+    base = q.float()
+    bumped = base + (peak / (sm_scale * norm) * k / norm).float()
+    return torch.where(taken.unsqueeze(-1) & (norm > 0), bumped, base).to(torch.bfloat16)
 
 
 def _large_sink(inputs: AttentionInputs, generator: torch.Generator, kind: str) -> torch.Tensor:
