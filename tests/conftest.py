@@ -1,5 +1,8 @@
-"""Self-test settings: ``tests/`` is importable as a directory of helper modules, and the
-wrong-kernel gate's kill table is printed at the end of the session.
+"""Self-test settings: ``tests/`` is importable as a directory of helper modules, the
+wrong-kernel gate's kill table is printed at the end of the session, and the longest self-tests
+(marked ``sparse_mla_selftest_long``: whole-suite runs of about 10 to 25 s each on the 2-core CPU
+machine) are collected first, so pytest-xdist hands them out before the short ones and ``-n 2``
+does not end with one worker running a long test while the other idles.
 
 The gate (``test_wrong_implementations.py``) stores one row per catalogue kernel in the test's
 ``user_properties`` under ``sparse_mla_kill_row``; pytest-xdist carries ``user_properties`` from
@@ -13,6 +16,16 @@ from typing import Any
 import pytest
 
 _ROW_KEY = "sparse_mla_kill_row"
+_LONG = "sparse_mla_selftest_long"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", f"{_LONG}: a self-test that runs a whole suite (collected first)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Long self-tests first (a stable sort: the order within each group is kept)."""
+    items.sort(key=lambda item: item.get_closest_marker(_LONG) is None)
 _COLUMNS = (("kernel", "kernel"), ("outcome", "outcome"), ("failed", "failed"), ("ran", "ran"),
             ("seconds", "s"), ("first_failure", "first failing test"))  # fmt: skip
 

@@ -22,6 +22,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 SUITES = ROOT / "suites"
 TESTS = Path(__file__).resolve().parent
@@ -126,6 +128,7 @@ def record_suites(suites: Path, rootdir: Path, logs: Path, *, full: bool) -> Rec
     return Recording(collected, nodes, dict(_read(files["outcomes"])), dict(calls))
 
 
+@pytest.mark.sparse_mla_selftest_long
 def test_every_suite_test_calls_the_selected_implementation(tmp_path: Path, record_property) -> None:  # type: ignore[no-untyped-def]
     rec = record_suites(SUITES, ROOT, tmp_path, full=FULL)
     passed = rec.with_outcome("passed")

@@ -37,6 +37,7 @@ def _downstream_package(pytester: pytest.Pytester) -> None:
 # --- the suites against an implementation defined elsewhere (subprocess, as a user runs them) ---
 
 
+@pytest.mark.sparse_mla_selftest_long
 def test_suites_run_against_an_external_implementation(pytester: pytest.Pytester) -> None:
     _downstream_package(pytester)
     result = pytester.runpytest_subprocess(

@@ -170,7 +170,13 @@ def _row(entry: catalogue.Entry, run: SuiteRun, outcome: str) -> dict[str, str]:
     }
 
 
-@pytest.mark.parametrize("name", list(catalogue.CATALOGUE))
+@pytest.mark.parametrize(
+    "name",
+    [  # an approximate kernel runs the whole suite (about 20 s): collected first (tests/conftest.py)
+        pytest.param(name, marks=[pytest.mark.sparse_mla_selftest_long] if entry.kind == "approximate" else [])
+        for name, entry in catalogue.CATALOGUE.items()
+    ],
+)
 def test_catalogue_kernel_against_the_whole_suite(
     name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], record_property
 ) -> None:
