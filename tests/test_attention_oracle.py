@@ -63,3 +63,36 @@ def test_oracle_empty_rows() -> None:
     torch.testing.assert_close(sunk.lse, (sink.double() / math.log(2) * 0.5).expand(2, 2))
     lonely = oracle_forward(q, main.packed, indices, sm_scale=0.1, topk_length=lengths, lse_convention="flashmla")
     assert bool(torch.isposinf(lonely.lse).all())
+
+
+def test_memoized_oracle_answers_by_the_bytes_of_its_arguments() -> None:
+    """A stored result is returned for equal arguments only: a changed byte of q or a changed
+    sm_scale is computed afresh (compared with runs outside the memo), and a caller that writes
+    into a returned result does not change what the store answers next."""
+    from pytest_sparse_mla.attention.oracle import memoized
+
+    g = torch.Generator().manual_seed(5)
+    cache = data.make_packed_cache(g, num_pages=1, page_block_size=64)
+    q = data.latent((2, 4, 512), g)
+    changed = q.clone()
+    changed[1, 2, 3] = -changed[1, 2, 3] + 1.0
+    indices = torch.randint(0, 64, (2, 16), generator=g, dtype=torch.int32)
+    expected = {
+        "plain": oracle_forward(q, cache.packed, indices, sm_scale=0.05),
+        "scale": oracle_forward(q, cache.packed, indices, sm_scale=0.06),
+        "q": oracle_forward(changed, cache.packed, indices, sm_scale=0.05),
+    }
+    assert not torch.equal(expected["q"].output, expected["plain"].output)
+    store: dict[bytes, object] = {}
+    with memoized(store):  # type: ignore[arg-type]
+        first = oracle_forward(q, cache.packed, indices, sm_scale=0.05)
+        first.output.fill_(7.0)  # the caller's copy only
+        got = {
+            "plain": oracle_forward(q, cache.packed, indices, sm_scale=0.05),
+            "scale": oracle_forward(q, cache.packed, indices, sm_scale=0.06),
+        }
+        q.copy_(changed)  # written in place: the same tensor object, other bytes
+        got["q"] = oracle_forward(q, cache.packed, indices, sm_scale=0.05)
+    assert len(store) == 3
+    for name, want in expected.items():
+        assert torch.equal(got[name].output, want.output) and torch.equal(got[name].lse, want.lse), name

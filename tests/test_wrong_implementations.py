@@ -15,7 +15,9 @@ used: they drop modules imported during a run, and re-importing torch's operator
 * Either way the run itself must be sound: exit status 0 or 1, no suite file that fails to import,
   at least one item run. A kernel that breaks the harness is not counted as caught.
 
-Cost (the 2-core CPU machine). An approximate kernel's run is the whole suite, every time. A wrong
+Cost (the 2-core CPU machine). The float64 oracle's results are shared by a worker's inner runs
+(``oracle.memoized``, keyed by the bytes of the oracle's arguments: each test draws the same
+inputs for every kernel). An approximate kernel's run is the whole suite, every time. A wrong
 kernel's run stops at its first failure (``--maxfail=1``) and runs breadth-first over the suite's
 test functions (``tests/gate_order.py``), so a kernel caught by one rule only is reached after one
 case of every test function, not after every case of the functions before it; the run is the whole
@@ -41,6 +43,9 @@ from pathlib import Path
 
 import kernel_catalogue as catalogue
 import pytest
+import torch
+
+from pytest_sparse_mla.attention.oracle import OracleOutput, memoized
 
 ROOT = Path(__file__).resolve().parents[1]
 SUITES = ROOT / "suites"
@@ -123,6 +128,27 @@ def _message(case: ET.Element, lines: int = 2) -> str:
     return ""
 
 
+class _BoundedStore(dict[bytes, OracleOutput]):
+    """Oracle results up to ``limit`` bytes of tensors; later results are not kept."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit, self.size = limit, 0
+
+    def __setitem__(self, key: bytes, value: OracleOutput) -> None:
+        tensors = [value.output, value.lse, *(vars(value.scales).values() if value.scales else ())]
+        size = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+        if self.size + size <= self.limit:
+            self.size += size
+            super().__setitem__(key, value)
+
+
+#: The oracle's results, shared by this worker's inner runs (``oracle.memoized``): every kernel's
+#: run draws each test's inputs from the same seed, so the float64 oracle of a test is computed
+#: once per worker, not once per kernel (about a third of an approximate kernel's run).
+_ORACLE_RESULTS = _BoundedStore(2 << 30)
+
+
 def run_suite(
     name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], maxfail: int
 ) -> SuiteRun:
@@ -135,7 +161,8 @@ def run_suite(
     for key in _XDIST_ENV:  # the inner session is not an xdist worker
         monkeypatch.delenv(key, raising=False)
     start = time.perf_counter()
-    ret = pytest.main([*suite_args(name, report, maxfail), "--basetemp", str(tmp_path / "basetemp")])
+    with memoized(_ORACLE_RESULTS):
+        ret = pytest.main([*suite_args(name, report, maxfail), "--basetemp", str(tmp_path / "basetemp")])
     seconds = time.perf_counter() - start
     captured = capsys.readouterr()
     output = (captured.out + captured.err)[-4000:]
