@@ -108,8 +108,9 @@ _store: MutableMapping[bytes, OracleOutput] | None = None
 @contextmanager
 def memoized(store: MutableMapping[bytes, OracleOutput]) -> Iterator[MutableMapping[bytes, OracleOutput]]:
     """Within the block, :func:`oracle_forward` keeps its results in ``store``, keyed by a BLAKE2b
-    digest of every argument (each tensor's dtype, shape, device and the bytes of its elements;
-    every other argument's ``repr``), and returns a copy of a stored result for equal arguments.
+    digest of every argument (each tensor's dtype, shape, strides, alignment, device and the bytes
+    of its elements; every other argument's ``repr``), and returns a copy of a stored result for
+    equal arguments (a call that raises stores nothing).
 
     For a harness that runs the same suite many times in one process against different kernels
     (this package's wrong-kernel gate): the inputs of a test are drawn from the same seed every
@@ -130,7 +131,8 @@ def _digest(arguments: dict[str, Any]) -> bytes:
     for name, value in arguments.items():
         h.update(name.encode())
         if isinstance(value, torch.Tensor):
-            h.update(f"{value.dtype}{tuple(value.shape)}{value.device}".encode())
+            layout = (value.dtype, tuple(value.shape), value.stride(), value.data_ptr() % 16, value.device)
+            h.update(repr(layout).encode())  # what the cache checks read, besides the elements
             flat = value.detach().cpu().contiguous().reshape(-1)
             h.update(flat.view(torch.uint8).numpy().tobytes())
         else:
