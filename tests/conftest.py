@@ -26,6 +26,8 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Long self-tests first (a stable sort: the order within each group is kept)."""
     items.sort(key=lambda item: item.get_closest_marker(_LONG) is None)
+
+
 _COLUMNS = (("kernel", "kernel"), ("outcome", "outcome"), ("failed", "failed"), ("ran", "ran"),
             ("seconds", "s"), ("first_failure", "first failing test"))  # fmt: skip
 
