@@ -26,12 +26,15 @@ Stability of Numerical Algorithms*, 2nd ed., section 3.1), its RMS counterpart
 
 from __future__ import annotations
 
+import copy
+import functools
 import hashlib
+import inspect
 import math
-from collections.abc import Iterator, MutableMapping
+from collections.abc import Callable, Iterator, MutableMapping
 from contextlib import contextmanager
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ParamSpec
 
 import torch
 
@@ -102,6 +105,7 @@ def _valid_lanes(indices: torch.Tensor, length: torch.Tensor | None, token: int)
     return row[row >= 0]
 
 
+_P = ParamSpec("_P")
 _store: MutableMapping[bytes, OracleOutput] | None = None
 
 
@@ -140,14 +144,27 @@ def _digest(arguments: dict[str, Any]) -> bytes:
     return h.digest()
 
 
-def _copy(result: OracleOutput) -> OracleOutput:
-    scales = result.scales
-    if scales is not None:
-        scales = ErrorScales(*(getattr(scales, f.name).clone() if isinstance(getattr(scales, f.name), torch.Tensor)
-                               else getattr(scales, f.name) for f in fields(scales)))  # fmt: skip
-    return OracleOutput(result.output.clone(), result.lse.clone(), result.lse_convention, result.lse_scale, scales)
+def _memoizable(compute: Callable[_P, OracleOutput]) -> Callable[_P, OracleOutput]:
+    """``compute`` answered from the store of :func:`memoized` when one is active."""
+    signature = inspect.signature(compute)
+
+    @functools.wraps(compute)
+    def answer(*args: _P.args, **kwargs: _P.kwargs) -> OracleOutput:
+        if _store is None:
+            return compute(*args, **kwargs)
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        key = _digest(bound.arguments)
+        result = _store.get(key)
+        if result is None:
+            result = compute(*args, **kwargs)
+            _store[key] = result
+        return copy.deepcopy(result)  # the caller's own tensors: its writes never reach the store
+
+    return answer
 
 
+@_memoizable
 def oracle_forward(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -188,37 +205,6 @@ def oracle_forward(
         ValueError: ``extra_kv_cache`` without ``extra_indices`` or the reverse; a valid index at
             or past its cache's token count; errors of ``formats.parse_cache``.
     """
-    arguments = dict(locals())
-    if _store is None:
-        return _oracle_forward(**arguments)
-    key = _digest(arguments)
-    result = _store.get(key)
-    if result is None:
-        result = _oracle_forward(**arguments)
-        _store[key] = result
-    return _copy(result)
-
-
-def _oracle_forward(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    indices: torch.Tensor,
-    *,
-    sm_scale: float,
-    fmt: formats.PackedFormat | str = "dsv4",
-    page_block_size: int | None = None,
-    topk_length: torch.Tensor | None = None,
-    attn_sink: torch.Tensor | None = None,
-    extra_kv_cache: torch.Tensor | None = None,
-    extra_indices: torch.Tensor | None = None,
-    extra_topk_length: torch.Tensor | None = None,
-    extra_page_block_size: int | None = None,
-    lse_convention: str = "flashinfer",
-    lse_scale: float = 1.0,
-    grid_release: str | None = None,
-    chunk_tokens: int | None = None,
-) -> OracleOutput:
-    """The computation of :func:`oracle_forward`."""
     del grid_release, chunk_tokens
     lse_convention, lse_scale = check_lse_convention(lse_convention, lse_scale)
     f = formats.get_format(fmt)
