@@ -3,6 +3,14 @@ attention kernels over packed FP8 paged KV caches.
 
 Importing this package is light: it imports neither torch, triton nor flashinfer. The modules
 that compute (``formats``, ``page_split``, ``attention``) import torch themselves.
+
+Public names here: :class:`Envelope` and :class:`Widths` (what a kernel's ``sparse_mla_forward``
+serves; ``pytest_sparse_mla.envelope``) and :class:`Unsupported` (raised by a kernel for a call it
+refuses at run time).
 """
+
+from pytest_sparse_mla.envelope import Envelope, Unsupported, Widths
+
+__all__ = ["Envelope", "Unsupported", "Widths", "__version__"]
 
 __version__ = "0.1.0"

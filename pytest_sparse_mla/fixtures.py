@@ -22,7 +22,9 @@ if TYPE_CHECKING:
     import torch
     from syrupy.assertion import SnapshotAssertion
 
+    from pytest_sparse_mla.attention.cases import AttentionInputs
     from pytest_sparse_mla.data import PackedKVCache
+    from pytest_sparse_mla.envelope import Envelope
     from pytest_sparse_mla.implementations.protocol import SparseMlaImplementation
     from pytest_sparse_mla.page_split.buffers import BufferRegistry
     from pytest_sparse_mla.tolerances import SparseMlaTolerances
@@ -220,7 +222,7 @@ def sparse_mla_impl(request: pytest.FixtureRequest, sparse_mla_device: torch.dev
     Raises ``pytest.UsageError`` for an unknown or unimportable implementation (listing the valid
     names).
     """
-    from pytest_sparse_mla import implementations
+    from pytest_sparse_mla import guard, implementations, tolerances
 
     impl = implementations.get_implementation(request.config)
     reason = implementations.skip_reason_for(
@@ -228,8 +230,70 @@ def sparse_mla_impl(request: pytest.FixtureRequest, sparse_mla_device: torch.dev
     )
     if reason is not None:
         pytest.skip(reason)
-    typed: SparseMlaImplementation = impl
+    bitwise = tolerances.DEFAULT_PROFILES.get(tolerances.profile_for(impl), tolerances.DEFAULT_PROFILES["kernel"]).bitwise_invariants
+    declared = guard.declared_envelope(impl)
+    typed: SparseMlaImplementation = guard.GuardedImplementation(
+        impl, guard.envelope_of(impl, bitwise), declared is not None
+    )
     return typed
+
+
+@pytest.fixture
+def sparse_mla_envelope(request: pytest.FixtureRequest) -> Envelope:
+    """The :class:`pytest_sparse_mla.Envelope` the implementation under test is held to: its
+    ``envelope`` attribute, else every call (``envelope.UNIVERSAL``, with every bitwise
+    invariance claim when its tolerance profile is bitwise, as the bundled reference's).
+
+    Raises ``pytest.UsageError`` when ``envelope`` is not an ``Envelope``.
+    """
+    from pytest_sparse_mla import guard, implementations, tolerances
+
+    impl = implementations.get_implementation(request.config)
+    bitwise = tolerances.DEFAULT_PROFILES.get(tolerances.profile_for(impl), tolerances.DEFAULT_PROFILES["kernel"]).bitwise_invariants
+    return guard.envelope_of(impl, bitwise)
+
+
+@pytest.fixture
+def sparse_mla_inputs(
+    request: pytest.FixtureRequest,
+    sparse_mla_envelope: Envelope,
+    sparse_mla_generator: torch.Generator,
+    sparse_mla_device: torch.device,
+) -> Callable[..., AttentionInputs]:
+    """Factory: ``sparse_mla_inputs(case)`` -> the :class:`~pytest_sparse_mla.attention.cases.
+    AttentionInputs` of ``case`` fitted to the implementation's envelope, drawn from
+    :func:`sparse_mla_generator` on :func:`sparse_mla_device`.
+
+    ``attention.cases.fit_case`` moves head counts, token counts, index widths (padded with ``-1``)
+    and page sizes inside the envelope and drops what it does not take; the case keeps its name
+    and lists the changes in ``fitted``. The inputs' ``lse_convention`` is ``"flashinfer"`` when
+    the envelope honours it, else ``"flashmla"``, else ``None`` (no LSE). The classes the fitted
+    case exercises are recorded for the coverage table (``pytest_sparse_mla.coverage``).
+
+    Skips the test when the case is not applicable to the envelope (the reason names the field)
+    and when a ``large`` case would run on the CPU. Raises as ``attention.cases.make_inputs``.
+    """
+    from dataclasses import replace
+
+    from pytest_sparse_mla import coverage
+    from pytest_sparse_mla.attention.cases import case_classes, fit_case, inputs_on
+    from pytest_sparse_mla.envelope import NotApplicable
+
+    env = sparse_mla_envelope
+
+    def make(case: Any) -> AttentionInputs:
+        try:
+            fitted = fit_case(case, env)
+        except NotApplicable as exc:
+            pytest.skip(f"{case.name}: {exc}")
+        request.node.user_properties.append((coverage.RAN, case_classes(fitted)))
+        if fitted.fitted:
+            request.node.user_properties.append((coverage.FITTED, fitted.fitted))
+        inputs = inputs_on(fitted, sparse_mla_generator, sparse_mla_device)
+        convention = next((c for c in ("flashinfer", "flashmla") if c in env.lse_conventions), None)
+        return replace(inputs, lse_convention=convention)
+
+    return make
 
 
 @pytest.fixture
@@ -249,12 +313,18 @@ def sparse_mla_tolerances(request: pytest.FixtureRequest) -> SparseMlaTolerances
     """
     from pytest_sparse_mla import implementations, tolerances
 
+    from dataclasses import replace
+
+    from pytest_sparse_mla import guard
+
     impl = implementations.get_implementation(request.config)
-    return tolerances.resolve(
+    resolved = tolerances.resolve(
         tolerances.profile_for(impl),
         tolerances.ini_tolerances(request.config),
         list(request.node.iter_markers(tolerances.MARKER)),
     )
+    claims = guard.envelope_of(impl, resolved.model.bitwise_invariants).bitwise_invariance
+    return replace(resolved, bitwise_claims=frozenset(claims))
 
 
 # --- golden snapshots (pytest_sparse_mla.snapshots) -------------------------------------------

@@ -213,6 +213,8 @@ def marker_lines() -> list[str]:
         f"{tolerances.MARKER}(profile=None, **parameters): tolerance profile and rounding-model "
         f"overrides for the sparse_mla_tolerances fixture; parameters: {', '.join(tolerances.PARAMETERS)}",
         f"{GPU_REQUIRED_MARKER}(reason): internal; set by --sparse-mla-require-gpu",
+        "sparse_mla_error_class(*names): the error classes a suite test exists for (the coverage "
+        "table of the terminal summary and --sparse-mla-report-json)",
     ]
 
 

@@ -100,6 +100,10 @@ def pytest_configure(config: pytest.Config) -> None:
         if not config.pluginmanager.is_registered(module):
             config.pluginmanager.register(module, f"sparse_mla:{name.rsplit('.', 1)[-1]}")
     implementations.configure(config)
+    from pytest_sparse_mla import coverage
+
+    if getattr(config, "workerinput", None) is None:  # the controller gathers the coverage table
+        config.pluginmanager.register(coverage.get(config), "sparse_mla:coverage")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -147,10 +151,27 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.stash[_NEEDS_PLUGIN_KEY] = True
         return
 
+    from pytest_sparse_mla import coverage
+
     opts = options.get_options(config)
     capabilities.skip_unmet(items, options.GPU_REQUIRED_MARKER if opts.require_gpu else None)
     selection.apply_files(config, items)
     implementations.skip_unservable(config, items)
+    coverage.mark_intended(items)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Any:
+    """A kernel's :class:`pytest_sparse_mla.Unsupported` raised outside the envelope guard (a page
+    split, a direct call) is reported as a skip with its reason."""
+    if not options.is_active(item.config):
+        return (yield)
+    from pytest_sparse_mla.envelope import Unsupported
+
+    try:
+        return (yield)
+    except Unsupported as exc:
+        raise pytest.skip.Exception(f"refused by the implementation: {exc}", _use_item_location=True) from exc
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
@@ -177,6 +198,13 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
         return
     from pytest_sparse_mla import xdist_gpu
 
+    from pytest_sparse_mla import coverage
+
+    table = coverage.get(config).lines()
+    if table:
+        terminalreporter.section(f"sparse-mla error-class coverage ({options.get_options(config).impl})", sep="-")
+        for line in table:
+            terminalreporter.write_line(line)
     lines = xdist_gpu.summary_lines(config)
     if lines:
         terminalreporter.section("sparse-mla devices per worker", sep="-")

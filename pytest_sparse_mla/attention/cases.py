@@ -30,6 +30,7 @@ import pytest
 import torch
 
 from pytest_sparse_mla import data, deployments, formats
+from pytest_sparse_mla.envelope import Envelope, NotApplicable
 
 __all__ = [
     "AttentionCase",
@@ -37,7 +38,10 @@ __all__ = [
     "CONFORMANCE_CASES",
     "FLASHINFER_CASES",
     "STALE_INDEX",
+    "REQUIREMENTS",
+    "case_classes",
     "case_params",
+    "fit_case",
     "deployment_cases",
     "inputs_on",
     "make_inputs",
@@ -82,6 +86,12 @@ class AttentionCase:
             layers hold other valid data), as serving engines lay out per-layer pools.
         extra_layer, extra_num_layers, extra_page_stride: the same for the extra cache
             (``extra_page_stride`` ``None`` = ``page_stride``).
+        index_width, extra_index_width: the index-row width passed to the kernel when wider than
+            ``topk`` / ``topk_extra`` (the lanes past those are ``-1``: masked padding up to an
+            envelope's width multiple); ``None`` = the drawn width.
+        requires: what the case exists to exercise, so that :func:`fit_case` declares it not
+            applicable instead of changing it (:data:`REQUIREMENTS`).
+        fitted: what :func:`fit_case` changed to bring the case inside an envelope, in words.
     """
 
     name: str
@@ -112,6 +122,10 @@ class AttentionCase:
     extra_layer: int = 0
     extra_num_layers: int = 1
     extra_page_stride: formats.StrideSpec | None = None
+    index_width: int | None = None
+    extra_index_width: int | None = None
+    requires: tuple[str, ...] = ()
+    fitted: tuple[str, ...] = ()
 
     @property
     def dual(self) -> bool:
@@ -135,6 +149,8 @@ class AttentionInputs:
         topk_length, extra_topk_length: ``[T]`` int32 or ``None``.
         attn_sink: ``[H]`` fp32 or ``None``.
         sm_scale: ``d_qk ** -0.5`` (``512 ** -0.5`` for DSV4, as FlashInfer's and FlashMLA's tests).
+        lse_convention: passed to the forward and the oracle when set (the convention the
+            implementation's envelope honours; ``None``: the forward's default).
     """
 
     case: AttentionCase
@@ -147,6 +163,7 @@ class AttentionInputs:
     extra: data.PackedKVCache | None = None
     extra_indices: torch.Tensor | None = None
     extra_topk_length: torch.Tensor | None = None
+    lse_convention: str | None = None
 
     def kwargs(self, **overrides: Any) -> dict[str, Any]:
         """Keyword arguments of ``sparse_mla_forward`` for this case (``None`` values omitted),
@@ -159,6 +176,7 @@ class AttentionInputs:
             "extra_kv_cache": self.extra.packed if self.extra is not None else None,
             "extra_indices": self.extra_indices,
             "extra_topk_length": self.extra_topk_length,
+            "lse_convention": self.lse_convention,
         }
         kw.update(overrides)
         return {k: v for k, v in kw.items() if v is not None}
@@ -175,6 +193,14 @@ def _lengths_and_stale(indices: torch.Tensor, length: int | None) -> tuple[torch
     out = indices.clone()
     out[:, max(0, min(length, topk)) :] = STALE_INDEX
     return out, torch.full((num_tokens,), length, dtype=torch.int32)
+
+
+def _pad_row(indices: torch.Tensor, width: int | None) -> torch.Tensor:
+    """``indices`` followed by ``-1`` lanes up to ``width`` (masked padding)."""
+    if width is None or width <= indices.shape[1]:
+        return indices
+    pad = torch.full((indices.shape[0], width - indices.shape[1]), -1, dtype=indices.dtype)
+    return torch.cat([indices, pad], dim=1)
 
 
 QUERIES: tuple[str, ...] = ("random", "peaked", "flat")
@@ -298,6 +324,7 @@ def make_inputs(
         case.num_tokens, case.topk, cache.num_tokens, generator, masked_fraction=case.masked_fraction
     )
     indices, lengths = _lengths_and_stale(indices, case.topk_length)
+    indices = _pad_row(indices, case.index_width)
     sink = data.attn_sink(case.num_heads, generator) if case.with_sink else None
     extra = extra_indices = extra_lengths = None
     if case.dual:
@@ -312,6 +339,7 @@ def make_inputs(
             masked_fraction=case.extra_masked_fraction,
         )  # fmt: skip
         extra_indices, extra_lengths = _lengths_and_stale(extra_indices, case.extra_topk_length)
+        extra_indices = _pad_row(extra_indices, case.extra_index_width)
 
     def dev(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t.to(device)
@@ -497,3 +525,151 @@ def inputs_on(case: AttentionCase, generator: torch.Generator, device: torch.dev
     if case.large and device.type != "cuda":
         pytest.skip(f"{case.name}: large case, run on CUDA only")
     return make_inputs(case, generator, device=device)
+
+
+# --- envelopes ------------------------------------------------------------------------------------
+
+#: What a case may require (``AttentionCase.requires``); :func:`fit_case` never changes these, it
+#: declares the case not applicable instead: ``"heads"`` (its head count), ``"tokens"`` (its
+#: ``num_tokens``), ``"width"`` (its index-row widths), ``"extra"`` (an extra cache), ``"sink"``,
+#: ``"topk_length"`` (its lengths, values included), ``"page"`` / ``"extra_page"`` (page sizes).
+REQUIREMENTS: tuple[str, ...] = ("heads", "tokens", "width", "extra", "sink", "topk_length", "page", "extra_page")
+
+
+def fit_case(case: AttentionCase, envelope: Envelope) -> AttentionCase:
+    """``case`` brought inside ``envelope``: the same construction at shapes the kernel takes.
+
+    Head counts move to the nearest head count taken (the smallest above, else the largest);
+    ``num_tokens`` into ``[min_tokens, max_tokens]``; index rows are drawn at ``topk`` (capped at
+    the largest width) and padded with ``-1`` lanes up to the width multiple; page sizes move to
+    the nearest taken (same number of cache tokens); an extra cache, lengths or a sink the
+    envelope does not take are dropped, and lengths outside ``[0, width]`` clamped for a
+    ``topk_length_range="row"`` kernel. What changed is listed in ``fitted``; the name (the
+    test id) stays.
+
+    Raises:
+        NotApplicable: the format is not taken, or a change would touch what the case
+            ``requires`` (the message names the envelope field and the value).
+    """
+    notes: list[str] = []
+    change: dict[str, Any] = {}
+    req = set(case.requires)
+
+    def na(why: str) -> NotApplicable:
+        return NotApplicable(f"not applicable to this envelope: {why}")
+
+    if case.fmt not in envelope.formats:
+        raise na(f"format {case.fmt!r} is not in formats={envelope.formats}")
+    tokens = envelope.tokens_for(case.num_tokens)
+    if tokens != case.num_tokens:
+        if "tokens" in req:
+            raise na(f"num_tokens={case.num_tokens} is outside [{envelope.min_tokens}, {envelope.max_tokens}]")
+        change["num_tokens"] = tokens
+        notes.append(f"num_tokens {case.num_tokens}->{tokens}")
+    heads = envelope.heads_for(case.num_heads)
+    if heads != case.num_heads:
+        if "heads" in req:
+            raise na(f"num_heads={case.num_heads} is not in num_heads={envelope.num_heads}")
+        change["num_heads"] = heads
+        notes.append(f"num_heads {case.num_heads}->{heads}")
+    if case.with_sink and not envelope.attn_sink:
+        if "sink" in req:
+            raise na("an attn_sink (attn_sink=False)")
+        change["with_sink"] = False
+        notes.append("attn_sink dropped")
+    dual = case.dual
+    if dual and not envelope.takes_extra(case.fmt):
+        if "extra" in req:
+            raise na(f"an extra cache for {case.fmt!r} (extra_cache_formats={envelope.extra_cache_formats})")
+        change.update(topk_extra=0, extra_page_block_size=0, extra_num_pages=0, extra_topk_length=None)
+        notes.append("extra cache dropped")
+        dual = False
+    lengths = [("topk_length", case.topk_length, case.topk)]
+    if dual:
+        lengths.append(("extra_topk_length", case.extra_topk_length, case.topk_extra))
+    if any(value is not None for _, value, _ in lengths) and not envelope.takes_lengths(case.fmt):
+        if "topk_length" in req:
+            raise na(f"topk_length for {case.fmt!r} (topk_length_formats={envelope.topk_length_formats})")
+        change.update(topk_length=None, extra_topk_length=None)
+        notes.append("topk_length dropped")
+        lengths = []
+    for key, (drawn_key, width_key, widths) in {
+        "topk": ("topk", "index_width", envelope.topk),
+        "topk_extra": ("topk_extra", "extra_index_width", envelope.extra_topk),
+    }.items():
+        width = getattr(case, key)
+        if key == "topk_extra" and not dual:
+            continue
+        drawn, row = widths.fit(width)
+        if (drawn, row) != (width, width):
+            if "width" in req:
+                raise na(widths.reason(key, width) or f"{key}={width}")
+            change[drawn_key], change[width_key] = drawn, row
+            notes.append(f"{key} {width}->{drawn} drawn in rows of {row}")
+    for name, value, width in lengths:
+        drawn = change.get("topk" if name == "topk_length" else "topk_extra", width)
+        if value is not None and envelope.topk_length_range == "row" and not 0 <= value <= drawn:
+            if "topk_length" in req:
+                raise na(f"{name}={value} outside [0, {drawn}] (topk_length_range='row')")
+            change[name] = min(max(value, 0), drawn)
+            notes.append(f"{name} {value}->{change[name]}")
+    for ps_key, pages_key, taken, need in (
+        ("page_block_size", "num_pages", envelope.page_block_sizes, "page"),
+        ("extra_page_block_size", "extra_num_pages", envelope.extra_page_block_sizes, "extra_page"),
+    ):
+        ps = getattr(case, ps_key)
+        if ps_key.startswith("extra") and not dual:
+            continue
+        fitted = Envelope.page_for(ps, taken)
+        if fitted != ps:
+            if need in req:
+                raise na(f"{ps_key}={ps} is not in {taken}")
+            change[ps_key], change[pages_key] = fitted, -(-getattr(case, pages_key) * ps // fitted)
+            notes.append(f"{ps_key} {ps}->{fitted}")
+    if not change:
+        return case
+    return replace(case, fitted=case.fitted + tuple(notes), **change)
+
+
+def _length_classes(value: int | None, width: int, prefix: str) -> list[str]:
+    if value is None:
+        return []
+    if value <= 0:
+        return [f"{prefix}length-0"]
+    return [f"{prefix}length-partial" if value < width else f"{prefix}length-beyond-row" if value > width else f"{prefix}length-full"]
+
+
+def case_classes(case: AttentionCase) -> tuple[str, ...]:
+    """The error classes a (fitted) case exercises, from its construction: ``peaked-main`` /
+    ``peaked-extra`` (queries aligned with candidates of that cache), ``dominant-key``,
+    ``near-uniform``, ``sink`` / ``large-sink`` / ``minus-inf-sink``, ``dsv3_2``, ``extra-page-64``
+    / ``extra-page-2`` (other sizes: ``extra-page-N``), ``length-0`` / ``length-partial`` /
+    ``length-beyond-row`` (``extra-`` prefixed for the extra cache), ``T-64-65`` (either side of
+    the decode/prefill cutoff), ``decode`` / ``prefill``, ``per-layer-views``, ``mixed-magnitudes``,
+    ``padded-width``."""
+    out: list[str] = ["decode" if case.num_tokens <= 64 else "prefill"]
+    if case.num_tokens in (64, 65):
+        out.append("T-64-65")
+    if case.query == "peaked":
+        out.append("peaked-main")
+        if case.dual:
+            out.append("peaked-extra")
+        if case.peak >= 30:
+            out.append("dominant-key")
+    elif case.query == "flat":
+        out.append("near-uniform")
+    if case.with_sink:
+        out.append({"randn": "sink", "large": "large-sink", "mixed-inf": "minus-inf-sink"}[case.sink_kind])
+    if case.fmt == "dsv3_2":
+        out.append("dsv3_2")
+    if case.dual:
+        out.append(f"extra-page-{case.extra_page_block_size}")
+        out += _length_classes(case.extra_topk_length, case.topk_extra, "extra-")
+    out += _length_classes(case.topk_length, case.topk, "")
+    if case.layer or case.extra_layer:
+        out.append("per-layer-views")
+    if case.extra_value_scale != 1.0:
+        out.append("mixed-magnitudes")
+    if (case.index_width or 0) > case.topk or (case.extra_index_width or 0) > case.topk_extra:
+        out.append("padded-width")
+    return tuple(out)

@@ -1,0 +1,133 @@
+"""Which error classes ran for the implementation under test, and why the others did not.
+
+Each suite test names the error classes it exists for: the marker
+``sparse_mla_error_class("name", ...)`` and, for a test parametrised over an
+``attention.cases.AttentionCase``, the classes of that case (``attention.cases.case_classes``).
+At run time the ``sparse_mla_inputs`` fixture records the classes of the case *after* fitting it to
+the implementation's envelope (a dropped extra cache no longer counts as ``peaked-extra``), and what
+the fitting changed. The controller (pytest-xdist carries ``user_properties`` from the workers)
+gathers every report into one table: per class, the tests that ran it, passed and failed, and the
+reasons of those that did not (not applicable to the envelope, a missing capability, a device).
+The terminal summary prints it; ``--sparse-mla-report-json`` stores it under ``"coverage"``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from typing import Any
+
+import pytest
+
+__all__ = ["MARKER", "INTENDED", "RAN", "FITTED", "Coverage", "mark_intended", "get"]
+
+MARKER = "sparse_mla_error_class"
+#: ``user_properties`` keys: classes a test exists for, classes it ran, what fitting changed.
+INTENDED = "sparse_mla_intended"
+RAN = "sparse_mla_ran"
+FITTED = "sparse_mla_fitted"
+_KEY = pytest.StashKey["Coverage"]()
+
+
+def _case_classes(item: pytest.Item) -> tuple[str, ...]:
+    callspec = getattr(item, "callspec", None)
+    case = callspec.params.get("case") if callspec is not None else None
+    if case is None or not hasattr(case, "requires") or not hasattr(case, "query"):
+        return ()
+    from pytest_sparse_mla.attention.cases import case_classes
+
+    return case_classes(case)
+
+
+def mark_intended(items: list[pytest.Item]) -> None:
+    """At collection: store each item's intended classes in its ``user_properties``."""
+    for item in items:
+        names: list[str] = []
+        for mark in item.iter_markers(MARKER):
+            names += [str(n) for n in mark.args]
+        names += _case_classes(item)
+        if names:
+            item.user_properties.append((INTENDED, tuple(dict.fromkeys(names))))
+
+
+class Coverage:
+    """Per-class counts gathered from test reports (controller side)."""
+
+    def __init__(self) -> None:
+        self.ran: Counter[str] = Counter()
+        self.passed: Counter[str] = Counter()
+        self.failed: Counter[str] = Counter()
+        self.not_run: dict[str, Counter[str]] = defaultdict(Counter)
+        self.intended: Counter[str] = Counter()
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        """Hook (this object is registered as a plugin on the controller): :meth:`add`."""
+        self.add(report)
+
+    def add(self, report: pytest.TestReport) -> None:
+        """Count one report: the ``call`` phase, or a ``setup`` phase that skipped or failed."""
+        if report.when == "teardown" or (report.when == "setup" and report.passed):
+            return
+        props = dict(report.user_properties)
+        intended = tuple(props.get(INTENDED, ()))
+        if not intended:
+            return
+        ran = tuple(props.get(RAN, intended))
+        for name in intended:
+            self.intended[name] += 1
+        if report.skipped and not hasattr(report, "wasxfail"):
+            reason = _skip_reason(report)
+            for name in intended:
+                self.not_run[name][reason] += 1
+            return
+        for name in dict.fromkeys(intended + ran):
+            if name not in ran:
+                self.not_run[name]["fitting dropped it: " + "; ".join(props.get(FITTED, ())) or "?"] += 1
+                continue
+            self.ran[name] += 1
+            if report.failed:
+                self.failed[name] += 1
+            elif report.passed or hasattr(report, "wasxfail"):
+                self.passed[name] += 1
+
+    def rows(self) -> list[dict[str, Any]]:
+        """One dict per class: ``class``, ``ran``, ``passed``, ``failed``, ``not_run`` (count),
+        ``why_not`` (the commonest reason, with its count)."""
+        out = []
+        for name in sorted(set(self.intended) | set(self.ran)):
+            reasons = self.not_run.get(name, Counter())
+            why = [f"{count} x {reason}" for reason, count in reasons.most_common(3)]
+            out.append({
+                "class": name, "ran": self.ran[name], "passed": self.passed[name], "failed": self.failed[name],
+                "not_run": sum(reasons.values()), "why_not": why,
+            })  # fmt: skip
+        return out
+
+    def lines(self) -> list[str]:
+        """The terminal table."""
+        rows = self.rows()
+        if not rows:
+            return []
+        width = max(len(r["class"]) for r in rows)
+        lines = [f"{'error class':<{width}}  ran  pass  fail  not-run  why not (commonest)"]
+        for r in rows:
+            why = r["why_not"][0] if r["why_not"] else ""
+            lines.append(
+                f"{r['class']:<{width}}  {r['ran']:>3}  {r['passed']:>4}  {r['failed']:>4}  {r['not_run']:>7}  {why[:110]}"
+            )
+        never = [r["class"] for r in rows if not r["ran"]]
+        lines.append(f"classes that never ran: {', '.join(never) if never else 'none'}")
+        return lines
+
+
+def _skip_reason(report: pytest.TestReport) -> str:
+    longrepr = report.longrepr
+    text = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+    return text.removeprefix("Skipped: ")
+
+
+def get(config: pytest.Config) -> Coverage:
+    """The session's :class:`Coverage` (created on first use)."""
+    cov = config.stash.get(_KEY, None)
+    if cov is None:
+        cov = config.stash[_KEY] = Coverage()
+    return cov

@@ -1,0 +1,185 @@
+"""The implementation under test as the suites see it: inside its envelope, with one result shape.
+
+The ``sparse_mla_impl`` fixture hands the suites a :class:`GuardedImplementation` around the
+selected implementation. Its ``sparse_mla_forward``:
+
+* checks each well-formed call against the implementation's envelope
+  (:func:`envelope_of`); a call outside a *declared* envelope is a bug of the suite's case fitting
+  and fails as such (the kernel is never called);
+* drops ``lse_convention`` / ``lse_scale`` for a kernel that returns no LSE;
+* turns :class:`pytest_sparse_mla.Unsupported` into a skip (no envelope declared) or a failure
+  (the call lies inside the envelope the implementation declared);
+* accepts FlashMLA's ``(output, lse)`` tuple, a bare output tensor (no LSE) or a result object
+  with ``output`` / ``lse`` / ``route``, and gives back a :class:`ForwardResult`.
+
+Every other attribute is the implementation's own. Deliberately malformed calls (the bad-input
+suite) go to :attr:`GuardedImplementation.unguarded`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from pytest_sparse_mla.envelope import INVARIANCE_CLAIMS, UNIVERSAL, Envelope, Unsupported
+
+__all__ = ["ForwardResult", "GuardedImplementation", "envelope_of", "declared_envelope", "result_of"]
+
+
+def declared_envelope(impl: Any) -> Envelope | None:
+    """``impl.envelope`` if it declares one, else ``None``.
+
+    Raises:
+        pytest.UsageError: ``envelope`` is set but is not a :class:`pytest_sparse_mla.Envelope`.
+    """
+    env = getattr(impl, "envelope", None)
+    if env is None:
+        return None
+    if not isinstance(env, Envelope):
+        raise pytest.UsageError(
+            f"implementation {getattr(impl, 'name', impl)!r}: envelope={env!r}: expected a "
+            "pytest_sparse_mla.Envelope (from pytest_sparse_mla import Envelope)"
+        )
+    return env
+
+
+def envelope_of(impl: Any, bitwise_profile: bool = False) -> Envelope:
+    """The envelope the suites hold ``impl`` to: the declared one, else :data:`UNIVERSAL` (with
+    every bitwise invariance claim when its tolerance profile is bitwise, ``bitwise_profile``)."""
+    env = declared_envelope(impl)
+    if env is not None:
+        return env
+    return Envelope(bitwise_invariance=frozenset(INVARIANCE_CLAIMS)) if bitwise_profile else UNIVERSAL
+
+
+@dataclass(frozen=True)
+class ForwardResult:
+    """A forward result in one shape.
+
+    Attributes:
+        output: ``[T, H, d_v]`` as the kernel returned it.
+        lse: ``[T, H]`` or ``None`` (a kernel whose envelope declares no LSE).
+        route: ``"decode"`` / ``"prefill"`` where the kernel reports one, else ``None``.
+    """
+
+    output: Any
+    lse: Any = None
+    route: str | None = None
+
+
+def result_of(res: Any, env: Envelope, name: str) -> ForwardResult:
+    """``res`` (an object with ``output``, an ``(output, lse)`` pair or a bare tensor) as a
+    :class:`ForwardResult`.
+
+    Raises:
+        pytest.fail.Exception: no output, or no LSE although ``env`` declares LSE conventions.
+    """
+    if isinstance(res, (tuple, list)):
+        output, lse, route = (res[0], res[1] if len(res) > 1 else None, None)
+    elif hasattr(res, "output"):
+        output, lse, route = res.output, getattr(res, "lse", None), getattr(res, "route", None)
+    elif hasattr(res, "shape") and hasattr(res, "dtype"):
+        output, lse, route = res, None, None
+    else:
+        pytest.fail(
+            f"{name}.sparse_mla_forward returned {type(res).__name__}: expected a result with .output "
+            "(and .lse), an (output, lse) pair or an output tensor",
+            pytrace=False,
+        )
+    if not env.returns_lse:
+        lse = None
+    elif lse is None:
+        pytest.fail(
+            f"{name}.sparse_mla_forward returned no LSE, but its envelope declares "
+            f"lse_conventions={env.lse_conventions} (declare lse_conventions=() for an output-only kernel)",
+            pytrace=False,
+        )
+    return ForwardResult(output, lse, route if isinstance(route, str) else None)
+
+
+_POSITIONAL = ("q", "kv_cache", "indices")
+
+
+def _shape(value: Any) -> tuple[int, ...] | None:
+    shape = getattr(value, "shape", None)
+    return tuple(int(s) for s in shape) if shape is not None else None
+
+
+def call_reason(env: Envelope, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+    """Why a well-formed call lies outside ``env``, or ``None`` (also for a malformed call)."""
+    call = dict(zip(_POSITIONAL, args))
+    call.update(kwargs)
+    q, indices = _shape(call.get("q")), _shape(call.get("indices"))
+    if q is None or indices is None or len(q) != 3 or len(indices) not in (2, 3):
+        return None
+    extra = _shape(call.get("extra_indices")) if call.get("extra_kv_cache") is not None else None
+    fmt = call.get("fmt", "dsv4")
+    page_sizes: list[int | None] = [None, None]
+    try:
+        from pytest_sparse_mla import formats
+
+        fmt = formats.get_format(fmt).name
+        for i, (cache, ps) in enumerate(
+            (("kv_cache", "page_block_size"), ("extra_kv_cache", "extra_page_block_size"))
+        ):
+            if call.get(cache) is not None:
+                page_sizes[i] = formats.parse_cache(call[cache], fmt, page_block_size=call.get(ps)).page_block_size
+    except (TypeError, ValueError):
+        return None
+    return env.call_reason(
+        fmt=fmt,
+        num_tokens=q[0],
+        num_heads=q[1],
+        topk=indices[-1],
+        extra_topk=extra[-1] if extra else None,
+        page_block_size=page_sizes[0],
+        extra_page_block_size=page_sizes[1],
+        has_topk_length=call.get("topk_length") is not None or call.get("extra_topk_length") is not None,
+        has_sink=call.get("attn_sink") is not None,
+        lse_convention=call.get("lse_convention"),
+    )
+
+
+class GuardedImplementation:
+    """The implementation under test behind the envelope guard (module docstring).
+
+    Args:
+        impl: the selected implementation.
+        envelope: the envelope it is held to (:func:`envelope_of`).
+        declared: whether the implementation declared it (refusals inside it then fail).
+    """
+
+    def __init__(self, impl: Any, envelope: Envelope, declared: bool) -> None:
+        self.unguarded = impl
+        self.envelope = envelope
+        self.declared = declared
+        self._name = str(getattr(impl, "name", None) or type(impl).__name__)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.unguarded, name)
+
+    def sparse_mla_forward(self, *args: Any, **kwargs: Any) -> ForwardResult:
+        """The implementation's ``sparse_mla_forward`` inside its envelope (module docstring)."""
+        env = self.envelope
+        if not env.returns_lse:
+            kwargs.pop("lse_convention", None)
+            kwargs.pop("lse_scale", None)
+        reason = call_reason(env, args, kwargs) if self.declared else None
+        if reason is not None and self.declared:
+            pytest.fail(
+                f"pytest-sparse-mla called {self._name} outside its declared envelope ({reason}): "
+                "a bug of the suite's case fitting, not of the kernel",
+                pytrace=False,
+            )
+        try:
+            res = self.unguarded.sparse_mla_forward(*args, **kwargs)
+        except Unsupported as exc:
+            if self.declared:
+                pytest.fail(f"{self._name} refused a call inside its declared envelope: {exc}", pytrace=False)
+            pytest.skip(f"{self._name} refused the call: {exc}")
+        return result_of(res, env, self._name)
+
+    def __repr__(self) -> str:
+        return f"<guarded {self.unguarded!r}>"
