@@ -71,7 +71,8 @@ class Coverage:
         intended = tuple(props.get(INTENDED, ()))
         if not intended:
             return
-        ran = tuple(props.get(RAN, intended))
+        recorded = [tuple(v) for k, v in report.user_properties if k == RAN]
+        ran = tuple(dict.fromkeys(name for names in recorded for name in names)) if recorded else intended
         for name in intended:
             self.intended[name] += 1
         if report.skipped and not hasattr(report, "wasxfail"):

@@ -286,7 +286,8 @@ def sparse_mla_inputs(
             fitted = fit_case(case, env)
         except NotApplicable as exc:
             pytest.skip(f"{case.name}: {exc}")
-        request.node.user_properties.append((coverage.RAN, case_classes(fitted)))
+        marked = tuple(str(n) for mark in request.node.iter_markers(coverage.MARKER) for n in mark.args)
+        request.node.user_properties.append((coverage.RAN, marked + case_classes(fitted)))
         if fitted.fitted:
             request.node.user_properties.append((coverage.FITTED, fitted.fitted))
         inputs = inputs_on(fitted, sparse_mla_generator, sparse_mla_device)

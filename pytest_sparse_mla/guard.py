@@ -165,6 +165,7 @@ class GuardedImplementation:
         env = self.envelope
         if not env.returns_lse:
             kwargs.pop("lse_convention", None)
+        if "flashinfer" not in env.lse_conventions:  # lse_scale belongs to the FlashInfer convention
             kwargs.pop("lse_scale", None)
         reason = call_reason(env, args, kwargs) if self.declared else None
         if reason is not None and self.declared:

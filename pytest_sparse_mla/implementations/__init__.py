@@ -23,13 +23,22 @@ attribute                  meaning
                            extra_kv_cache=None, extra_indices=None, extra_topk_length=None,
                            extra_page_block_size=None, lse_convention="flashinfer",
                            lse_scale=1.0, ...) -> result`` with ``result.output`` ``[T, H, 512]``
-                           BF16 and ``result.lse`` ``[T, H]`` fp32 (``result.route`` optional),
-                           the signature of ``pytest_sparse_mla.attention.sparse_mla_forward``
+                           BF16 and ``result.lse`` ``[T, H]`` fp32 (``result.route`` optional;
+                           an ``(output, lse)`` pair and, with ``lse_conventions=()`` in the
+                           envelope, a bare output tensor are accepted too), the signature of
+                           ``pytest_sparse_mla.attention.sparse_mla_forward``
 ``compute_mode``           ``"exact"`` (fp32 throughout), ``"bf16"`` (default: BF16 P and
                            partials, like FlashMLA) or ``"fp8"`` (E4M3 Q and P, like FlashInfer's
                            SM120 kernels): selects the tolerance profile (``tight``, ``kernel``,
                            ``kernel-fp8``); see ``pytest_sparse_mla.tolerances``
 ``tolerance_profile``      a profile name that overrides ``compute_mode``
+``envelope``               a :class:`pytest_sparse_mla.Envelope`: the calls ``sparse_mla_forward``
+                           serves (formats, head counts, widths, extra cache, lengths, token
+                           counts, masking, LSE conventions or none, bitwise invariance
+                           claims); the suites fit every case inside it and never call outside
+                           it. Absent: every call. A call refused at run time raises
+                           :class:`pytest_sparse_mla.Unsupported` (a skip without an envelope, a
+                           failure inside a declared one)
 ``skip_reason``            ``skip_reason(capability: str, device: str) -> str | None``: why a
                            capability cannot run on ``device`` (``"cpu"``/``"cuda"``) here
 ``flashinfer_release``     ``str | None``: the FlashInfer release (``"0.6.17"``) whose SM120
@@ -77,11 +86,10 @@ Built-ins
   DeepSeek-V4 sparse decode and its page split, executed from the installed ``sglang`` wheel
   without importing its server stack. ``flashmla`` (``implementations.flashmla``): FlashMLA's
   SM90/SM100 sparse decode (``T <= 64``) and sparse prefill, from a built ``flash_mla``. Each
-  declares what its peer takes (``declaration`` / ``declarations``) and answers
-  ``unsupported_reason(capability, *args, **kwargs)`` (a reason to skip, or ``None``) before a
-  call; the call raises ``_peer.UnsupportedByPeer`` with the same text (a ``NotImplementedError``
-  that pytest reports as a skip), and ``_peer.UnsafeForPeer`` for valid inputs the peer would
-  mishandle out of bounds.
+  declares what its peer takes as an ``envelope`` and answers
+  ``unsupported_reason(capability, *args, **kwargs)`` (a reason, or ``None``) before a call; the
+  call raises :class:`pytest_sparse_mla.Unsupported` with the same text, and
+  ``_peer.UnsafeForPeer`` for valid inputs the peer would mishandle out of bounds.
 
 The hooks module (``pytest_sparse_mla.plugin``) calls :func:`configure` from ``pytest_configure``
 (the implementation is resolved once, so a bad ``--sparse-mla-impl`` is a usage error before any
@@ -101,6 +109,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from pytest_sparse_mla import capabilities, options
+from pytest_sparse_mla.envelope import INVARIANCE_CLAIMS, Envelope
 
 __all__ = [
     "CAPABILITIES",
@@ -136,6 +145,8 @@ class ReferenceImplementation:
     name = "reference"
     compute_mode = "exact"
     split_backend = "torch"
+    #: Every call, and every invariance bit for bit (a fixed-order fp32 pipeline per token and head).
+    envelope = Envelope(bitwise_invariance=frozenset(INVARIANCE_CLAIMS))
 
     def __init__(self, grid_release: str | None = None) -> None:
         self.grid_release = grid_release
@@ -221,6 +232,12 @@ class FlashInferImplementation:
 
     name = "flashinfer"
     compute_mode = "fp8"
+    #: FlashInfer's SM120 entry takes any head count and width its grid serves (the grid itself is
+    #: judged by ``suites/test_dispatch_grid.py``); from 0.7.0 it rejects a DSV3.2 extra cache.
+    envelope = Envelope(
+        extra_cache_formats=("dsv4",),
+        notes=("its own LSE: base 2, sink included; converted to the asked convention",),
+    )
 
     @property
     def flashinfer_release(self) -> str | None:

@@ -1,13 +1,13 @@
-"""What the peer adapters (``sglang.py``, ``flashmla.py``) share: their declarations, the errors
-they raise for inputs the peer cannot take, the cache view they hand to a peer, index checks and
-the LSE conversion.
+"""What the peer adapters (``sglang.py``, ``flashmla.py``) share: the errors they raise for inputs
+the peer cannot take, the cache view they hand to a peer, index checks, the shape check against
+their envelope and the LSE conversion.
 
 Two kinds of refusal, so a suite can tell "the peer lacks this" from "the peer gets this wrong":
 
-* :class:`UnsupportedByPeer` (a ``NotImplementedError`` that pytest reports as a skip): the call
-  needs a capability the peer does not have (a head count, a format, a top-k width, an extra cache,
-  ...). The same text comes back from the adapter's ``unsupported_reason(capability, *args,
-  **kwargs)`` before the call, so a suite can skip before it builds inputs.
+* :class:`pytest_sparse_mla.Unsupported`: the call lies outside the adapter's ``envelope`` (a
+  head count, a format, a top-k width, an extra cache, ...), or on a device the peer does not run
+  on; the text names the peer's limit. The suites never make such a call (they fit every case to
+  the envelope); a direct caller gets a skip under pytest with the plugin active.
 * :class:`UnsafeForPeer` (a ``RuntimeError``): the inputs are valid for this project, but the peer's
   kernel would read or write out of bounds on them (for instance FlashMLA's decode masks only ``-1``
   and turns ``-2`` into a page index of about 67 million). Running it would kill the CUDA context of
@@ -22,15 +22,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-import pytest
+from pytest_sparse_mla.envelope import Envelope, Unsupported
 
 __all__ = [
-    "UnsupportedByPeer",
     "UnsafeForPeer",
-    "PeerDeclaration",
     "PeerResult",
     "index_rows",
     "nhd_view",
@@ -43,110 +41,11 @@ __all__ = [
 ]
 
 
-class UnsupportedByPeer(NotImplementedError, pytest.skip.Exception):  # type: ignore[misc, name-defined]
-    """The peer lacks a capability the call needs; ``str(error)`` names the peer's limit and source.
-
-    It is a ``NotImplementedError`` and also pytest's skip exception, so a test that calls the
-    adapter without asking ``unsupported_reason`` first is *skipped* with this reason, not failed
-    (a capability the peer lacks is a skip whose reason names the peer's limit, never a failure);
-    outside a test it is an ordinary exception.
-    """
-
-    def __init__(self, reason: str) -> None:
-        pytest.skip.Exception.__init__(self, msg=reason, pytrace=False)
-        self.args = (reason,)
-
-
 class UnsafeForPeer(RuntimeError):
     """Valid project input that the peer's kernel would mishandle out of bounds (so it is not run).
 
     The message names the peer's convention or bug, the argument and the offending value.
     """
-
-
-@dataclass(frozen=True)
-class PeerDeclaration:
-    """What one peer adapter declares it supports (read by ``unsupported_reason`` and the docs).
-
-    Attributes:
-        peer: the peer and its entry points, e.g. ``"SGLang 0.5.23 flash_mla_sparse_decode_triton"``.
-        formats: packed formats the forward takes (``"dsv4"``, ``"dsv3_2"``).
-        num_heads: head counts the forward takes, or ``None`` for any ``H >= 1``.
-        topk_multiple: the main and extra index widths must be multiples of this (1: any width).
-        extra_cache_formats: formats for which an extra cache is supported.
-        topk_length_formats: formats for which ``topk_length`` / ``extra_topk_length`` are supported.
-        masked_indices: ``"negative"`` (every negative lane is masked) or ``"minus_one"`` (only ``-1``).
-        lanes_past_topk_length: ``"ignored"`` (never read) or ``"gathered"`` (read, then masked: they
-            must hold in-range indices).
-        lse: the peer's own LSE, in words (base, sink, empty rows, shape).
-        devices: where the forward runs (``"cuda"``; ``"cpu"`` where plain torch or the Triton
-            interpreter serves).
-        min_tokens: smallest ``num_tokens`` accepted.
-        page_split: what the page split takes, in words, or ``""`` without one.
-        notes: further facts (each with its public source).
-    """
-
-    peer: str
-    formats: tuple[str, ...]
-    num_heads: tuple[int, ...] | None
-    topk_multiple: int
-    extra_cache_formats: tuple[str, ...]
-    topk_length_formats: tuple[str, ...]
-    masked_indices: str
-    lanes_past_topk_length: str
-    lse: str
-    devices: tuple[str, ...]
-    min_tokens: int = 0
-    page_split: str = ""
-    notes: tuple[str, ...] = field(default=())
-
-    def as_dict(self) -> dict[str, Any]:
-        """The declaration as a JSON-ready dict (for ``docs/conformance.json``)."""
-        return {
-            "peer": self.peer,
-            "formats": list(self.formats),
-            "num_heads": None if self.num_heads is None else list(self.num_heads),
-            "topk_multiple": self.topk_multiple,
-            "extra_cache_formats": list(self.extra_cache_formats),
-            "topk_length_formats": list(self.topk_length_formats),
-            "masked_indices": self.masked_indices,
-            "lanes_past_topk_length": self.lanes_past_topk_length,
-            "lse": self.lse,
-            "devices": list(self.devices),
-            "min_tokens": self.min_tokens,
-            "page_split": self.page_split,
-            "notes": list(self.notes),
-        }
-
-    def forward_reason(
-        self,
-        *,
-        fmt: str,
-        num_tokens: int,
-        num_heads: int,
-        topk: int,
-        extra_topk: int | None,
-        has_topk_length: bool,
-        device: str,
-    ) -> str | None:
-        """Why the declared forward cannot take a call of this shape, or ``None`` (no value checks)."""
-        if device not in self.devices:
-            return f"{self.peer} runs on {'/'.join(self.devices)}, not on {device}"
-        if fmt not in self.formats:
-            return f"{self.peer} supports the {'/'.join(self.formats)} cache format(s), not {fmt}"
-        if num_tokens < self.min_tokens:
-            return f"{self.peer} needs num_tokens >= {self.min_tokens}, got {num_tokens}"
-        if self.num_heads is not None and num_heads not in self.num_heads:
-            heads = " or ".join(str(h) for h in self.num_heads)
-            return f"{self.peer} supports num_heads {heads}, got {num_heads}"
-        for name, width in (("topk", topk), ("extra_topk", extra_topk)):
-            if width is not None and width % self.topk_multiple:
-                return f"{self.peer} needs {name} to be a multiple of {self.topk_multiple}, got {width}"
-        if extra_topk is not None and fmt not in self.extra_cache_formats:
-            return f"{self.peer} takes no extra cache for {fmt}"
-        if has_topk_length and fmt not in self.topk_length_formats:
-            return f"{self.peer} takes no topk_length / extra_topk_length for {fmt}"
-        return None
 
 
 @dataclass(frozen=True)
@@ -295,7 +194,9 @@ def lse_to_convention(
 
 
 def shape_reason(
-    declaration_for: Callable[[int], PeerDeclaration],
+    peer: str,
+    envelope_for: Callable[[int], Envelope],
+    devices: tuple[str, ...],
     q: Any,
     kv_cache: Any,
     indices: Any,
@@ -304,18 +205,22 @@ def shape_reason(
     topk_length: Any = None,
     extra_indices: Any = None,
     extra_topk_length: Any = None,
+    attn_sink: Any = None,
     exact_token_stride: bool = False,
     **_: Any,
 ) -> str | None:
     """Why a peer cannot take this forward call, from shapes, formats and devices only (no host sync).
 
     Args:
-        declaration_for: ``num_tokens -> PeerDeclaration`` (the declaration of the kernel that runs).
-        q, kv_cache, indices, fmt, topk_length, extra_indices, extra_topk_length: as the forward.
+        peer: the peer's entry point, in words (prefix of the reason).
+        envelope_for: ``num_tokens -> Envelope`` (the envelope of the kernel that runs).
+        devices: device types the peer runs on.
+        q, kv_cache, indices, fmt, topk_length, extra_indices, extra_topk_length, attn_sink: as the
+            forward.
         exact_token_stride: also require token rows of exactly ``bytes_per_token`` bytes.
 
     Returns:
-        The reason (``PeerDeclaration.forward_reason``'s text, or the token stride), or ``None``.
+        The reason (``Envelope.call_reason``'s text, the device or the token stride), or ``None``.
 
     Raises:
         ValueError: unknown ``fmt`` (``formats.get_format``).
@@ -325,31 +230,30 @@ def shape_reason(
     f = formats.get_format(fmt)
     shape = tuple(getattr(q, "shape", ()))
     num_tokens = int(shape[0]) if shape else 0
+    device = str(getattr(getattr(q, "device", None), "type", "cpu"))
+    if device not in devices:
+        return f"{peer} runs on {'/'.join(devices)}, not on {device}"
     idx_shape = tuple(getattr(indices, "shape", ()))
     extra_shape = tuple(getattr(extra_indices, "shape", ())) if extra_indices is not None else None
-    decl = declaration_for(num_tokens)
-    reason = decl.forward_reason(
+    reason = envelope_for(num_tokens).call_reason(
         fmt=f.name,
         num_tokens=num_tokens,
         num_heads=int(shape[1]) if len(shape) > 1 else 0,
         topk=int(idx_shape[-1]) if idx_shape else 0,
         extra_topk=int(extra_shape[-1]) if extra_shape else None,
         has_topk_length=topk_length is not None or extra_topk_length is not None,
-        device=str(getattr(getattr(q, "device", None), "type", "cpu")),
+        has_sink=attn_sink is not None,
     )
-    if (
-        reason is None
-        and exact_token_stride
-        and isinstance(getattr(kv_cache, "shape", None), tuple)
-        and kv_cache.dim() >= 3
-    ):
+    if reason is not None:
+        return f"{peer}: outside its envelope: {reason}"
+    if exact_token_stride and isinstance(getattr(kv_cache, "shape", None), tuple) and kv_cache.dim() >= 3:
         token_axis = 2 if kv_cache.dim() == 4 and kv_cache.shape[1] == 1 else 1
         if kv_cache.shape[token_axis] > 1 and kv_cache.stride(token_axis) != f.bytes_per_token:
-            reason = (
-                f"{decl.peer} needs token rows of exactly {f.bytes_per_token} bytes "
+            return (
+                f"{peer} needs token rows of exactly {f.bytes_per_token} bytes "
                 f"(stride(1) == bytes_per_token); kv_cache.stride({token_axis})={kv_cache.stride(token_axis)}"
             )
-    return reason
+    return None
 
 
 @dataclass(frozen=True)
@@ -395,7 +299,7 @@ def open_forward(
     """The checks every peer adapter's ``sparse_mla_forward`` runs before it calls the peer.
 
     Args:
-        name: the adapter's name (prefix of the :class:`UnsupportedByPeer` text).
+        name: the adapter's name (prefix of the :class:`pytest_sparse_mla.Unsupported` text).
         reason: the adapter's ``unsupported_reason`` for this call (``None``: supported).
         check_rows: ``(idx, length, num_slots, name, length_name)`` hook run on each index row set
             before the in-range check, for values the peer cannot survive (raises
@@ -408,7 +312,7 @@ def open_forward(
             a cache ``formats.parse_cache`` refuses; index rows not ``[T, topk]``; a valid lane
             past its cache.
         TypeError: as ``check_lse_convention``, ``parse_cache`` and :func:`index_rows`.
-        UnsupportedByPeer: ``reason`` is not ``None``.
+        pytest_sparse_mla.Unsupported: ``reason`` is not ``None``.
     """
     from pytest_sparse_mla.attention.conventions import check_lse_convention
 
@@ -416,7 +320,7 @@ def open_forward(
     if return_fp32:
         raise ValueError(f"return_fp32=True: {name} returns a BF16 output only (expected return_fp32=False)")
     if reason is not None:
-        raise UnsupportedByPeer(f"{name}: {reason}")
+        raise Unsupported(f"{name}: {reason}")
     if (extra_kv_cache is None) != (extra_indices is None):
         given, missing = ("extra_kv_cache", "extra_indices")[:: 1 if extra_indices is None else -1]
         raise ValueError(

@@ -31,11 +31,12 @@ LSE: FlashMLA returns natural log without the sink, ``+inf`` for a row with no v
 (``(batch, heads, s_q)`` from decode, ``[s_q, heads]`` from prefill); :func:`_peer.lse_to_convention`
 converts it to the requested convention.
 
-What the adapter declares (``DECODE_DECLARATION``, ``PREFILL_DECLARATION``; source files above and
+What the adapter declares (``ENVELOPE``, the calls both routes take; source files above and
 ``csrc/api/sparse_decode.h``, ``csrc/api/sparse_fwd.h``, ``flash_mla/flash_mla_interface.py``):
 ``num_heads`` 64 or 128; ``topk`` and ``extra_topk`` multiples of 64; ``num_tokens >= 1``; the decode
-of DSV3.2 (V32) takes neither an extra cache nor ``topk_length``; the token stride must be exactly
-the format's bytes; CUDA on SM90 (this build) or SM100. It refuses with :class:`UnsafeForPeer` what
+of DSV3.2 (V32) takes neither an extra cache nor ``topk_length`` (so neither route is asked for
+them); ``topk_length`` within ``[0, topk]``; only ``-1`` masks a lane; the token stride must be
+exactly the format's bytes; CUDA on SM90 (this build) or SM100. It refuses with :class:`UnsafeForPeer` what
 the kernels would turn into out-of-bounds accesses instead of masking: a negative index other than
 ``-1`` inside the valid prefix of a decode row (the decode kernel masks only ``-1``; README "Set
 invalid indices to -1"), a ``topk_length`` outside ``[0, topk]`` (FlashMLA does not clamp it: it
@@ -50,8 +51,8 @@ import importlib.util
 from typing import Any
 
 from pytest_sparse_mla import capabilities
+from pytest_sparse_mla.envelope import Envelope, Widths
 from pytest_sparse_mla.implementations._peer import (
-    PeerDeclaration,
     PeerResult,
     UnsafeForPeer,
     lse_to_convention,
@@ -62,8 +63,7 @@ from pytest_sparse_mla.implementations._peer import (
 
 __all__ = [
     "FlashMlaImplementation",
-    "DECODE_DECLARATION",
-    "PREFILL_DECLARATION",
+    "ENVELOPE",
     "flash_mla_module",
 ]
 
@@ -73,46 +73,35 @@ TOPK_TILE = 64
 PREFILL_ROW_MULTIPLE = 128
 _HINT = "build deepseek-ai/FlashMLA and put it on PYTHONPATH (README, 'Run the suites against SGLang or FlashMLA')"
 
-DECODE_DECLARATION = PeerDeclaration(
-    peer="FlashMLA flash_mla_with_kvcache (sparse FP8 decode)",
+#: The peer's entry points, in words (prefix of refusals).
+PEER = "FlashMLA flash_mla_with_kvcache (sparse FP8 decode, T <= 64) / flash_mla_sparse_fwd (sparse BF16 prefill)"
+#: Where FlashMLA's sparse kernels run.
+DEVICES = ("cuda",)
+
+#: What both routes take (the decode route is the narrower one: DSV3.2 decode has no extra cache
+#: and no ``topk_length``; it masks only ``-1``).
+ENVELOPE = Envelope(
     formats=("dsv4", "dsv3_2"),
     num_heads=(64, 128),
-    topk_multiple=TOPK_TILE,
+    topk=Widths(multiple=TOPK_TILE),
+    extra_topk=Widths(multiple=TOPK_TILE),
     extra_cache_formats=("dsv4",),
     topk_length_formats=("dsv4",),
+    topk_length_range="row",
+    min_tokens=1,
     masked_indices="minus_one",
-    lanes_past_topk_length="ignored",
-    lse="natural log, sink excluded, empty row +inf, (batch, heads, s_q)",
-    devices=("cuda",),
-    min_tokens=1,
+    index_past_cache="refused",
+    lse_conventions=("flashinfer", "flashmla"),
     notes=(
-        "used for num_tokens <= 64, one batch entry per token (s_q = 1)",
-        "MODEL1 (d_qk 512) = DSV4 584 B cache, any page size; V32 (d_qk 576) = DSV3.2 656 B cache "
-        "with no extra cache and no topk_length (KU_ASSERT in csrc/sm90/decode/sparse_fp8/splitkv_mla.cuh)",
-        "only -1 masks a lane; other negatives are refused as unsafe (they become huge page indices)",
-        "topk_length must lie in [0, topk]; index rows must start on 8-byte boundaries (int2 loads)",
+        "num_tokens <= 64: flash_mla_with_kvcache, one batch entry per token (s_q = 1); MODEL1 (d_qk 512) = "
+        "DSV4 584 B cache, V32 (d_qk 576) = DSV3.2 656 B cache with no extra cache and no topk_length "
+        "(KU_ASSERT in csrc/sm90/decode/sparse_fp8/splitkv_mla.cuh)",
+        "num_tokens > 64: flash_mla_sparse_fwd over a BF16 table the adapter dequantizes (exact); an extra "
+        "cache is appended to the table, index rows padded with -1 to a multiple of 128",
+        "only -1 masks a decode lane (README 'Set invalid indices to -1'); other negatives are refused as "
+        "unsafe; topk_length must lie in [0, topk]; decode index rows must start on 8-byte boundaries",
+        "its own LSE: natural log, sink excluded, empty row +inf; converted to the asked convention",
         "BF16 dequantization and matrix products, fp32 split-K partials",
-    ),
-)
-
-PREFILL_DECLARATION = PeerDeclaration(
-    peer="FlashMLA flash_mla_sparse_fwd (sparse BF16 prefill)",
-    formats=("dsv4", "dsv3_2"),
-    num_heads=(64, 128),
-    topk_multiple=TOPK_TILE,
-    extra_cache_formats=("dsv4", "dsv3_2"),
-    topk_length_formats=("dsv4", "dsv3_2"),
-    masked_indices="negative",
-    lanes_past_topk_length="ignored",
-    lse="natural log, sink excluded, empty row +inf, [s_q, heads]",
-    devices=("cuda",),
-    min_tokens=1,
-    notes=(
-        "used for num_tokens > 64; reads a BF16 table: the adapter dequantizes the packed caches "
-        "(exact) and appends the extra table after the main one",
-        "index rows padded with -1 to a multiple of 128; with an extra cache, lanes past the "
-        "lengths are set to -1 by the adapter",
-        "any negative index or one >= the table size masks a lane (README 'Invalid indices')",
     ),
 )
 
@@ -139,7 +128,7 @@ class FlashMlaImplementation:
 
     name = "flashmla"
     compute_mode = "bf16"
-    declarations = {"decode": DECODE_DECLARATION, "prefill": PREFILL_DECLARATION}
+    envelope = ENVELOPE
 
     # ---- capability checks
 
@@ -164,7 +153,7 @@ class FlashMlaImplementation:
         """Why FlashMLA cannot take this call (same arguments as the call), or ``None``.
 
         Only shapes, formats and devices are read (no host sync); the call raises
-        :class:`UnsupportedByPeer` with the same text.
+        :class:`pytest_sparse_mla.Unsupported` with the same text.
         """
         if capability != "sparse_mla_forward":
             return f"flashmla provides no {capability!r}"
@@ -178,9 +167,7 @@ class FlashMlaImplementation:
         return route_for(num_tokens)
 
     def _forward_reason(self, *args: Any, **kwargs: Any) -> str | None:
-        return shape_reason(
-            lambda num_tokens: self.declarations[self.route(num_tokens)], *args, exact_token_stride=True, **kwargs
-        )
+        return shape_reason(PEER, lambda _num_tokens: self.envelope, DEVICES, *args, exact_token_stride=True, **kwargs)
 
     # ---- the forward
 
@@ -215,7 +202,7 @@ class FlashMlaImplementation:
             ``lse_convention``, ``route`` ``"decode"`` or ``"prefill"``.
 
         Raises:
-            UnsupportedByPeer: as :meth:`unsupported_reason`.
+            pytest_sparse_mla.Unsupported: as :meth:`unsupported_reason`.
             UnsafeForPeer: the inputs the module docstring lists.
             ValueError: as :func:`_peer.open_forward` (``return_fp32=True``, a bad LSE convention,
                 an unpaired extra cache, a bad cache or index rows, a valid lane past its cache).
@@ -224,7 +211,7 @@ class FlashMlaImplementation:
         """
         del grid_release, chunk_tokens, backend
         reason = self._forward_reason(
-            q, kv_cache, indices, fmt=fmt, topk_length=topk_length,
+            q, kv_cache, indices, fmt=fmt, topk_length=topk_length, attn_sink=attn_sink,
             extra_indices=extra_indices, extra_topk_length=extra_topk_length,
         )  # fmt: skip
         call = open_forward(

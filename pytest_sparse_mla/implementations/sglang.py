@@ -42,7 +42,7 @@ Triton decides at decoration time whether kernels are compiled or interpreted; l
 ``capabilities.load_triton_kernels``, the loader sets ``TRITON_INTERPRET=1`` before executing the
 files when it is unset and torch sees no CUDA device, so both adapters also run on a CPU.
 
-Mapping and refusals (each adapter's ``declaration`` and ``unsupported_reason``): DSV4 only (the
+Mapping and refusals (each adapter's ``envelope`` and ``unsupported_reason``): DSV4 only (the
 kernels hard-code 448 + 64 dims and the footer layout); any head count, top-k width and page size.
 The adapter reads the cache geometry through ``formats.parse_cache`` (the project's 2-D, 3-D and HND
 forms become the NHD view SGLang reads, same bytes, storage offset and page stride), refuses a valid
@@ -70,11 +70,10 @@ from pathlib import Path
 from typing import Any
 
 from pytest_sparse_mla import capabilities
+from pytest_sparse_mla.envelope import Envelope, Unsupported
 from pytest_sparse_mla.implementations._peer import (
-    PeerDeclaration,
     PeerResult,
     UnsafeForPeer,
-    UnsupportedByPeer,
     lse_to_convention,
     open_forward,
     shape_reason,
@@ -88,8 +87,8 @@ __all__ = [
     "sglang_root",
     "sglang_version",
     "load_module",
-    "TRITON_DECLARATION",
-    "TORCH_DECLARATION",
+    "TRITON_ENVELOPE",
+    "TORCH_ENVELOPE",
     "SPLIT_DECLARATION",
 ]
 
@@ -116,40 +115,38 @@ _COMMON_NOTES = (
     "it reads to map the call (cache geometry, index rows) and lanes past the cache",
 )
 
-TRITON_DECLARATION = PeerDeclaration(
-    peer="SGLang flash_mla_sparse_decode_triton",
+TRITON_ENVELOPE = Envelope(
     formats=("dsv4",),
-    num_heads=None,
-    topk_multiple=1,
     extra_cache_formats=("dsv4",),
     topk_length_formats=("dsv4",),
     masked_indices="negative",
-    lanes_past_topk_length="ignored",
-    lse="natural log, sink included (logaddexp(lse, sink)), empty row -inf without a sink, [T, H, 1]",
-    devices=("cuda",),
-    page_split=SPLIT_DECLARATION,
+    index_past_cache="refused",
     notes=_COMMON_NOTES
     + (
-        "fp32 math; main and extra cache attended by two launches, each output rounded to BF16, "
-        "merged by LSE (rounded again), then scaled by the sink (rounded again)",
+        "SGLang flash_mla_sparse_decode_triton: fp32 math; main and extra cache attended by two launches, "
+        "each output rounded to BF16, merged by LSE (rounded again), then scaled by the sink (rounded again)",
+        "its own LSE: natural log, sink included (logaddexp(lse, sink)), empty row -inf without a sink, "
+        "[T, H, 1]; converted to the asked convention",
         "CUDA only: _tiled_sparse_decode_kernel is @triton.autotune'd and Triton's autotuner needs a "
         "GPU driver even under TRITON_INTERPRET=1 (the page split runs interpreted on a CPU)",
     ),
 )
 
-TORCH_DECLARATION = dataclasses.replace(
-    TRITON_DECLARATION,
-    peer="SGLang _sm120_sparse_decode_fwd",
-    lanes_past_topk_length="gathered",
-    lse="natural log, sink excluded, empty row -inf, [T, H, 1]",
-    devices=("cuda", "cpu"),
+TORCH_ENVELOPE = dataclasses.replace(
+    TRITON_ENVELOPE,
     notes=_COMMON_NOTES
     + (
-        "NoPE dequantized to BF16 (exact), fp32 einsum over main + extra in one softmax, output rounded to BF16 once",
+        "SGLang _sm120_sparse_decode_fwd: NoPE dequantized to BF16 (exact), fp32 einsum over main + extra in "
+        "one softmax, output rounded to BF16 once",
+        "its own LSE: natural log, sink excluded, empty row -inf, [T, H, 1]; converted to the asked convention",
         "gathers every lane (negatives clamped to 0, lanes past topk_length too) before masking: "
-        "those lanes must hold indices inside the cache",
+        "those lanes must hold indices inside the cache (refused as unsafe otherwise)",
     ),
 )
+
+#: The peers' entry points, in words, and where they run.
+TRITON_PEER, TORCH_PEER = "SGLang flash_mla_sparse_decode_triton", "SGLang _sm120_sparse_decode_fwd"
+TRITON_DEVICES, TORCH_DEVICES = ("cuda",), ("cuda", "cpu")
 
 
 # --------------------------------------------------------------------------- loading the peer
@@ -329,7 +326,9 @@ class _SglangBase:
 
     name = "sglang"
     compute_mode = "bf16"
-    declaration: PeerDeclaration = TRITON_DECLARATION
+    envelope: Envelope = TRITON_ENVELOPE
+    peer: str = TRITON_PEER
+    devices: tuple[str, ...] = TRITON_DEVICES
     #: key of :data:`SGLANG_FILES` holding the forward, its function name, whether its LSE has the sink.
     _forward_file = "flash_mla_sm120_triton"
     _forward_function = "flash_mla_sparse_decode_triton"
@@ -366,15 +365,14 @@ class _SglangBase:
         reason = self._load_reason("flash_mla_sm120") or self._load_reason(self._forward_file)
         if reason is not None:
             return reason
-        if device not in self.declaration.devices:
-            return f"{self.declaration.peer} runs on {'/'.join(self.declaration.devices)} only ({self._device_note})"
+        if device not in self.devices:
+            return f"{self.peer} runs on {'/'.join(self.devices)} only ({self._device_note})"
         return self._triton_reason(device) if self._forward_file.endswith("triton") else None
 
     def unsupported_reason(self, capability: str, *args: Any, **kwargs: Any) -> str | None:
         """Why the peer cannot take this call of ``capability`` (same arguments as the call), or ``None``.
 
-        Suites may ``pytest.skip`` with it; the call itself raises :class:`UnsupportedByPeer` with
-        the same text. Value checks that make an input *unsafe* are not reasons (the call raises).
+        The call itself raises :class:`pytest_sparse_mla.Unsupported` with the same text. Value checks that make an input *unsafe* are not reasons (the call raises).
         """
         if capability == "sparse_mla_forward":
             return self._forward_reason(*args, **kwargs)
@@ -383,7 +381,7 @@ class _SglangBase:
         return f"{self.name} provides no {capability!r}"
 
     def _forward_reason(self, *args: Any, **kwargs: Any) -> str | None:
-        return shape_reason(lambda _num_tokens: self.declaration, *args, **kwargs)
+        return shape_reason(self.peer, lambda _num_tokens: self.envelope, self.devices, *args, **kwargs)
 
     @staticmethod
     def _src_pbs(kv_cache: Any, src_page_block_size: int | None) -> int:
@@ -458,7 +456,7 @@ class _SglangBase:
             ``lse_convention``, ``route=None``.
 
         Raises:
-            UnsupportedByPeer: as :meth:`unsupported_reason`.
+            pytest_sparse_mla.Unsupported: as :meth:`unsupported_reason`.
             UnsafeForPeer: ``sglang-torch`` with an out-of-range index past ``topk_length``.
             ValueError: as :func:`_peer.open_forward` (``return_fp32=True``, a bad LSE convention,
                 an unpaired extra cache, a bad cache or index rows, a valid lane past its cache).
@@ -518,7 +516,7 @@ class _SglangBase:
         ``backend`` is ignored (SGLang has one split).
 
         Raises:
-            UnsupportedByPeer: ``key_suffix`` or ``dst_page_stride`` (see :meth:`unsupported_reason`).
+            pytest_sparse_mla.Unsupported: ``key_suffix`` or ``dst_page_stride`` (see :meth:`unsupported_reason`).
             UnsafeForPeer: a touched index ``>= num_pages * src_pbs`` (checked with one host sync,
                 left out under CUDA-graph capture and under torch's sync debug mode).
             Whatever SGLang raises (``AssertionError`` for a page size that is not a multiple of 64).
@@ -531,7 +529,7 @@ class _SglangBase:
             kv_cache, src_page_block_size=src_page_block_size, key_suffix=key_suffix, dst_page_stride=dst_page_stride
         )
         if reason is not None:
-            raise UnsupportedByPeer(f"{self.name}: {reason}")
+            raise Unsupported(f"{self.name}: {reason}")
         src_pbs = self._src_pbs(kv_cache, src_page_block_size)
         if touched_indices is not None and touched_indices.numel() > 0 and self._may_sync(kv_cache):
             limit = int(kv_cache.shape[0]) * int(src_pbs)
@@ -567,14 +565,15 @@ class SglangTritonImplementation(_SglangBase):
     """Built-in ``sglang-triton``: SGLang's tiled Triton sparse decode + its page split."""
 
     name = "sglang-triton"
-    declaration = TRITON_DECLARATION
 
 
 class SglangTorchImplementation(_SglangBase):
     """Built-in ``sglang-torch``: SGLang's pure-PyTorch sparse decode + its (Triton) page split."""
 
     name = "sglang-torch"
-    declaration = TORCH_DECLARATION
+    envelope = TORCH_ENVELOPE
+    peer = TORCH_PEER
+    devices = TORCH_DEVICES
     _forward_file = "flash_mla_sm120"
     _forward_function = "_sm120_sparse_decode_fwd"
     _lse_has_sink = False
