@@ -59,19 +59,15 @@ class Coverage:
         self.not_run: dict[str, Counter[str]] = defaultdict(Counter)
         self.intended: Counter[str] = Counter()
 
-    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        """Hook (this object is registered as a plugin on the controller): :meth:`add`."""
-        self.add(report)
-
     def add(self, report: pytest.TestReport) -> None:
         """Count one report: the ``call`` phase, or a ``setup`` phase that skipped or failed."""
         if report.when == "teardown" or (report.when == "setup" and report.passed):
             return
-        props = dict(report.user_properties)
-        intended = tuple(props.get(INTENDED, ()))
+        props: dict[str, Any] = dict(report.user_properties)
+        intended: tuple[str, ...] = tuple(props.get(INTENDED, ()))
         if not intended:
             return
-        recorded = [tuple(v) for k, v in report.user_properties if k == RAN]
+        recorded: list[tuple[str, ...]] = [tuple(v) for k, v in report.user_properties if k == RAN]  # type: ignore[arg-type]
         ran = tuple(dict.fromkeys(name for names in recorded for name in names)) if recorded else intended
         for name in intended:
             self.intended[name] += 1
@@ -82,7 +78,7 @@ class Coverage:
             return
         for name in dict.fromkeys(intended + ran):
             if name not in ran:
-                self.not_run[name]["fitting dropped it: " + "; ".join(props.get(FITTED, ())) or "?"] += 1
+                self.not_run[name]["fitting dropped it: " + "; ".join(props.get(FITTED, ()))] += 1
                 continue
             self.ran[name] += 1
             if report.failed:
@@ -113,7 +109,8 @@ class Coverage:
         for r in rows:
             why = r["why_not"][0] if r["why_not"] else ""
             lines.append(
-                f"{r['class']:<{width}}  {r['ran']:>3}  {r['passed']:>4}  {r['failed']:>4}  {r['not_run']:>7}  {why[:110]}"
+                f"{r['class']:<{width}}  {r['ran']:>3}  {r['passed']:>4}  {r['failed']:>4}  "
+                f"{r['not_run']:>7}  {why[:110]}"
             )
         never = [r["class"] for r in rows if not r["ran"]]
         lines.append(f"classes that never ran: {', '.join(never) if never else 'none'}")

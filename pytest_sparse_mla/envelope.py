@@ -89,9 +89,7 @@ class Widths:
         if self.multiple < 1 or self.min < 1:
             raise ValueError(f"Widths(multiple={self.multiple}, min={self.min}): expected both >= 1")
         if self.max is not None and (self.max < self.min or self.max % self.multiple):
-            raise ValueError(
-                f"Widths(max={self.max}): expected >= min={self.min} and a multiple of {self.multiple}"
-            )
+            raise ValueError(f"Widths(max={self.max}): expected >= min={self.min} and a multiple of {self.multiple}")
 
     def reason(self, name: str, width: int) -> str | None:
         """Why ``width`` lanes are not taken (naming ``name``), or ``None``."""
@@ -194,7 +192,8 @@ class Envelope:
             raise ValueError(f"Envelope(lse_conventions={self.lse_conventions!r}): expected 'flashinfer'/'flashmla'")
         if not set(self.bitwise_invariance) <= set(INVARIANCE_CLAIMS):
             raise ValueError(
-                f"Envelope(bitwise_invariance={sorted(self.bitwise_invariance)}): expected a subset of {INVARIANCE_CLAIMS}"
+                f"Envelope(bitwise_invariance={sorted(self.bitwise_invariance)}): "
+                f"expected a subset of {INVARIANCE_CLAIMS}"
             )
         if self.min_tokens < 0 or (self.max_tokens is not None and self.max_tokens < max(self.min_tokens, 1)):
             raise ValueError(f"Envelope(min_tokens={self.min_tokens}, max_tokens={self.max_tokens}): bad range")

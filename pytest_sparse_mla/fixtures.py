@@ -222,7 +222,7 @@ def sparse_mla_impl(request: pytest.FixtureRequest, sparse_mla_device: torch.dev
     Raises ``pytest.UsageError`` for an unknown or unimportable implementation (listing the valid
     names).
     """
-    from pytest_sparse_mla import guard, implementations, tolerances
+    from pytest_sparse_mla import guard, implementations
 
     impl = implementations.get_implementation(request.config)
     reason = implementations.skip_reason_for(
@@ -230,10 +230,9 @@ def sparse_mla_impl(request: pytest.FixtureRequest, sparse_mla_device: torch.dev
     )
     if reason is not None:
         pytest.skip(reason)
-    bitwise = tolerances.DEFAULT_PROFILES.get(tolerances.profile_for(impl), tolerances.DEFAULT_PROFILES["kernel"]).bitwise_invariants
     declared = guard.declared_envelope(impl)
     typed: SparseMlaImplementation = guard.GuardedImplementation(
-        impl, guard.envelope_of(impl, bitwise), declared is not None
+        impl, guard.session_envelope(impl), declared is not None
     )
     return typed
 
@@ -246,11 +245,9 @@ def sparse_mla_envelope(request: pytest.FixtureRequest) -> Envelope:
 
     Raises ``pytest.UsageError`` when ``envelope`` is not an ``Envelope``.
     """
-    from pytest_sparse_mla import guard, implementations, tolerances
+    from pytest_sparse_mla import guard, implementations
 
-    impl = implementations.get_implementation(request.config)
-    bitwise = tolerances.DEFAULT_PROFILES.get(tolerances.profile_for(impl), tolerances.DEFAULT_PROFILES["kernel"]).bitwise_invariants
-    return guard.envelope_of(impl, bitwise)
+    return guard.session_envelope(implementations.get_implementation(request.config))
 
 
 @pytest.fixture
@@ -312,11 +309,9 @@ def sparse_mla_tolerances(request: pytest.FixtureRequest) -> SparseMlaTolerances
     ``sparse_mla_tolerances`` ini option (``PROFILE.PARAMETER = VALUE`` lines). The derivation of
     every bound is in ``pytest_sparse_mla.tolerances``.
     """
-    from pytest_sparse_mla import implementations, tolerances
-
     from dataclasses import replace
 
-    from pytest_sparse_mla import guard
+    from pytest_sparse_mla import guard, implementations, tolerances
 
     impl = implementations.get_implementation(request.config)
     resolved = tolerances.resolve(

@@ -25,7 +25,15 @@ import pytest
 
 from pytest_sparse_mla.envelope import INVARIANCE_CLAIMS, UNIVERSAL, Envelope, Unsupported
 
-__all__ = ["ForwardResult", "GuardedImplementation", "envelope_of", "declared_envelope", "result_of"]
+__all__ = [
+    "ForwardResult",
+    "GuardedImplementation",
+    "call_reason",
+    "declared_envelope",
+    "envelope_of",
+    "result_of",
+    "session_envelope",
+]
 
 
 def declared_envelope(impl: Any) -> Envelope | None:
@@ -52,6 +60,15 @@ def envelope_of(impl: Any, bitwise_profile: bool = False) -> Envelope:
     if env is not None:
         return env
     return Envelope(bitwise_invariance=frozenset(INVARIANCE_CLAIMS)) if bitwise_profile else UNIVERSAL
+
+
+def session_envelope(impl: Any) -> Envelope:
+    """:func:`envelope_of` with the bitwise claims of ``impl``'s default tolerance profile
+    (``tolerances.profile_for``)."""
+    from pytest_sparse_mla import tolerances
+
+    profiles = tolerances.DEFAULT_PROFILES
+    return envelope_of(impl, profiles.get(tolerances.profile_for(impl), profiles["kernel"]).bitwise_invariants)
 
 
 @dataclass(frozen=True)
@@ -109,7 +126,7 @@ def _shape(value: Any) -> tuple[int, ...] | None:
 
 def call_reason(env: Envelope, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
     """Why a well-formed call lies outside ``env``, or ``None`` (also for a malformed call)."""
-    call = dict(zip(_POSITIONAL, args))
+    call = dict(zip(_POSITIONAL, args[:3], strict=False))
     call.update(kwargs)
     q, indices = _shape(call.get("q")), _shape(call.get("indices"))
     if q is None or indices is None or len(q) != 3 or len(indices) not in (2, 3):
@@ -121,9 +138,7 @@ def call_reason(env: Envelope, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
         from pytest_sparse_mla import formats
 
         fmt = formats.get_format(fmt).name
-        for i, (cache, ps) in enumerate(
-            (("kv_cache", "page_block_size"), ("extra_kv_cache", "extra_page_block_size"))
-        ):
+        for i, (cache, ps) in enumerate((("kv_cache", "page_block_size"), ("extra_kv_cache", "extra_page_block_size"))):
             if call.get(cache) is not None:
                 page_sizes[i] = formats.parse_cache(call[cache], fmt, page_block_size=call.get(ps)).page_block_size
     except (TypeError, ValueError):

@@ -100,10 +100,23 @@ def pytest_configure(config: pytest.Config) -> None:
         if not config.pluginmanager.is_registered(module):
             config.pluginmanager.register(module, f"sparse_mla:{name.rsplit('.', 1)[-1]}")
     implementations.configure(config)
-    from pytest_sparse_mla import coverage
-
     if getattr(config, "workerinput", None) is None:  # the controller gathers the coverage table
-        config.pluginmanager.register(coverage.get(config), "sparse_mla:coverage")
+        config.pluginmanager.register(_ControllerHooks(config), "sparse_mla:controller")
+
+
+class _ControllerHooks:
+    """Hooks that need the session's config but receive none (registered by ``pytest_configure``
+    on the controller, or in a run without xdist)."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        """Count the report in the error-class coverage table (``coverage``; xdist carries the
+        workers' ``user_properties``)."""
+        from pytest_sparse_mla import coverage
+
+        coverage.get(self.config).add(report)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -196,9 +209,7 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     """Controller: one line per xdist worker saying which GPU it ran on."""
     if not options.is_active(config):
         return
-    from pytest_sparse_mla import xdist_gpu
-
-    from pytest_sparse_mla import coverage
+    from pytest_sparse_mla import coverage, xdist_gpu
 
     table = coverage.get(config).lines()
     if table:

@@ -48,8 +48,8 @@ import torch
 
 from pytest_sparse_mla import data, formats
 from pytest_sparse_mla.attention import oracle_forward
-from pytest_sparse_mla.envelope import Envelope, NotApplicable
 from pytest_sparse_mla.attention.cases import AttentionCase, AttentionInputs, fit_case, make_inputs
+from pytest_sparse_mla.envelope import Envelope, NotApplicable
 from pytest_sparse_mla.implementations import skip_reason_for
 
 pytestmark = pytest.mark.sparse_mla_needs("sparse_mla_forward")
@@ -218,11 +218,13 @@ def test_finite_sink_is_an_extra_logit_with_zero_value(fmt, sparse_mla_impl, spa
     sink = inputs.attn_sink.double().unsqueeze(0)
     expected_out = without.output.double() * torch.sigmoid(lse_e - sink).unsqueeze(-1)
     # FlashInfer's LSE includes the sink, FlashMLA's leaves it out; both compared in log2 units
-    expected_lse = (torch.logaddexp(lse_e, sink) if inputs.lse_convention == "flashinfer" else lse_e) / math.log(2.0)
+    total = torch.logaddexp(lse_e, sink) if inputs.lse_convention == "flashinfer" else lse_e
+    expected_lse = total / math.log(2.0)
     sparse_mla_tolerances.assert_close(with_sink.output, expected_out, "self_output", fmt=fmt,
                                        what="sink as an extra logit: output")  # fmt: skip
-    sparse_mla_tolerances.assert_close(with_sink.lse.double() * to_natural / math.log(2.0), expected_lse, "self_lse",
-                                       fmt=fmt, what=f"sink as an extra logit: lse ({inputs.lse_convention})")  # fmt: skip
+    lse_log2 = with_sink.lse.double() * to_natural / math.log(2.0)
+    sparse_mla_tolerances.assert_close(lse_log2, expected_lse, "self_lse", fmt=fmt,
+                                       what=f"sink as an extra logit: lse ({inputs.lse_convention})")  # fmt: skip
 
 
 @pytest.mark.sparse_mla_error_class("sink-algebra")
@@ -364,7 +366,8 @@ def test_dual_cache_equals_one_cache_over_the_concatenated_table(
     indexed by ``[main | extra + main_tokens]`` (FlashInfer's dual-cache test reference)."""
     extra_pages = 512 // extra_ps
     case = AttentionCase("dual", 16, 16, 128, topk_extra=256, extra_page_block_size=extra_ps,
-                         extra_num_pages=extra_pages, query="peaked", requires=("extra", "extra_page", "page"))  # fmt: skip
+                         extra_num_pages=extra_pages, query="peaked",
+                         requires=("extra", "extra_page", "page"))  # fmt: skip
     inputs = sparse_mla_inputs(case)
     dual = inputs.run(sparse_mla_impl.sparse_mla_forward)
     rows = torch.cat(
@@ -405,7 +408,9 @@ def test_moving_candidates_between_the_caches_changes_nothing(
     same = data.pack_to_device(inputs.cache.source.cpu(), page_stride="tight", device=sparse_mla_device)
     reference = inputs.run(sparse_mla_impl.sparse_mla_forward)
     lanes = torch.arange(width, device=sparse_mla_device)
-    in_extra = {"all-main": lanes < 0, "all-extra": lanes >= 0, "halves": lanes >= width // 2, "alternate": lanes % 2 == 1}
+    in_extra = {
+        "all-main": lanes < 0, "all-extra": lanes >= 0, "halves": lanes >= width // 2, "alternate": lanes % 2 == 1,
+    }  # fmt: skip
     to_extra = in_extra[split].expand_as(inputs.indices)
     main_idx = torch.where(to_extra, -1, inputs.indices).to(torch.int32)
     extra_idx = torch.where(to_extra, inputs.indices, -1).to(torch.int32)
@@ -510,7 +515,8 @@ def test_layout_does_not_change_the_result(
     if fmt == "dsv3_2" and spec.get("page_stride") == "tight":
         spec = {"layer": 1, "num_layers": 2, "page_stride": "tight"}
     need = ("extra",) if layout.startswith(("extra", "both")) else ()
-    base_case = _fitted(_case("layout", fmt, 8, 64, 128, requires=need, **_dual(fmt, DUAL_C128)), sparse_mla_envelope)
+    base_case = _case("layout", fmt, 8, 64, 128, requires=need, **_dual(fmt, DUAL_C128))
+    base_case = _fitted(base_case, sparse_mla_envelope)
     state = sparse_mla_generator.get_state()
     plain = make_inputs(base_case, sparse_mla_generator, device=sparse_mla_device)
     sparse_mla_generator.set_state(state)

@@ -113,6 +113,50 @@ def approximate_kernels() -> list[str]:
 
 
 # =================================================================================================
+# The catalogue inside an envelope
+# =================================================================================================
+
+#: The wrong kernels whose error cannot occur inside FlashMLA's envelope (64 or 128 heads, widths
+#: that are multiples of 64), with why; every other wrong forward must still be caught there.
+OUTSIDE_FLASHMLA: dict[str, str] = {
+    "head_fold_32": "it folds exactly 32 heads into two groups of 16; the envelope takes 64 or 128 heads",
+    "head_fold_32_dsv32": "it folds exactly 32 heads into two groups of 16; the envelope takes 64 or 128 heads",
+}
+#: Suffix of the module attribute that gives a catalogue kernel with FlashMLA's envelope.
+FLASHMLA_SUFFIX = "__flashmla"
+
+
+class InEnvelope:
+    """A catalogue kernel's ``sparse_mla_forward`` restricted to ``envelope``, as a head-specialised
+    production kernel is: a call outside it raises ``ValueError`` (the kernel's argument check).
+    Attribute ``kernel_catalogue:<name>__flashmla`` gives one with FlashMLA's envelope (the
+    built-in ``flashmla`` adapter's, ``implementations.flashmla.ENVELOPE``)."""
+
+    def __init__(self, kernel: Any, envelope: Any) -> None:
+        self.kernel, self.envelope = kernel, envelope
+        self.name = f"{kernel.name}{FLASHMLA_SUFFIX}"
+        self.compute_mode = kernel.compute_mode
+
+    def sparse_mla_forward(self, *args: Any, **kwargs: Any) -> Any:
+        from pytest_sparse_mla.guard import call_reason
+
+        reason = call_reason(self.envelope, args, kwargs)
+        if reason is not None:
+            raise ValueError(f"{self.name}: outside the kernel's shapes: {reason}")
+        return self.kernel.sparse_mla_forward(*args, **kwargs)
+
+
+def __getattr__(name: str) -> Any:
+    """``<kernel>__flashmla``: the catalogue kernel inside FlashMLA's envelope (:class:`InEnvelope`)."""
+    base = name.removesuffix(FLASHMLA_SUFFIX)
+    if name.endswith(FLASHMLA_SUFFIX) and base in CATALOGUE:
+        from pytest_sparse_mla.implementations.flashmla import ENVELOPE
+
+        return InEnvelope(globals()[base], ENVELOPE)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# =================================================================================================
 # Helpers shared by the wrappers
 # =================================================================================================
 
@@ -422,6 +466,21 @@ class ignores_index_row_stride(_WrapsReference):
         if kw.get("extra_indices") is not None:
             kw["extra_indices"] = _dense_rows(kw["extra_indices"])
         return self._reference(q, kv_cache, _dense_rows(indices), **kw)
+
+
+def _dense_queries(q: torch.Tensor) -> torch.Tensor:
+    """``q`` read as if it were contiguous from its first element: a view into a wider tensor (a
+    slice of a fused projection, every other token) then reads its neighbours' elements."""
+    return torch.as_strided(q, q.shape, torch.empty(q.shape).stride(), q.storage_offset())
+
+
+@wrong(
+    "q read as if contiguous: the head or token stride of a query view (a slice of a wider tensor) is ignored",
+    "kernels that take q.data_ptr() with computed strides; SGLang passes q as a slice of the fused QKV output",
+)
+class ignores_q_strides(_WrapsReference):
+    def sparse_mla_forward(self, q, kv_cache, indices, **kw):
+        return self._reference(_dense_queries(q), kv_cache, indices, **kw)
 
 
 def _tight(cache: torch.Tensor, fmt: Any, page_block_size: int | None, name: str = "kv_cache") -> torch.Tensor:

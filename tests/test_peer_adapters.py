@@ -17,7 +17,6 @@ change). Tests marked ``real_sglang`` run against an installed sglang wheel (the
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import subprocess
 import sys
@@ -28,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pytest_sparse_mla import data, formats
+from pytest_sparse_mla import Unsupported, data, formats
 from pytest_sparse_mla.attention import oracle_forward
 from pytest_sparse_mla.implementations import BUILTINS, _peer, flashmla, sglang
 from pytest_sparse_mla.page_split import BufferRegistry, page_split
@@ -134,13 +133,14 @@ def test_removing_a_dominant_sink_reports_an_empty_row_not_nan() -> None:
 @pytest.mark.parametrize(
     "change, expected",
     [
-        ({"heads": 32}, "supports num_heads 64 or 128, got 32"),
-        ({"topk": 100}, "topk to be a multiple of 64, got 100"),
-        ({"tokens": 0}, "needs num_tokens >= 1, got 0"),
-        ({"fmt": "dsv3_2", "topk_length": True}, "takes no topk_length / extra_topk_length for dsv3_2"),
-        ({"fmt": "dsv3_2", "extra": True}, "takes no extra cache for dsv3_2"),
+        ({"heads": 32}, "num_heads=32 is not in num_heads=(64, 128)"),
+        ({"topk": 100}, "topk=100 is not a multiple of 64"),
+        ({"tokens": 0}, "num_tokens=0 is outside [1, None]"),
+        ({"fmt": "dsv3_2", "topk_length": True}, "topk_length for 'dsv3_2'"),
+        ({"fmt": "dsv3_2", "extra": True}, "an extra cache for 'dsv3_2'"),
+        # the envelope is what both routes take: the V32 decode takes neither, so neither route is asked
+        ({"fmt": "dsv3_2", "tokens": 65, "extra": True, "topk_length": True}, "an extra cache for 'dsv3_2'"),
         ({"device": "cpu"}, "runs on cuda, not on cpu"),
-        ({"fmt": "dsv3_2", "tokens": 65, "extra": True, "topk_length": True}, None),  # the prefill takes both
         ({}, None),
     ],
 )
@@ -179,27 +179,28 @@ def test_sglang_unsupported_reasons() -> None:
     reason = sglang.SglangTorchImplementation().unsupported_reason(
         "sparse_mla_forward", q, None, torch.empty((4, 8), dtype=torch.int32), fmt="dsv3_2"
     )
-    assert "dsv4 cache format(s), not dsv3_2" in reason
+    assert "format 'dsv3_2' is not in formats=('dsv4',)" in reason
     split = sglang.SglangTritonImplementation().unsupported_reason("page_split", None, key_suffix="_extra")
     assert "one scratch per device" in split and "'_extra'" in split
     stride = sglang.SglangTritonImplementation().unsupported_reason("page_split", None, dst_page_stride=37_376)
     assert "fixed stride of 37440" in stride
 
 
-def test_unsupported_by_peer_is_a_skip_with_its_reason(pytester: pytest.Pytester) -> None:
-    """A test that calls an adapter without asking ``unsupported_reason`` first is skipped, not failed."""
-    assert issubclass(_peer.UnsupportedByPeer, NotImplementedError)
+def test_unsupported_is_a_skip_with_its_reason(pytester: pytest.Pytester) -> None:
+    """A test that calls a kernel directly (outside the envelope guard) and gets
+    :class:`pytest_sparse_mla.Unsupported` is skipped with its reason, in a session using the plugin."""
+    assert issubclass(Unsupported, NotImplementedError)
     pytester.makepyfile(
         """
-        from pytest_sparse_mla.implementations._peer import UnsupportedByPeer
+        from pytest_sparse_mla import Unsupported
 
         def test_needs_eight_heads():
-            raise UnsupportedByPeer("flashmla: FlashMLA supports num_heads 64 or 128, got 8")
+            raise Unsupported("flashmla: num_heads=8 is not in num_heads=(64, 128)")
         """
     )
-    result = pytester.runpytest("-rs", "-p", "no:cacheprovider")
+    result = pytester.runpytest("-p", "sparse_mla", "-rs", "-p", "no:cacheprovider")
     result.assert_outcomes(skipped=1)
-    result.stdout.fnmatch_lines(["*supports num_heads 64 or 128, got 8*"])
+    result.stdout.fnmatch_lines(["*num_heads=8 is not in num_heads=(64, 128)*"])
 
 
 def test_skip_reasons_name_the_missing_peer(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -262,15 +263,10 @@ class FakeFlashMla(types.ModuleType):
         return out.to(torch.bfloat16), None, torch.where(torch.isneginf(lse), math.inf, lse).float()
 
 
-def _also_on_cpu(decl: _peer.PeerDeclaration) -> _peer.PeerDeclaration:
-    return dataclasses.replace(decl, devices=(*decl.devices, "cpu"))
-
-
 @pytest.fixture
 def fake_flash_mla(monkeypatch: pytest.MonkeyPatch):
-    """Install a :class:`FakeFlashMla` as ``flash_mla``; the adapter's declarations admit CPU tensors."""
-    impl = flashmla.FlashMlaImplementation
-    monkeypatch.setattr(impl, "declarations", {k: _also_on_cpu(v) for k, v in impl.declarations.items()})
+    """Install a :class:`FakeFlashMla` as ``flash_mla``; the adapter admits CPU tensors."""
+    monkeypatch.setattr(flashmla, "DEVICES", ("cuda", "cpu"))
 
     def install(fmt: str) -> FakeFlashMla:
         fake = FakeFlashMla(fmt)
@@ -361,7 +357,7 @@ def test_flashmla_ignores_negative_values_past_topk_length(fake_flash_mla) -> No
 def test_flashmla_unsupported_call_raises_the_reason(fake_flash_mla) -> None:
     fake = fake_flash_mla("dsv4")
     call = _inputs(4, 8, extra=False)
-    with pytest.raises(_peer.UnsupportedByPeer, match="num_heads 64 or 128, got 8"):
+    with pytest.raises(Unsupported, match=r"num_heads=8 is not in num_heads=\(64, 128\)"):
         flashmla.FlashMlaImplementation().sparse_mla_forward(call["q"], call["kv_cache"], call["indices"], **_kw(call))
     assert fake.calls == []
 
@@ -445,7 +441,7 @@ def fake_sglang(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     (target / "flash_mla_sm120.py").write_text(textwrap.dedent(_FAKE_TORCH_FILE))
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
     cls = sglang.SglangTritonImplementation
-    monkeypatch.setattr(cls, "declaration", _also_on_cpu(cls.declaration))  # the fake runs anywhere
+    monkeypatch.setattr(cls, "devices", ("cuda", "cpu"))  # the fake runs anywhere
     sglang.load_module.cache_clear()
     yield root
     sglang.load_module.cache_clear()
@@ -504,7 +500,7 @@ def test_sglang_split_refuses_touched_indices_past_the_pool(fake_sglang: Path) -
     cache = data.make_packed_cache(torch.Generator().manual_seed(0), num_pages=2, page_block_size=256).packed
     with pytest.raises(_peer.UnsafeForPeer, match="512 >= num_pages\\*src_pbs = 512"):
         sglang.SglangTorchImplementation().page_split(cache, touched_indices=torch.tensor([0, 512], dtype=torch.int32))
-    with pytest.raises(_peer.UnsupportedByPeer, match="one scratch per device"):
+    with pytest.raises(Unsupported, match="one scratch per device"):
         sglang.SglangTorchImplementation().page_split(cache, key_suffix="_extra")
 
 

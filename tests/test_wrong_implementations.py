@@ -240,6 +240,41 @@ def test_catalogue_kernel_against_the_whole_suite(
         )
 
 
+def _forward_kernels(kind: str) -> list[str]:
+    return [n for n, e in catalogue.CATALOGUE.items() if e.kind == kind and "sparse_mla_forward" in e.capabilities]
+
+
+@pytest.mark.parametrize(
+    "name",
+    [n for n in _forward_kernels("wrong") if n not in catalogue.OUTSIDE_FLASHMLA]
+    + [pytest.param("approx_bf16_production", marks=[pytest.mark.sparse_mla_selftest_long])],
+)
+def test_catalogue_kernel_inside_flashmla_envelope(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], record_property
+) -> None:
+    """The same kernels restricted to FlashMLA's envelope (64 or 128 heads, widths multiples of 64,
+    only -1 masked, lengths within the row, no DSV3.2 extra cache or lengths): every wrong forward
+    whose error can occur there is still caught, by cases fitted to the envelope; a correct BF16
+    kernel still passes. ``catalogue.OUTSIDE_FLASHMLA`` lists the exceptions and why."""
+    entry = catalogue.CATALOGUE[name]
+    wrong = entry.kind == "wrong"
+    spec = f"{name}{catalogue.FLASHMLA_SUFFIX}"
+    run = run_suite(spec, tmp_path, monkeypatch, capsys, int(os.environ.get(MAXFAIL_ENV, "1")) if wrong else 0)
+    sound = run.returncode in (0, 1) and run.passed + run.failed > 0 and not run.collection_errors
+    outcome = "HARNESS ERROR" if not sound else ("killed" if run.failed else "SURVIVED") if wrong else (
+        "passed" if not run.failed else "FAILED")  # fmt: skip
+    record_property(ROW_KEY, {**_row(entry, run, outcome), "kernel": spec})
+    assert sound, f"suite run against kernel_catalogue:{spec} did not complete (exit {run.returncode}):\n{run.output}"
+    if wrong:
+        assert run.failed, (
+            f"wrong kernel {spec!r} SURVIVED the suite inside FlashMLA's envelope ({run.passed} passed, "
+            f"{run.skipped} skipped). It breaks: {entry.rule}"
+        )
+    else:
+        listing = "\n".join(f"  {tid}: {msg}" for tid, msg in run.failures[:20])
+        assert not run.failed, f"approximate kernel {spec!r} FAILED {run.failed} items inside the envelope:\n{listing}"
+
+
 def test_catalogue_has_the_promised_breadth() -> None:
     """At least 20 wrong kernels and 4 approximate ones; every entry states its rule and provides a
     protocol capability."""

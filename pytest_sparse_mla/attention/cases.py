@@ -393,17 +393,22 @@ FLASHINFER_CASES: tuple[AttentionCase, ...] = (
     _fi("trunc-h8-k192-len133", 16, 8, 192, topk_length=133, requires=('topk_length',)),
     _fi("trunc-h32-k256-len133", 16, 32, 256, topk_length=133, requires=('topk_length',)),
     _fi("trunc-h8-k512-len128", 16, 8, 512, topk_length=128, with_sink=False, requires=('topk_length',)),
-    _fi("trunc-h64-k1024-len992", 128, 64, 1024, topk_length=992, masked_fraction=0.0, large=True, requires=('topk_length',)),
+    _fi("trunc-h64-k1024-len992", 128, 64, 1024, topk_length=992, masked_fraction=0.0, large=True,
+        requires=('topk_length',)),
     # prefill (T > 64)
     _fi("prefill-h8-k128", 65, 8, 128, requires=('tokens',)),
     _fi("prefill-h16-k256", 128, 16, 256, with_sink=False, requires=('tokens',)),
     _fi("prefill-h64-k1024", 128, 64, 1024, large=True, requires=('tokens',)),
     _fi("prefill-h128-k2048", 256, 128, 2048, num_pages=64, large=True, requires=('tokens',)),
     # dual cache (main topk 128 at page 64 + extra), one softmax over both
-    _fi("dual-h8-e128p64", 16, 8, 128, topk_extra=128, extra_page_block_size=64, extra_num_pages=16, requires=('extra', 'extra_page')),
-    _fi("dual-h16-e512p64", 16, 16, 128, topk_extra=512, extra_page_block_size=64, extra_num_pages=16, requires=('extra', 'extra_page')),
-    _fi("dual-h32-e512p2", 16, 32, 128, topk_extra=512, extra_page_block_size=2, extra_num_pages=512, requires=('extra', 'extra_page')),
-    _fi("dual-h16-e2176p2", 1, 16, 128, topk_extra=2176, extra_page_block_size=2, extra_num_pages=1024, requires=('extra', 'extra_page')),
+    _fi("dual-h8-e128p64", 16, 8, 128, topk_extra=128, extra_page_block_size=64, extra_num_pages=16,
+        requires=('extra', 'extra_page')),
+    _fi("dual-h16-e512p64", 16, 16, 128, topk_extra=512, extra_page_block_size=64, extra_num_pages=16,
+        requires=('extra', 'extra_page')),
+    _fi("dual-h32-e512p2", 16, 32, 128, topk_extra=512, extra_page_block_size=2, extra_num_pages=512,
+        requires=('extra', 'extra_page')),
+    _fi("dual-h16-e2176p2", 1, 16, 128, topk_extra=2176, extra_page_block_size=2, extra_num_pages=1024,
+        requires=('extra', 'extra_page')),
     _fi("dual-h8-elen0", 16, 8, 128, topk_extra=512, extra_page_block_size=64, extra_num_pages=16,
         extra_topk_length=0, requires=('extra', 'topk_length')),
     _fi("dual-h8-elen768", 16, 8, 128, topk_extra=512, extra_page_block_size=64, extra_num_pages=16,
@@ -467,14 +472,16 @@ CONFORMANCE_CASES: tuple[AttentionCase, ...] = (
     _cf("peaked-T65", 65, 8, 128, query="peaked", sink_kind="large", **_C128, requires=('tokens',)),
     _cf("peaked-T65-dsv32", 65, 8, 128, query="peaked", fmt="dsv3_2", requires=('tokens',)),
     # 64 heads (what head-specialised kernels such as FlashMLA's SM90 sparse decode take)
-    _cf("h64-peaked-dual-c4-large-sink", 4, 64, 128, query="peaked", sink_kind="large", masked_fraction=0.25, **_C4, requires=('sink',)),
+    _cf("h64-peaked-dual-c4-large-sink", 4, 64, 128, query="peaked", sink_kind="large", masked_fraction=0.25, **_C4,
+        requires=('sink',)),
     _cf("h64-mixed-inf-sink-c128", 4, 64, 128, query="peaked", sink_kind="mixed-inf", **_C128, requires=('sink',)),
     _cf("h64-dominant-key-dsv32", 4, 64, 128, query="peaked", peak=30.0, fmt="dsv3_2"),
     _cf("h64-peaked-dsv32-large-sink", 4, 64, 192, query="peaked", fmt="dsv3_2", sink_kind="large"),
     _cf("h64-near-uniform", 4, 64, 128, query="flat", sink_kind="large", **_C4),
     _cf("h64-extra-x64-layers", 4, 64, 128, query="peaked", extra_value_scale=64.0, layer=1, num_layers=2,
         extra_layer=2, extra_num_layers=3, extra_page_stride="tight", **_C4, requires=('extra',)),
-    _cf("h64-trunc", 4, 64, 192, query="peaked", topk_length=100, extra_topk_length=50, masked_fraction=0.0, **_C4, requires=('topk_length',)),
+    _cf("h64-trunc", 4, 64, 192, query="peaked", topk_length=100, extra_topk_length=50, masked_fraction=0.0, **_C4,
+        requires=('topk_length',)),
     _cf("h64-peaked-T65", 65, 64, 128, query="peaked", sink_kind="large", **_C4, requires=('tokens',)),
 )  # fmt: skip
 
@@ -636,7 +643,8 @@ def _length_classes(value: int | None, width: int, prefix: str) -> list[str]:
         return []
     if value <= 0:
         return [f"{prefix}length-0"]
-    return [f"{prefix}length-partial" if value < width else f"{prefix}length-beyond-row" if value > width else f"{prefix}length-full"]
+    kind = "partial" if value < width else "beyond-row" if value > width else "full"
+    return [f"{prefix}length-{kind}"]
 
 
 def case_classes(case: AttentionCase) -> tuple[str, ...]:

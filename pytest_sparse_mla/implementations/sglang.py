@@ -372,7 +372,8 @@ class _SglangBase:
     def unsupported_reason(self, capability: str, *args: Any, **kwargs: Any) -> str | None:
         """Why the peer cannot take this call of ``capability`` (same arguments as the call), or ``None``.
 
-        The call itself raises :class:`pytest_sparse_mla.Unsupported` with the same text. Value checks that make an input *unsafe* are not reasons (the call raises).
+        The call itself raises :class:`pytest_sparse_mla.Unsupported` with the same text. Value
+        checks that make an input *unsafe* are not reasons (the call raises).
         """
         if capability == "sparse_mla_forward":
             return self._forward_reason(*args, **kwargs)
@@ -381,7 +382,8 @@ class _SglangBase:
         return f"{self.name} provides no {capability!r}"
 
     def _forward_reason(self, *args: Any, **kwargs: Any) -> str | None:
-        return shape_reason(self.peer, lambda _num_tokens: self.envelope, self.devices, *args, **kwargs)
+        envelope = self.envelope
+        return shape_reason(self.peer, lambda _num_tokens: envelope, self.devices, *args, **kwargs)
 
     @staticmethod
     def _src_pbs(kv_cache: Any, src_page_block_size: int | None) -> int:

@@ -89,10 +89,14 @@ class Head64SparseMla:
         """
         f = formats.get_format(fmt)
         if not isinstance(q, torch.Tensor) or q.dtype != torch.bfloat16 or q.dim() != 3 or q.shape[2] != f.d_qk:
-            raise ValueError(f"q: expected BF16 [T, H, {f.d_qk}], got {getattr(q, 'dtype', q)} {tuple(getattr(q, 'shape', ()))}")
+            raise ValueError(
+                f"q: expected BF16 [T, H, {f.d_qk}], got {getattr(q, 'dtype', q)} {tuple(getattr(q, 'shape', ()))}"
+            )
         num_tokens, num_heads = int(q.shape[0]), int(q.shape[1])
         if num_heads not in (64, 128) or num_tokens < 1:
-            raise ValueError(f"q: num_heads={num_heads}, num_tokens={num_tokens}: this kernel takes 64 or 128 heads, T >= 1")
+            raise ValueError(
+                f"q: num_heads={num_heads}, num_tokens={num_tokens}: this kernel takes 64 or 128 heads, T >= 1"
+            )
         if lse_convention != "flashmla":
             raise ValueError(f"lse_convention={lse_convention!r}: this kernel returns FlashMLA's LSE only")
         if (extra_kv_cache is None) != (extra_indices is None):
