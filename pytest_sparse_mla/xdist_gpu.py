@@ -182,11 +182,19 @@ def finish(config: pytest.Config) -> None:
 
     from pytest_sparse_mla import capabilities
 
+    from pytest_sparse_mla import coverage, guard, implementations
+
     records = config.stash.get(_RECORDS, {}) or {"controller": _device_record(config)}
+    impl = implementations.get_implementation(config)
     report = {
         "capabilities": asdict(capabilities.probe()),
         "options": {"device": opts.device, "seed": opts.seed, "impl": opts.impl, "grid": opts.grid},
         "workers": records,
+        "envelope": {
+            "declared": guard.declared_envelope(impl) is not None,
+            **guard.session_envelope(impl).as_dict(),
+        },
+        "coverage": coverage.get(config).rows(),
     }
     opts.report_json.write_text(json.dumps(report, indent=2, sort_keys=True, default=str) + "\n")
 

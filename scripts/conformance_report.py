@@ -122,7 +122,11 @@ def summarize(impl: str, results: Path, notes: dict[str, Any] | None = None) -> 
     for r in rows:
         suites.setdefault(r["file"], Counter())[r["outcome"]] += 1
     skips = Counter(_short(r["message"]) for r in rows if r["outcome"] == "skipped")
+    report_path = results / f"conformance-{impl}.json"
+    run_report = json.loads(report_path.read_text()) if report_path.exists() else {}
     return {
+        "coverage": run_report.get("coverage", []),
+        "envelope": run_report.get("envelope"),
         "xfail_file_applied": applied,
         "xfailed_listed_after_run": listed_after_run,
         "exit": exit_info.get("exit"),
@@ -169,14 +173,16 @@ def _short(text: str, limit: int = 240) -> str:
 
 
 def declarations() -> dict[str, Any]:
-    """What each peer adapter declares (imported from this checkout; no torch needed)."""
+    """Each peer adapter's envelope, entry points and devices (imported from this checkout; no torch needed)."""
     from pytest_sparse_mla.implementations import flashmla, sglang
 
     return {
-        "sglang-triton": {"forward": sglang.TRITON_DECLARATION.as_dict()},
-        "sglang-torch": {"forward": sglang.TORCH_DECLARATION.as_dict()},
-        "flashmla": {k: v.as_dict() for k, v in flashmla.FlashMlaImplementation.declarations.items()},
-    }
+        "sglang-triton": {"peer": sglang.TRITON_PEER, "devices": list(sglang.TRITON_DEVICES),
+                          **sglang.TRITON_ENVELOPE.as_dict()},
+        "sglang-torch": {"peer": sglang.TORCH_PEER, "devices": list(sglang.TORCH_DEVICES),
+                         **sglang.TORCH_ENVELOPE.as_dict()},
+        "flashmla": {"peer": flashmla.PEER, "devices": list(flashmla.DEVICES), **flashmla.ENVELOPE.as_dict()},
+    }  # fmt: skip
 
 
 def build(results: Path, smoke_path: Path | None = None, notes_path: Path | None = None) -> dict[str, Any]:
@@ -326,18 +332,34 @@ def markdown(doc: dict[str, Any]) -> str:
         out.append(f"* `{name}`:")
         for r in s["skip_reasons"][:12]:
             out.append(f"  * {r['count']} x {r['reason']}")
-    out += ["", "## What each adapter declares", ""]
-    for name, per in doc["declarations"].items():
-        for route, d in per.items():
-            heads = "any" if d["num_heads"] is None else "/".join(map(str, d["num_heads"]))
-            extra = ", ".join(d["extra_cache_formats"]) or "none"
-            lengths = ", ".join(d["topk_length_formats"]) or "none"
-            out.append(
-                f"* `{name}` {route}: {d['peer']}; formats {', '.join(d['formats'])}; heads {heads}; topk multiple "
-                f"of {d['topk_multiple']}; extra cache for {extra}; topk_length for {lengths}; masked lanes: "
-                f"{d['masked_indices']}; lanes past topk_length {d['lanes_past_topk_length']}; LSE {d['lse']}; "
-                f"devices {', '.join(d['devices'])}."
-            )
+    out += ["", "## Error-class coverage (classes each implementation's envelope let run)", ""]
+    for name, s in impls.items():
+        rows = s.get("coverage") or []
+        if not rows:
+            continue
+        never = [r["class"] for r in rows if not r["ran"]]
+        failing = [r["class"] for r in rows if r["failed"]]
+        out.append(
+            f"* `{name}`: {sum(1 for r in rows if r['ran'])} of {len(rows)} classes ran; never ran: "
+            f"{', '.join(never) or 'none'}; with failures: {', '.join(failing) or 'none'}."
+        )
+        for r in rows:
+            if not r["ran"] and r["why_not"]:
+                out.append(f"  * `{r['class']}` not run: {r['why_not'][0]}")
+    out += ["", "## What each adapter declares (its `envelope`)", ""]
+    for name, d in doc["declarations"].items():
+        heads = "any" if d["num_heads"] is None else "/".join(map(str, d["num_heads"]))
+        extra = ", ".join(d["extra_cache_formats"]) or "none"
+        lengths = ", ".join(d["topk_length_formats"]) or "none"
+        lse = ", ".join(d["lse_conventions"]) or "none (output only)"
+        out.append(
+            f"* `{name}`: {d['peer']}; formats {', '.join(d['formats'])}; heads {heads}; topk multiple "
+            f"of {d['topk']['multiple']}; extra cache for {extra}; topk_length for {lengths} "
+            f"({d['topk_length_range']}); tokens >= {d['min_tokens']}; masked lanes: {d['masked_indices']}; "
+            f"index past the cache: {d['index_past_cache']}; LSE conventions {lse}; devices {', '.join(d['devices'])}."
+        )
+        for note in d["notes"]:
+            out.append(f"  * {note}")
     return "\n".join(out) + "\n"
 
 
