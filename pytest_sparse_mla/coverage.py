@@ -39,8 +39,11 @@ def _case_classes(item: pytest.Item) -> tuple[str, ...]:
 
 
 def mark_intended(items: list[pytest.Item]) -> None:
-    """At collection: store each item's intended classes in its ``user_properties``."""
+    """At collection: store the intended classes of each item that judges the implementation under
+    test (uses ``sparse_mla_impl``) in its ``user_properties``."""
     for item in items:
+        if "sparse_mla_impl" not in getattr(item, "fixturenames", ()):
+            continue
         names: list[str] = []
         for mark in item.iter_markers(MARKER):
             names += [str(n) for n in mark.args]

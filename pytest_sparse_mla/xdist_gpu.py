@@ -180,9 +180,7 @@ def finish(config: pytest.Config) -> None:
         return
     from dataclasses import asdict
 
-    from pytest_sparse_mla import capabilities
-
-    from pytest_sparse_mla import coverage, guard, implementations
+    from pytest_sparse_mla import capabilities, coverage, guard, implementations
 
     records = config.stash.get(_RECORDS, {}) or {"controller": _device_record(config)}
     impl = implementations.get_implementation(config)

@@ -238,7 +238,8 @@ def markdown(doc: dict[str, Any]) -> str:
         *([f"Note: {m['note']}.", ""] if m.get("note") else [""]),
         f"Command: `{doc['command']}`. Each peer's shipped xfail file is applied, so a known discrepancy "
         "counts as `xfailed` and a test that starts passing fails the run (`xfail_strict`). A capability the "
-        "peer lacks is a skip whose reason names the peer's limit (`UnsupportedByPeer` is pytest's skip).",
+        "peer lacks is never asked: every case is fitted to the adapter's `envelope`, and a case that cannot "
+        "exist inside it is skipped as not applicable, naming the envelope field.",
         "",
         "## Totals",
         "",

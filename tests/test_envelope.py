@@ -1,0 +1,279 @@
+"""Envelopes: the public type, the fitting of cases inside one, the guard around the implementation
+under test and the error-class coverage table.
+
+Expected values are written out by hand (head counts, widths, lane contents, messages); the suite
+runs use small kernels whose behaviour is known: the bundled reference behind an envelope, an
+output-only wrapper, a wrapper that zeroes the output, and the example project's 64/128-head kernel.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pytest_sparse_mla import Envelope, Unsupported, Widths
+from pytest_sparse_mla.attention.cases import AttentionCase, case_classes, fit_case, make_inputs
+from pytest_sparse_mla.envelope import UNIVERSAL, NotApplicable
+from pytest_sparse_mla.implementations.flashmla import ENVELOPE as FLASHMLA
+
+ROOT = Path(__file__).resolve().parents[1]
+PYTEST = Path(sys.executable).with_name("pytest")
+
+
+# --- the type ---------------------------------------------------------------------------------------
+
+
+def test_widths_fit_rounds_up_to_the_multiple_and_caps_at_the_maximum() -> None:
+    assert Widths(multiple=64).fit(500) == (500, 512)  # 500 drawn, 12 lanes of -1 padding
+    assert Widths(multiple=64).fit(1) == (1, 64)
+    assert Widths(multiple=64).fit(128) == (128, 128)
+    assert Widths(multiple=64, max=128).fit(500) == (128, 128)
+    assert Widths(multiple=16, min=32).fit(8) == (8, 32)
+    assert Widths(multiple=64).reason("topk", 100) == "topk=100 is not a multiple of 64"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"formats": ("dsv5",)}, "formats=('dsv5',)"),
+        ({"num_heads": ()}, "num_heads=()"),
+        ({"topk": 64}, "topk=64): expected a Widths"),
+        ({"masked_indices": "all"}, "masked_indices='all'"),
+        ({"lse_conventions": ("natural",)}, "lse_conventions=('natural',)"),
+        ({"bitwise_invariance": frozenset({"speed"})}, "bitwise_invariance=['speed']"),
+        ({"min_tokens": 5, "max_tokens": 2}, "min_tokens=5, max_tokens=2"),
+    ],
+)
+def test_a_bad_envelope_names_the_field_and_the_value(kwargs: dict, message: str) -> None:
+    with pytest.raises((TypeError, ValueError)) as excinfo:
+        Envelope(**kwargs)
+    assert message in str(excinfo.value)
+    with pytest.raises(ValueError, match=r"Widths\(multiple=0, min=1\)"):
+        Widths(multiple=0)
+
+
+def test_call_reason_names_what_lies_outside() -> None:
+    shape = {"fmt": "dsv4", "num_tokens": 4, "num_heads": 64, "topk": 128}
+    assert FLASHMLA.call_reason(**shape) is None
+    assert FLASHMLA.call_reason(**{**shape, "num_heads": 8}) == "num_heads=8 is not in num_heads=(64, 128)"
+    assert FLASHMLA.call_reason(**{**shape, "topk": 192, "extra_topk": 100}) == "extra_topk=100 is not a multiple of 64"
+    assert FLASHMLA.call_reason(**{**shape, "num_tokens": 0}) == "num_tokens=0 is outside [1, None]"
+    assert "an extra cache for 'dsv3_2'" in FLASHMLA.call_reason(**{**shape, "fmt": "dsv3_2", "extra_topk": 64})
+    only = Envelope(lse_conventions=("flashmla",))
+    assert "lse_convention='flashinfer'" in only.call_reason(**shape, lse_convention="flashinfer")
+    assert UNIVERSAL.call_reason(**{**shape, "num_heads": 7, "topk": 3}) is None
+
+
+def test_the_package_exports_the_envelope_without_importing_torch() -> None:
+    code = "import sys, pytest_sparse_mla as p; p.Envelope(); p.Widths(); p.Unsupported; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+
+
+# --- fitting cases --------------------------------------------------------------------------------
+
+
+def test_fit_moves_heads_and_pads_widths_and_keeps_the_name() -> None:
+    case = AttentionCase("fi-decode-h12-k500", 16, 12, 500, topk_extra=100, extra_page_block_size=2, extra_num_pages=64)
+    fitted = fit_case(case, FLASHMLA)
+    assert (fitted.name, fitted.num_heads, fitted.topk, fitted.index_width) == ("fi-decode-h12-k500", 64, 500, 512)
+    assert (fitted.topk_extra, fitted.extra_index_width) == (100, 128)
+    assert fitted.fitted == (
+        "num_heads 12->64",
+        "topk 500->500 drawn in rows of 512",
+        "topk_extra 100->100 drawn in rows of 128",
+    )
+    assert fit_case(AttentionCase("h80", 4, 80, 64), FLASHMLA).num_heads == 128
+    assert fit_case(AttentionCase("h200", 4, 200, 64), FLASHMLA).num_heads == 128
+    assert fit_case(case, UNIVERSAL) is case
+
+
+def test_padding_lanes_are_minus_one_and_the_drawn_lanes_are_the_unfitted_draw() -> None:
+    case = AttentionCase("pad", 4, 12, 100, num_pages=4)
+    fitted = fit_case(case, FLASHMLA)
+    plain = make_inputs(case, torch.Generator().manual_seed(3))
+    padded = make_inputs(fitted, torch.Generator().manual_seed(3))
+    assert tuple(padded.indices.shape) == (4, 128)
+    assert bool((padded.indices[:, 100:] == -1).all())
+    # the same generator draws the cache, then 64 heads of queries instead of 12: the rows differ from
+    # the plain draw only through the query draw before them, so compare the cache bytes
+    assert torch.equal(plain.cache.packed, padded.cache.packed)
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        (AttentionCase("heads-5", 4, 5, 128, requires=("heads",)), "num_heads=5 is not in num_heads=(64, 128)"),
+        (AttentionCase("k500", 4, 64, 500, requires=("width",)), "topk=500 is not a multiple of 64"),
+        (AttentionCase("T0", 0, 64, 64, requires=("tokens",)), "num_tokens=0 is outside [1, None]"),
+        (AttentionCase("dsv32-dual", 4, 64, 64, fmt="dsv3_2", topk_extra=64, extra_page_block_size=64,
+                       extra_num_pages=2, requires=("extra",)), "an extra cache for 'dsv3_2'"),
+        (AttentionCase("beyond", 4, 64, 64, topk_length=100, requires=("topk_length",)),
+         "topk_length=100 outside [0, 64]"),
+    ],
+)  # fmt: skip
+def test_what_a_case_requires_is_never_changed(case: AttentionCase, message: str) -> None:
+    with pytest.raises(NotApplicable, match="not applicable to this envelope") as excinfo:
+        fit_case(case, FLASHMLA)
+    assert message in str(excinfo.value)
+
+
+def test_what_a_case_does_not_require_is_dropped_or_clamped() -> None:
+    case = AttentionCase("incidental", 4, 64, 64, fmt="dsv3_2", topk_extra=64, extra_page_block_size=64,
+                         extra_num_pages=2, topk_length=100)  # fmt: skip
+    fitted = fit_case(case, FLASHMLA)
+    assert (fitted.topk_extra, fitted.topk_length) == (0, None)
+    assert fitted.fitted == ("extra cache dropped", "topk_length dropped")
+    clamped = fit_case(AttentionCase("len", 4, 64, 64, topk_length=-3), FLASHMLA)
+    assert clamped.topk_length == 0
+    pages = fit_case(AttentionCase("p", 4, 64, 64, page_block_size=64, num_pages=4), Envelope(page_block_sizes=(256,)))
+    assert (pages.page_block_size, pages.num_pages) == (256, 1)  # 256 tokens either way
+
+
+def test_case_classes_follow_the_construction() -> None:
+    case = AttentionCase("x", 65, 64, 128, query="peaked", sink_kind="mixed-inf", topk_extra=64,
+                         extra_page_block_size=2, extra_num_pages=64, extra_topk_length=0,
+                         layer=1, num_layers=2)  # fmt: skip
+    assert case_classes(case) == (
+        "prefill", "T-64-65", "peaked-main", "peaked-extra", "minus-inf-sink", "extra-page-2", "extra-length-0",
+        "per-layer-views",
+    )  # fmt: skip
+
+
+# --- the guard and the coverage table, in sessions --------------------------------------------------
+
+KERNELS = """
+import torch
+from pytest_sparse_mla import Envelope, Unsupported, Widths
+from pytest_sparse_mla.attention import sparse_mla_forward as _reference
+
+HEAD64 = Envelope(num_heads=(64, 128), topk=Widths(multiple=64), extra_topk=Widths(multiple=64),
+                  extra_cache_formats=("dsv4",), topk_length_formats=("dsv4",), topk_length_range="row",
+                  min_tokens=1, masked_indices="minus_one")
+
+
+class Strict:
+    '''The reference behind FlashMLA's envelope; a call outside it is a ValueError.'''
+    name, compute_mode, envelope = "strict", "bf16", HEAD64
+
+    def sparse_mla_forward(self, q, kv_cache, indices, **kw):
+        if q.shape[1] not in (64, 128) or indices.shape[-1] % 64:
+            raise ValueError(f"q: outside the kernel's shapes {tuple(q.shape)} {tuple(indices.shape)}")
+        res = _reference(q, kv_cache, indices, **kw)
+        return res.output, res.lse  # FlashMLA's pair
+
+
+class OutputOnly:
+    '''Returns the output tensor alone and declares no LSE.'''
+    name, compute_mode = "output-only", "bf16"
+    envelope = Envelope(lse_conventions=())
+
+    def sparse_mla_forward(self, q, kv_cache, indices, **kw):
+        assert "lse_convention" not in kw and "lse_scale" not in kw
+        return _reference(q, kv_cache, indices, **kw).output
+
+
+class OutputOnlyZero(OutputOnly):
+    name = "output-only-zero"
+
+    def sparse_mla_forward(self, q, kv_cache, indices, **kw):
+        return torch.zeros_like(super().sparse_mla_forward(q, kv_cache, indices, **kw))
+
+
+class RefusesDeclared:
+    '''Declares every call, then refuses 16 heads.'''
+    name, compute_mode, envelope = "refuses-declared", "bf16", Envelope()
+
+    def sparse_mla_forward(self, q, kv_cache, indices, **kw):
+        if q.shape[1] == 16:
+            raise Unsupported("16 heads are not compiled in")
+        return _reference(q, kv_cache, indices, **kw)
+
+
+class RefusesUndeclared(RefusesDeclared):
+    name = "refuses-undeclared"
+    envelope = None
+"""
+
+
+def _run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    (tmp_path / "envelope_kernels.py").write_text(KERNELS)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTEST_ADDOPTS", "PYTEST_XDIST_WORKER")}
+    env["PYTHONPATH"] = str(tmp_path)
+    return subprocess.run(
+        [str(PYTEST), "-p", "sparse_mla", "-p", "no:cacheprovider", "-p", "no:xdist", "-q", "--tb=line", "-rs",
+         "--rootdir", str(tmp_path), "-c", os.devnull, "--sparse-mla-device", "cpu", *args],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+
+
+def _counts(stdout: str) -> str:
+    return stdout.strip().splitlines()[-1]
+
+
+def test_a_kernel_is_only_called_inside_its_envelope(tmp_path: Path) -> None:
+    """FlashMLA's envelope around the reference: the accuracy suite passes although the kernel raises
+    for every shape outside it; the fitted cases say what changed; the coverage table is printed."""
+    suite = ROOT / "suites" / "test_attention_accuracy.py"
+    result = _run(tmp_path, str(suite), "--sparse-mla-impl", "envelope_kernels:Strict", "-k", "error_classes or lse")
+    out = result.stdout
+    assert result.returncode == 0, out[-4000:]
+    assert "failed" not in _counts(out) and "passed" in _counts(out)
+    assert "cf-heads-5: not applicable to this envelope: num_heads=5 is not in num_heads=(64, 128)" in out
+    assert "sparse-mla error-class coverage (envelope_kernels:Strict)" in out
+    assert "classes that never ran:" in out
+
+
+def test_an_output_only_kernel_is_judged_on_its_output(tmp_path: Path) -> None:
+    suite = ROOT / "suites" / "test_attention_accuracy.py"
+    good = _run(tmp_path, str(suite), "--sparse-mla-impl", "envelope_kernels:OutputOnly", "-k", "error_classes")
+    assert good.returncode == 0 and "failed" not in _counts(good.stdout), good.stdout[-4000:]
+    bad = _run(tmp_path, str(suite), "--sparse-mla-impl", "envelope_kernels:OutputOnlyZero", "-k", "error_classes")
+    assert bad.returncode == 1 and "failed" in _counts(bad.stdout), bad.stdout[-4000:]
+
+
+def test_a_refusal_inside_a_declared_envelope_fails_and_without_one_skips(tmp_path: Path) -> None:
+    suite = ROOT / "suites" / "test_attention_accuracy.py"
+    select = ("-k", "cf-peaked-dual-c4 or cf-heads-5")  # 16 heads, then 5
+    declared = _run(tmp_path, str(suite), "--sparse-mla-impl", "envelope_kernels:RefusesDeclared", *select)
+    refused = "refuses-declared refused a call inside its declared envelope: 16 heads are not compiled in"
+    assert refused in declared.stdout
+    assert "1 failed, 1 passed" in _counts(declared.stdout), declared.stdout[-3000:]
+    undeclared = _run(tmp_path, str(suite), "--sparse-mla-impl", "envelope_kernels:RefusesUndeclared", *select)
+    assert "refuses-undeclared refused the call: 16 heads are not compiled in" in undeclared.stdout
+    assert "1 passed, 1 skipped" in _counts(undeclared.stdout), undeclared.stdout[-3000:]
+
+
+@pytest.mark.sparse_mla_selftest_long
+def test_the_example_head64_kernel_runs_every_class_its_envelope_admits(tmp_path: Path) -> None:
+    """The example project's 64/128-head kernel (``examples/downstream/chunked_mla/head64.py``), run
+    as its README says: no failure, at least 200 tests, and every class that did not run is ruled
+    out by a field of its envelope (no LSE in the FlashInfer convention, lengths within the row,
+    ``num_tokens >= 1``)."""
+    report = tmp_path / "report.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTEST_ADDOPTS", "PYTEST_XDIST_WORKER")}
+    env["PYTHONPATH"] = str(ROOT / "examples" / "downstream")
+    result = subprocess.run(
+        [str(PYTEST), "-p", "sparse_mla", "-p", "no:cacheprovider", "-p", "no:xdist", "-q", "--tb=line",
+         "--rootdir", str(tmp_path), "-c", os.devnull, str(ROOT / "suites"), "--sparse-mla-device", "cpu",
+         "--sparse-mla-impl", "chunked_mla.head64:Head64SparseMla", "--sparse-mla-report-json", str(report)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-4000:]
+    passed = int(_counts(result.stdout).split(" passed")[0].split()[-1])
+    assert passed >= 200, _counts(result.stdout)
+    doc = json.loads(report.read_text())
+    assert doc["envelope"]["declared"] and doc["envelope"]["num_heads"] == [64, 128]
+    never = {row["class"]: row["why_not"] for row in doc["coverage"] if not row["ran"]}
+    assert set(never) == {"lse-flashinfer", "extra-length-beyond-row", "zero-tokens"}, never
+    assert all("not applicable to this envelope" in why[0] for why in never.values()), never
+
+
+def test_unsupported_is_a_not_implemented_error() -> None:
+    assert issubclass(Unsupported, NotImplementedError)
