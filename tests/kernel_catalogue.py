@@ -121,6 +121,7 @@ def approximate_kernels() -> list[str]:
 OUTSIDE_FLASHMLA: dict[str, str] = {
     "head_fold_32": "it folds exactly 32 heads into two groups of 16; the envelope takes 64 or 128 heads",
     "head_fold_32_dsv32": "it folds exactly 32 heads into two groups of 16; the envelope takes 64 or 128 heads",
+    "only_minus_one_masked": "the envelope itself declares masked_indices='minus_one' (FlashMLA's decode)",
 }
 #: Suffix of the module attribute that gives a catalogue kernel with FlashMLA's envelope.
 FLASHMLA_SUFFIX = "__flashmla"
@@ -337,6 +338,35 @@ class minus_one_reads_slot0(_WrapsReference):
         if kw.get("extra_indices") is not None:
             kw["extra_indices"] = _rows(kw["extra_indices"]).clamp(min=0)
         return self._reference(q, kv_cache, indices, **kw)
+
+
+def _slots(cache: Any, fmt: Any, page_block_size: int | None, name: str) -> int:
+    return formats.parse_cache(cache, fmt, page_block_size=page_block_size, name=name).num_tokens
+
+
+@wrong(
+    "only -1 masks a lane, though the kernel claims every negative index does: -2 and below are read "
+    "as (index mod num_slots), as an unsigned page computation wraps",
+    "FlashMLA decode masks only -1 (README 'Set invalid indices to -1'); a kernel that claims more",
+)
+class only_minus_one_masked(_WrapsReference):
+    def sparse_mla_forward(self, q, kv_cache, indices, **kw):
+        fmt = kw.get("fmt", "dsv4")
+        n = _slots(kv_cache, fmt, kw.get("page_block_size"), "kv_cache")
+        rows = _rows(indices)
+        return self._reference(q, kv_cache, torch.where(rows < -1, rows % n, rows).to(rows.dtype), **kw)
+
+
+@wrong(
+    "a valid lane past the cache is wrapped (index mod num_slots) instead of refused",
+    "the SM120 kernels do not bound-check indices; a kernel that claims index_past_cache='refused'",
+)
+class past_cache_wraps(_WrapsReference):
+    def sparse_mla_forward(self, q, kv_cache, indices, **kw):
+        fmt = kw.get("fmt", "dsv4")
+        n = _slots(kv_cache, fmt, kw.get("page_block_size"), "kv_cache")
+        rows = _rows(indices)
+        return self._reference(q, kv_cache, torch.where(rows >= n, rows % n, rows).to(rows.dtype), **kw)
 
 
 @wrong(

@@ -27,6 +27,12 @@ each convention: FlashMLA's DSV4 584-byte and DSV3.2 656-byte token layouts, dee
 ``README.md``; FlashInfer's SM120 sparse-MLA entry, flashinfer-ai/flashinfer
 ``flashinfer/mla/_sparse_mla_sm120.py``).
 
+What the forward serves is declared apart from its signature, as an optional ``envelope``
+attribute (:class:`pytest_sparse_mla.Envelope`): the suites then call it only with shapes inside
+the envelope. Besides :class:`SparseMlaResult`, the suites accept FlashMLA's ``(output, lse)``
+pair and, from a kernel whose envelope declares ``lse_conventions=()``, a bare output tensor
+(``pytest_sparse_mla.guard``).
+
 Importing this module does not import torch at run time (the annotations name ``torch.Tensor``
 for type checkers only).
 """
