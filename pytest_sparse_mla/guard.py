@@ -6,7 +6,9 @@ selected implementation. Its ``sparse_mla_forward``:
 * checks each well-formed call against the implementation's envelope
   (:func:`envelope_of`); a call outside a *declared* envelope is a bug of the suite's case fitting
   and fails as such (the kernel is never called);
-* drops ``lse_convention`` / ``lse_scale`` for a kernel that returns no LSE;
+* drops ``lse_convention`` / ``lse_scale`` for a kernel that returns no LSE, ``lse_scale`` for one
+  without the FlashInfer convention, and asks such a kernel for its own convention when a call
+  names none (the protocol's default is ``"flashinfer"``);
 * turns :class:`pytest_sparse_mla.Unsupported` into a skip (no envelope declared) or a failure
   (the call lies inside the envelope the implementation declared);
 * accepts FlashMLA's ``(output, lse)`` tuple, a bare output tensor (no LSE) or a result object
@@ -182,6 +184,8 @@ class GuardedImplementation:
             kwargs.pop("lse_convention", None)
         if "flashinfer" not in env.lse_conventions:  # lse_scale belongs to the FlashInfer convention
             kwargs.pop("lse_scale", None)
+            if env.returns_lse:  # the protocol's default ("flashinfer") is not one this kernel honours
+                kwargs.setdefault("lse_convention", env.lse_conventions[0])
         reason = call_reason(env, args, kwargs) if self.declared else None
         if reason is not None and self.declared:
             pytest.fail(

@@ -126,7 +126,7 @@ def test_lse_conventions(
     _lse_or_not_applicable(sparse_mla_envelope, lse_convention)
     dual = DUAL_C4 if fmt == "dsv4" else {}
     case = AttentionCase("lse-conventions", 8, 16, 128, with_sink=with_sink, sink_kind="large", query="peaked",
-                         fmt=fmt, requires=("sink",) if with_sink else (), **dual)  # fmt: skip
+                         fmt=fmt, requires=("sink", "format") if with_sink else ("format",), **dual)  # fmt: skip
     inputs = sparse_mla_inputs(case)
     inputs.indices[0] = -1  # token 0: no main candidate ...
     if inputs.extra_indices is not None:
@@ -152,7 +152,7 @@ def test_empty_rows_give_zero_output_and_sentinel_lse(
         pytest.skip("not applicable to this envelope: negative topk_length (topk_length_range='row')")
     dual = {"topk_extra": 128, "extra_page_block_size": 2, "extra_num_pages": 128} if fmt == "dsv4" else {}
     case = AttentionCase("empty", 4, 8, 128, with_sink=sink != "no-sink", fmt=fmt,
-                         requires=("sink",) if sink != "no-sink" else (), **dual)  # fmt: skip
+                         requires=("sink", "format") if sink != "no-sink" else ("format",), **dual)  # fmt: skip
     inputs = sparse_mla_inputs(case)
     num_tokens, width = inputs.indices.shape
     if sink == "minus-inf-sink":  # -inf on even heads, finite on odd heads
@@ -202,7 +202,7 @@ def test_empty_row_on_a_minus_inf_sink_head_is_zero_with_the_documented_lse(
     ``attn_sink = [-inf, 0.5, -inf, 0.5, ...]``: token 0's output is exactly 0 on every head; its
     LSE is ``-inf`` on the ``-inf`` heads (no mass at all) and ``0.5 * log2(e)`` on the others
     (FlashInfer convention), ``+inf`` on every head (FlashMLA convention)."""
-    case = AttentionCase("empty-inf-sink", 2, 2, 64, num_pages=1, masked_fraction=0.5, requires=("sink",))
+    case = AttentionCase("empty-inf-sink", 2, 2, 64, num_pages=1, masked_fraction=0.5, requires=("sink", "tokens"))
     inputs = sparse_mla_inputs(case)
     inputs.indices[0] = -1
     heads = inputs.q.shape[1]
@@ -225,7 +225,7 @@ def test_empty_row_on_a_minus_inf_sink_head_is_zero_with_the_documented_lse(
 def test_32_heads_read_their_own_token_row(fmt, sparse_mla_impl, sparse_mla_tolerances, sparse_mla_inputs):
     """T=2, H=32, topk 128 with 64 valid lanes: a kernel that runs 32 heads as two 16-head groups and
     lets the second group read the next token's index row is wrong on heads 16-31."""
-    case = AttentionCase("heads-32", 2, 32, 128, fmt=fmt, masked_fraction=0.5, num_pages=8)
+    case = AttentionCase("heads-32", 2, 32, 128, fmt=fmt, masked_fraction=0.5, num_pages=8, requires=("format",))
     _matches_oracle(sparse_mla_impl, sparse_mla_inputs(case), sparse_mla_tolerances)
 
 
@@ -236,7 +236,7 @@ def test_per_layer_views_of_one_pool(layer, sparse_mla_impl, sparse_mla_toleranc
     into each 149,760-byte page (DSV4 padded page of 64 tokens: ``ceil(64*584/576)*576 = 37,440``).
     A kernel that ignores ``storage_offset()`` reads layer 0 for every layer."""
     case = AttentionCase(f"layer-{layer}", 8, 16, 128, layer=layer, num_layers=4, query="peaked", num_pages=4,
-                         requires=("page",))  # fmt: skip
+                         requires=("page", "format"))  # fmt: skip
     inputs = sparse_mla_inputs(case)
     packed = inputs.cache.packed
     assert packed.storage_offset() == layer * 37_440 and packed.stride(0) == 149_760

@@ -49,9 +49,11 @@ def _h(i: AttentionInputs) -> int:
 BAD_INPUTS: dict[str, tuple[str, str, Mutation]] = {
     "q-float32": ("q", "", lambda i, a, k: a.__setitem__(0, i.q.float())),
     "q-2d": ("q", "", lambda i, a, k: a.__setitem__(0, i.q[:, 0])),
+    # the ids name the DSV4 case; a DSV3.2-only kernel gets the same mutations at its own widths
     "q-d576-for-dsv4": ("q", "", lambda i, a, k: a.__setitem__(0, torch.cat([i.q, i.q[..., :64]], -1))),
     "kv_cache-float8": ("kv_cache", "", lambda i, a, k: a.__setitem__(1, i.cache.packed.view(torch.float8_e4m3fn))),
-    "kv_cache-width-583": ("kv_cache", "", lambda i, a, k: a.__setitem__(1, i.cache.packed[..., :583])),
+    "kv_cache-width-583": ("kv_cache", "", lambda i, a, k: a.__setitem__(
+        1, i.cache.packed[..., : i.cache.fmt.bytes_per_token - 1])),
     "indices-int64": ("indices", "", lambda i, a, k: a.__setitem__(2, i.indices.long())),
     "indices-1d": ("indices", "", lambda i, a, k: a.__setitem__(2, i.indices[0])),
     "indices-wrong-T": ("indices", "", lambda i, a, k: a.__setitem__(2, i.indices[:-1])),
@@ -82,10 +84,11 @@ BAD_INPUTS: dict[str, tuple[str, str, Mutation]] = {
 def test_bad_input_raises_a_clear_error(name, sparse_mla_impl, sparse_mla_inputs, sparse_mla_envelope):
     argument, needs, mutate = BAD_INPUTS[name]
     env = sparse_mla_envelope
-    missing = [n for n, ok in (("extra", env.takes_extra("dsv4")), ("topk_length", env.takes_lengths("dsv4")),
+    fmt = env.formats[0] if "dsv4" not in env.formats else "dsv4"
+    missing = [n for n, ok in (("extra", env.takes_extra(fmt)), ("topk_length", env.takes_lengths(fmt)),
                                ("sink", env.attn_sink)) if n in needs.split() and not ok]  # fmt: skip
     if missing:
-        pytest.skip(f"not applicable to this envelope: it takes no {' / '.join(missing)} for 'dsv4'")
+        pytest.skip(f"not applicable to this envelope: it takes no {' / '.join(missing)} for {fmt!r}")
     inputs = sparse_mla_inputs(CASE)
     args: list[Any] = [inputs.q, inputs.cache.packed, inputs.indices]
     kwargs = inputs.kwargs()
@@ -116,14 +119,14 @@ def test_a_valid_lane_past_the_cache_does_what_the_envelope_says(
         pytest.skip("not applicable to this envelope: index_past_cache='undefined'")
     inputs = sparse_mla_inputs(AttentionCase("past-cache", 4, 8, 64, num_pages=2, with_sink=False))
     past = inputs.indices.clone()
-    past[1, 0] = inputs.cache.num_tokens  # one past the last slot
+    past[-1, 0] = inputs.cache.num_tokens  # one past the last slot
     if behaviour == "refused":
         with pytest.raises(ValueError) as excinfo:
             sparse_mla_impl.unguarded.sparse_mla_forward(inputs.q, inputs.cache.packed, past, **inputs.kwargs())
         assert re.search(r"\bindices\b", str(excinfo.value)), f"the error must name 'indices': {excinfo.value}"
         return
     masked = inputs.indices.clone()
-    masked[1, 0] = -1
+    masked[-1, 0] = -1
     a = sparse_mla_impl.sparse_mla_forward(inputs.q, inputs.cache.packed, past, **inputs.kwargs())
     b = sparse_mla_impl.sparse_mla_forward(inputs.q, inputs.cache.packed, masked, **inputs.kwargs())
     sparse_mla_tolerances.check_invariant(a, b, claim="padding", what="a lane past the cache vs -1")

@@ -369,8 +369,15 @@ def make_inputs(
     return inputs
 
 
+def _named_format(kw: dict[str, Any]) -> dict[str, Any]:
+    """A case written for DSV3.2 exists for that format: it requires it (``fit_case`` never moves it)."""
+    if kw.get("fmt") == "dsv3_2":
+        kw["requires"] = (*kw.get("requires", ()), "format")
+    return kw
+
+
 def _fi(name: str, num_tokens: int, num_heads: int, topk: int, **kw: Any) -> AttentionCase:
-    return AttentionCase(f"fi-{name}", num_tokens, num_heads, topk, **kw)
+    return AttentionCase(f"fi-{name}", num_tokens, num_heads, topk, **_named_format(kw))
 
 
 #: FlashInfer SM120 test configurations (small token counts on CPU; ``large`` ones need CUDA).
@@ -431,7 +438,7 @@ FLASHINFER_CASES: tuple[AttentionCase, ...] = (
 
 
 def _cf(name: str, num_tokens: int, num_heads: int, topk: int, **kw: Any) -> AttentionCase:
-    return AttentionCase(f"cf-{name}", num_tokens, num_heads, topk, **kw)
+    return AttentionCase(f"cf-{name}", num_tokens, num_heads, topk, **_named_format(kw))
 
 
 _C4 = {"topk_extra": 128, "extra_page_block_size": 64, "extra_num_pages": 4}
@@ -483,6 +490,14 @@ CONFORMANCE_CASES: tuple[AttentionCase, ...] = (
     _cf("h64-trunc", 4, 64, 192, query="peaked", topk_length=100, extra_topk_length=50, masked_fraction=0.0, **_C4,
         requires=('topk_length',)),
     _cf("h64-peaked-T65", 65, 64, 128, query="peaked", sink_kind="large", **_C4, requires=('tokens',)),
+    # 128 heads on both routes and both formats (FlashMLA's other head count)
+    _cf("h128-peaked-T65-c4", 65, 128, 128, query="peaked", sink_kind="large", **_C4),
+    _cf("h128-peaked-dsv32", 4, 128, 128, query="peaked", sink_kind="large", fmt="dsv3_2",
+        masked_fraction=0.25),  # 96 valid lanes: heads h and h + 64 peak on different candidates
+    # DSV3.2 with an extra cache (FlashInfer 0.6.14-0.6.18 silently dropped it)
+    _cf("peaked-dsv32-dual-c4", 8, 16, 128, query="peaked", fmt="dsv3_2", requires=("extra",), **_C4),
+    # valid lanes past 512 in one row (DSV3.2 serves topk 2048; DSpark rows are 192 wide)
+    _cf("wide-row-k1024", 2, 16, 1024, query="peaked", masked_fraction=0.25, num_pages=32),
 )  # fmt: skip
 
 
@@ -537,26 +552,31 @@ def inputs_on(case: AttentionCase, generator: torch.Generator, device: torch.dev
 # --- envelopes ------------------------------------------------------------------------------------
 
 #: What a case may require (``AttentionCase.requires``); :func:`fit_case` never changes these, it
-#: declares the case not applicable instead: ``"heads"`` (its head count), ``"tokens"`` (its
-#: ``num_tokens``), ``"width"`` (its index-row widths), ``"extra"`` (an extra cache), ``"sink"``,
-#: ``"topk_length"`` (its lengths, values included), ``"page"`` / ``"extra_page"`` (page sizes).
-REQUIREMENTS: tuple[str, ...] = ("heads", "tokens", "width", "extra", "sink", "topk_length", "page", "extra_page")
+#: declares the case not applicable instead: ``"format"`` (its cache format), ``"heads"`` (its head
+#: count), ``"tokens"`` (its ``num_tokens``), ``"width"`` (its index-row widths), ``"extra"`` (an
+#: extra cache), ``"sink"``, ``"topk_length"`` (its lengths, values included), ``"page"`` /
+#: ``"extra_page"`` (page sizes).
+REQUIREMENTS: tuple[str, ...] = (
+    "format", "heads", "tokens", "width", "extra", "sink", "topk_length", "page", "extra_page",
+)  # fmt: skip
 
 
 def fit_case(case: AttentionCase, envelope: Envelope) -> AttentionCase:
     """``case`` brought inside ``envelope``: the same construction at shapes the kernel takes.
 
-    Head counts move to the nearest head count taken (the smallest above, else the largest);
-    ``num_tokens`` into ``[min_tokens, max_tokens]``; index rows are drawn at ``topk`` (capped at
-    the largest width) and padded with ``-1`` lanes up to the width multiple; page sizes move to
-    the nearest taken (same number of cache tokens); an extra cache, lengths or a sink the
-    envelope does not take are dropped, and lengths outside ``[0, width]`` clamped for a
-    ``topk_length_range="row"`` kernel. What changed is listed in ``fitted``; the name (the
-    test id) stays.
+    A format the envelope does not take moves to the first one it takes (unless the case requires
+    its format: every case written for DSV3.2 does). Head counts move to the nearest head count
+    taken (the smallest above, else the largest); ``num_tokens`` into ``[min_tokens,
+    max_tokens]``; index rows are drawn at ``topk`` (capped at the largest width) and padded with
+    ``-1`` lanes up to the width multiple; page sizes move to the nearest taken (same number of
+    cache tokens; a tight page stride becomes padded where ``ps * bytes_per_token`` is not a
+    multiple of 16); an extra cache, lengths or a sink the envelope does not take are dropped, and
+    lengths outside ``[0, width]`` clamped for a ``topk_length_range="row"`` kernel. What changed
+    is listed in ``fitted``; the name (the test id) stays.
 
     Raises:
-        NotApplicable: the format is not taken, or a change would touch what the case
-            ``requires`` (the message names the envelope field and the value).
+        NotApplicable: a change would touch what the case ``requires`` (the message names the
+            envelope field and the value).
     """
     notes: list[str] = []
     change: dict[str, Any] = {}
@@ -566,7 +586,11 @@ def fit_case(case: AttentionCase, envelope: Envelope) -> AttentionCase:
         return NotApplicable(f"not applicable to this envelope: {why}")
 
     if case.fmt not in envelope.formats:
-        raise na(f"format {case.fmt!r} is not in formats={envelope.formats}")
+        if "format" in req:
+            raise na(f"format {case.fmt!r} is not in formats={envelope.formats}")
+        change["fmt"] = envelope.formats[0]
+        notes.append(f"fmt {case.fmt}->{envelope.formats[0]}")
+        case = replace(case, fmt=envelope.formats[0])
     tokens = envelope.tokens_for(case.num_tokens)
     if tokens != case.num_tokens:
         if "tokens" in req:
@@ -633,6 +657,12 @@ def fit_case(case: AttentionCase, envelope: Envelope) -> AttentionCase:
                 raise na(f"{ps_key}={ps} is not in {taken}")
             change[ps_key], change[pages_key] = fitted, -(-getattr(case, pages_key) * ps // fitted)
             notes.append(f"{ps_key} {ps}->{fitted}")
+    bpt = formats.get_format(case.fmt).bytes_per_token
+    for stride_key, ps_key in (("page_stride", "page_block_size"), ("extra_page_stride", "extra_page_block_size")):
+        ps = change.get(ps_key, getattr(case, ps_key))
+        if getattr(case, stride_key) == "tight" and ps and (ps * bpt) % 16:
+            change[stride_key] = "padded"  # a tight page of ps * bpt bytes must be a multiple of 16
+            notes.append(f"{stride_key} tight->padded")
     if not change:
         return case
     return replace(case, fitted=case.fitted + tuple(notes), **change)

@@ -429,9 +429,19 @@ def _check_provides_something(impl: Any, spec: str) -> None:
         cap for cap, proto in CAPABILITY_PROTOCOLS.items() if isinstance(impl, proto) and callable(getattr(impl, cap))
     ]
     if not provided:
+        import types
+
+        hint = ""
+        if isinstance(impl, types.ModuleType):  # the module itself was selected: name what is in it
+            found = [
+                name for name, obj in vars(impl).items()
+                if not name.startswith("_") and any(callable(getattr(obj, cap, None)) for cap in CAPABILITIES)
+            ]  # fmt: skip
+            if found:
+                hint = "; did you mean " + " or ".join(f"--sparse-mla-impl={spec}:{name}" for name in found[:3]) + "?"
         raise pytest.UsageError(
             f"--sparse-mla-impl={spec!r}: {impl!r} provides none of {', '.join(CAPABILITIES)} "
-            "(see pytest_sparse_mla.implementations for the protocol)"
+            f"(see pytest_sparse_mla.implementations for the protocol){hint}"
         )
 
 
