@@ -209,7 +209,10 @@ def split_pages(split_buffer_registry: Any, page_split_backend: str) -> Callable
 
 @pytest.fixture
 def sparse_mla_impl(request: pytest.FixtureRequest, sparse_mla_device: torch.device) -> SparseMlaImplementation:
-    """The implementation under test, selected by ``--sparse-mla-impl`` (default ``reference``).
+    """The implementation under test, selected by ``--sparse-mla-impl`` (default ``reference``),
+    behind the envelope guard (:class:`pytest_sparse_mla.guard.GuardedImplementation`: its forward
+    is called only inside the implementation's envelope and returns one result shape; the object
+    itself is ``.unguarded``).
 
     An object following the protocol of :mod:`pytest_sparse_mla.implementations.protocol`
     (``pack``, ``page_split``, ``sparse_mla_forward``, each optional; ``name``;
