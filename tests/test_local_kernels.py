@@ -107,3 +107,23 @@ def test_help_documents_every_form() -> None:
         "MODULE:ATTRIBUTE",
     ):
         assert needle in text, needle
+
+
+def test_a_misspelled_name_or_a_file_name_gets_a_hint(project: Path) -> None:
+    (project / "mykernel.py").write_text(KERNEL.format(name="rootdir-kernel"))
+    typo = _run(project, "--sparse-mla-impl", "refrence")
+    assert typo.returncode == 4 and "(did you mean 'reference'?)" in typo.stderr, typo.stderr[-2000:]
+    file_name = _run(project, "--sparse-mla-impl", "mykernel.py")
+    assert "for the file 'mykernel.py', give the module name 'mykernel'" in file_name.stderr, file_name.stderr[-2000:]
+    (project / "mykernel.py").unlink()  # no such module at all: the miss message says the same
+    missing = _run(project, "--sparse-mla-impl", "mykernel.py")
+    assert "for the file 'mykernel.py', give the module name 'mykernel'" in missing.stderr, missing.stderr[-2000:]
+
+
+def test_a_module_without_a_forward_names_the_class_inside_it(project: Path) -> None:
+    (project / "mykernel.py").write_text(
+        "class MyKernel:\n    def sparse_mla_forward(self, q, kv_cache, indices, **kw):\n        raise AssertionError\n"
+    )
+    result = _run(project, "--sparse-mla-impl", "mykernel")
+    assert result.returncode == 4, result.stderr[-2000:]
+    assert "did you mean --sparse-mla-impl=mykernel:MyKernel?" in result.stderr, result.stderr[-2000:]

@@ -403,7 +403,12 @@ def _import_object(spec: str, config: pytest.Config | None = None) -> Any:
     except locate.ModuleMissing:
         raise
     except ImportError as exc:
-        raise pytest.UsageError(f"--sparse-mla-impl={spec!r}: cannot import module {module_name!r} ({exc})") from None
+        hint = ""
+        if module_name.endswith(".py"):  # a file name given for a module
+            hint = f"; for the file {module_name!r}, give the module name {module_name[:-3]!r}"
+        raise pytest.UsageError(
+            f"--sparse-mla-impl={spec!r}: cannot import module {module_name!r} ({exc}){hint}"
+        ) from None
     for part in attribute.split(".") if attribute else ():
         try:
             obj = getattr(obj, part)

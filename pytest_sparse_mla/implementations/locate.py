@@ -109,12 +109,20 @@ def miss_message(
 ) -> str:
     """The usage error for a ``--sparse-mla-impl`` value that matched nothing: every form that
     would have worked, with what is available in this session."""
+    import difflib
+
     all_names = {*builtins, *entry_points, *hook_names}
     module = spec.partition(":")[0] or spec
     top = module.split(".", 1)[0]
     folders = "\n".join(f"      {d}" for d in dirs)
+    close = difflib.get_close_matches(spec, sorted(all_names), n=3, cutoff=0.6)
+    hints = [f"did you mean {' or '.join(repr(n) for n in close)}?"] if close else []
+    stem, dot, suffix = module.rpartition(".")
+    if dot and suffix == "py" and is_module_path(stem):  # a file name given for a module
+        hints.append(f"for the file {module!r}, give the module name {stem + spec[len(module):]!r}")
+    hint = f" ({'; '.join(hints)})" if hints else ""
     return (
-        f"--sparse-mla-impl={spec!r}: unknown implementation; expected one of {_listed(all_names)}, "
+        f"--sparse-mla-impl={spec!r}: unknown implementation{hint}; expected one of {_listed(all_names)}, "
         "or a module. Forms that work:\n"
         f"  * a built-in name: {_listed(builtins)}\n"
         f"  * an entry-point name (group 'pytest_sparse_mla.implementations' of an installed "
