@@ -50,8 +50,9 @@ def sparse_mla_device(
 ) -> torch.device:
     """The ``torch.device`` the suites run on, from ``--sparse-mla-device``.
 
-    ``auto`` is ``cuda`` when torch sees a CUDA device, else ``cpu``. ``cuda`` without a device
-    skips the test (fails under ``--sparse-mla-require-gpu``). Under pytest-xdist each worker sees
+    ``auto`` is ``cuda`` when torch sees a CUDA device, else ``cpu``. ``cuda`` on a machine whose
+    torch sees no CUDA device is a usage error when the session starts (a device lost later skips
+    the test; fails under ``--sparse-mla-require-gpu``). Under pytest-xdist each worker sees
     only the GPU it was pinned to, so ``cuda`` means that GPU.
     """
     import torch

@@ -85,6 +85,13 @@ def pytest_configure(config: pytest.Config) -> None:
 
     opts = options.from_config(config, reason)
     config.stash[options.OPTIONS_KEY] = opts
+    if opts.device == "cuda" and getattr(config, "workerinput", None) is None and not config.option.help:
+        caps = capabilities.probe()  # asked for CUDA explicitly: say so once, not as a skip per test
+        if not caps.cuda_available:
+            raise pytest.UsageError(
+                f"--sparse-mla-device=cuda: torch sees no CUDA device ({caps.summary()}); "
+                "use --sparse-mla-device=auto or cpu"
+            )
     xdist_gpu.configure_worker(config)
     for line in options.marker_lines():
         config.addinivalue_line("markers", line)

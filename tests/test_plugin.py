@@ -200,3 +200,16 @@ def test_marker_evaluation_on_fake_machines(caps, name, mark, expected) -> None:
 
 def test_probe_is_cached() -> None:
     assert capabilities.probe() is capabilities.probe()
+
+
+def test_device_cuda_without_a_gpu_is_one_usage_error(pytester: pytest.Pytester) -> None:
+    """``--sparse-mla-device cuda`` where torch sees no CUDA device stops the session once, instead
+    of skipping every test and exiting 0."""
+    from pytest_sparse_mla import capabilities
+
+    if capabilities.probe().cuda_available:
+        pytest.skip("this machine has a CUDA device")
+    pytester.makepyfile("def test_one(sparse_mla_device):\n    pass\n")
+    result = pytester.runpytest_subprocess("-p", "sparse_mla", "--sparse-mla-device", "cuda", "-p", "no:cacheprovider")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--sparse-mla-device=cuda: torch sees no CUDA device*"])
