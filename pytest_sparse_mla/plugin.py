@@ -80,6 +80,11 @@ def pytest_configure(config: pytest.Config) -> None:
     anything can initialise CUDA), register markers and fixtures, resolve the implementation."""
     reason = options.activation(config)
     if reason is None:
+        if getattr(config, "workerinput", None) is None and config.getoption("numprocesses", None):
+            from pytest_sparse_mla import selection
+
+            if selection.names_shipped_suites(config):  # say it once, before xdist starts workers
+                raise pytest.UsageError(NEEDS_PLUGIN)
         return
     from pytest_sparse_mla import implementations, snapshot_plugin, xdist_gpu
 

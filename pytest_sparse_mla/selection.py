@@ -125,6 +125,21 @@ def _suites_dirs() -> tuple[Path, ...]:
     return tuple(dict.fromkeys(d for d in dirs if d is not None and (d / "__init__.py").is_file()))
 
 
+def names_shipped_suites(config: pytest.Config) -> bool:
+    """Whether a command-line argument names the shipped suites or a path inside them (a file, a
+    test id; ``--pyargs pytest_sparse_mla.suites...``), read before collection."""
+    dirs = _suites_dirs()
+    pyargs = bool(getattr(config.option, "pyargs", False))
+    for arg in config.args:
+        target = str(arg).split("::", 1)[0]
+        if pyargs and (target == "pytest_sparse_mla.suites" or target.startswith("pytest_sparse_mla.suites.")):
+            return True
+        path = (Path(config.invocation_params.dir) / target).resolve()
+        if path.exists() and any(path == d or path.is_relative_to(d) for d in dirs):
+            return True
+    return False
+
+
 def shipped_suite_items(items: list[pytest.Item]) -> list[pytest.Item]:
     """The items collected from the shipped suites (``pytest_sparse_mla.suites``, wherever installed)."""
     dirs = _suites_dirs()
