@@ -205,6 +205,12 @@ class Envelope:
         """Whether the forward returns an LSE (``lse_conventions`` is not empty)."""
         return bool(self.lse_conventions)
 
+    @property
+    def lse_convention(self) -> str | None:
+        """The convention the suites ask for: ``"flashinfer"`` when honoured, else the first one
+        declared, else ``None`` (no LSE)."""
+        return "flashinfer" if "flashinfer" in self.lse_conventions else next(iter(self.lse_conventions), None)
+
     def takes_extra(self, fmt: str) -> bool:
         """Whether an extra cache is taken for ``fmt``."""
         return fmt in self.extra_cache_formats

@@ -209,7 +209,9 @@ def split_pages(split_buffer_registry: Any, page_split_backend: str) -> Callable
 
 
 @pytest.fixture
-def sparse_mla_impl(request: pytest.FixtureRequest, sparse_mla_device: torch.device) -> SparseMlaImplementation:
+def sparse_mla_impl(
+    request: pytest.FixtureRequest, sparse_mla_device: torch.device, sparse_mla_envelope: Envelope
+) -> SparseMlaImplementation:
     """The implementation under test, selected by ``--sparse-mla-impl`` (default ``reference``),
     behind the envelope guard (:class:`pytest_sparse_mla.guard.GuardedImplementation`: its forward
     is called only inside the implementation's envelope and returns one result shape; the object
@@ -234,10 +236,8 @@ def sparse_mla_impl(request: pytest.FixtureRequest, sparse_mla_device: torch.dev
     )
     if reason is not None:
         pytest.skip(reason)
-    declared = guard.declared_envelope(impl)
-    typed: SparseMlaImplementation = guard.GuardedImplementation(
-        impl, guard.session_envelope(impl), declared is not None
-    )
+    declared = guard.declared_envelope(impl) is not None
+    typed: SparseMlaImplementation = guard.GuardedImplementation(impl, sparse_mla_envelope, declared)
     return typed
 
 
@@ -251,7 +251,7 @@ def sparse_mla_envelope(request: pytest.FixtureRequest) -> Envelope:
     """
     from pytest_sparse_mla import guard, implementations
 
-    return guard.session_envelope(implementations.get_implementation(request.config))
+    return guard.envelope_of(implementations.get_implementation(request.config))
 
 
 @pytest.fixture
@@ -292,14 +292,13 @@ def sparse_mla_inputs(
         if fitted.fitted:
             request.node.user_properties.append((coverage.FITTED, fitted.fitted))
         inputs = inputs_on(fitted, sparse_mla_generator, sparse_mla_device)
-        convention = next((c for c in ("flashinfer", "flashmla") if c in env.lse_conventions), None)
-        return replace(inputs, lse_convention=convention)
+        return replace(inputs, lse_convention=env.lse_convention)
 
     return make
 
 
 @pytest.fixture
-def sparse_mla_tolerances(request: pytest.FixtureRequest) -> SparseMlaTolerances:
+def sparse_mla_tolerances(request: pytest.FixtureRequest, sparse_mla_envelope: Envelope) -> SparseMlaTolerances:
     """The comparison model in force for this test: a
     :class:`pytest_sparse_mla.tolerances.SparseMlaTolerances`.
 
@@ -311,11 +310,12 @@ def sparse_mla_tolerances(request: pytest.FixtureRequest) -> SparseMlaTolerances
     ``kernel-fp8``) or its ``tolerance_profile``, overridden per suite by a
     ``sparse_mla_tolerance(profile=..., PARAMETER=VALUE)`` marker and per profile by the
     ``sparse_mla_tolerances`` ini option (``PROFILE.PARAMETER = VALUE`` lines). The derivation of
-    every bound is in ``pytest_sparse_mla.tolerances``.
+    every bound is in ``pytest_sparse_mla.tolerances``. The invariances compared bit for bit by
+    name (``claim=``) are those of :func:`sparse_mla_envelope`.
     """
     from dataclasses import replace
 
-    from pytest_sparse_mla import guard, implementations, tolerances
+    from pytest_sparse_mla import implementations, tolerances
 
     impl = implementations.get_implementation(request.config)
     resolved = tolerances.resolve(
@@ -323,8 +323,7 @@ def sparse_mla_tolerances(request: pytest.FixtureRequest) -> SparseMlaTolerances
         tolerances.ini_tolerances(request.config),
         list(request.node.iter_markers(tolerances.MARKER)),
     )
-    claims = guard.envelope_of(impl, resolved.model.bitwise_invariants).bitwise_invariance
-    return replace(resolved, bitwise_claims=frozenset(claims))
+    return replace(resolved, bitwise_claims=frozenset(sparse_mla_envelope.bitwise_invariance))
 
 
 # --- golden snapshots (pytest_sparse_mla.snapshots) -------------------------------------------

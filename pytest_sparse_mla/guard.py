@@ -34,7 +34,6 @@ __all__ = [
     "declared_envelope",
     "envelope_of",
     "result_of",
-    "session_envelope",
 ]
 
 
@@ -55,22 +54,22 @@ def declared_envelope(impl: Any) -> Envelope | None:
     return env
 
 
-def envelope_of(impl: Any, bitwise_profile: bool = False) -> Envelope:
-    """The envelope the suites hold ``impl`` to: the declared one, else :data:`UNIVERSAL` (with
-    every bitwise invariance claim when its tolerance profile is bitwise, ``bitwise_profile``)."""
+def envelope_of(impl: Any) -> Envelope:
+    """The envelope the suites hold ``impl`` to: the declared one, else :data:`UNIVERSAL`, with
+    every bitwise invariance claim when the default profile of its compute mode is bitwise
+    (``tolerances.profile_for``: ``"exact"``).
+
+    Raises:
+        pytest.UsageError: as :func:`declared_envelope`.
+    """
+    from pytest_sparse_mla import tolerances
+
     env = declared_envelope(impl)
     if env is not None:
         return env
-    return Envelope(bitwise_invariance=frozenset(INVARIANCE_CLAIMS)) if bitwise_profile else UNIVERSAL
-
-
-def session_envelope(impl: Any) -> Envelope:
-    """:func:`envelope_of` with the bitwise claims of ``impl``'s default tolerance profile
-    (``tolerances.profile_for``)."""
-    from pytest_sparse_mla import tolerances
-
     profiles = tolerances.DEFAULT_PROFILES
-    return envelope_of(impl, profiles.get(tolerances.profile_for(impl), profiles["kernel"]).bitwise_invariants)
+    bitwise = profiles.get(tolerances.profile_for(impl), profiles["kernel"]).bitwise_invariants
+    return Envelope(bitwise_invariance=frozenset(INVARIANCE_CLAIMS)) if bitwise else UNIVERSAL
 
 
 @dataclass(frozen=True)
@@ -185,9 +184,9 @@ class GuardedImplementation:
         if "flashinfer" not in env.lse_conventions:  # lse_scale belongs to the FlashInfer convention
             kwargs.pop("lse_scale", None)
             if env.returns_lse:  # the protocol's default ("flashinfer") is not one this kernel honours
-                kwargs.setdefault("lse_convention", env.lse_conventions[0])
+                kwargs.setdefault("lse_convention", env.lse_convention)
         reason = call_reason(env, args, kwargs) if self.declared else None
-        if reason is not None and self.declared:
+        if reason is not None:
             pytest.fail(
                 f"pytest-sparse-mla called {self._name} outside its declared envelope ({reason}): "
                 "a bug of the suite's case fitting, not of the kernel",

@@ -190,7 +190,7 @@ def finish(config: pytest.Config) -> None:
         "workers": records,
         "envelope": {
             "declared": guard.declared_envelope(impl) is not None,
-            **guard.session_envelope(impl).as_dict(),
+            **guard.envelope_of(impl).as_dict(),
         },
         "coverage": coverage.get(config).rows(),
     }

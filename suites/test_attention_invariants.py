@@ -251,7 +251,7 @@ def test_zero_sink_equals_a_zero_row_candidate(
     zero_slot = num_pages * ps - 1
     with_column = indices.clone()
     with_column[:, width - 28] = zero_slot  # a masked lane (second half) becomes the zero-value candidate
-    convention = next((c for c in ("flashinfer", "flashmla") if c in env.lse_conventions), None)
+    convention = env.lse_convention
     kw: dict[str, object] = {"sm_scale": 512**-0.5, **({"lse_convention": convention} if convention else {})}
     zero_sink = torch.zeros(heads, dtype=torch.float32, device=sparse_mla_device)
     a = sparse_mla_impl.sparse_mla_forward(q, cache, indices, attn_sink=zero_sink, **kw)
@@ -531,7 +531,7 @@ def test_layout_does_not_change_the_result(
     other_case = _fitted(replace(base_case, **spec), sparse_mla_envelope)  # a tight page must stay packable
     other = make_inputs(other_case, sparse_mla_generator, device=sparse_mla_device)
     assert torch.equal(plain.cache.dequantized, other.cache.dequantized) and torch.equal(plain.q, other.q)
-    convention = next((c for c in ("flashinfer", "flashmla") if c in sparse_mla_envelope.lse_conventions), None)
+    convention = sparse_mla_envelope.lse_convention
     plain, other = replace(plain, lse_convention=convention), replace(other, lse_convention=convention)
     a = plain.run(sparse_mla_impl.sparse_mla_forward)
     b = other.run(sparse_mla_impl.sparse_mla_forward)

@@ -122,6 +122,7 @@ OUTSIDE_FLASHMLA: dict[str, str] = {
     "head_fold_32": "it folds exactly 32 heads into two groups of 16; the envelope takes 64 or 128 heads",
     "head_fold_32_dsv32": "it folds exactly 32 heads into two groups of 16; the envelope takes 64 or 128 heads",
     "only_minus_one_masked": "the envelope itself declares masked_indices='minus_one' (FlashMLA's decode)",
+    "dsv32_drops_extra_cache": "the envelope takes no extra cache for DSV3.2 (FlashMLA's V32 decode)",
 }
 #: Suffix of the module attribute that gives a catalogue kernel with FlashMLA's envelope.
 FLASHMLA_SUFFIX = "__flashmla"
@@ -340,8 +341,12 @@ class minus_one_reads_slot0(_WrapsReference):
         return self._reference(q, kv_cache, indices, **kw)
 
 
-def _slots(cache: Any, fmt: Any, page_block_size: int | None, name: str) -> int:
-    return formats.parse_cache(cache, fmt, page_block_size=page_block_size, name=name).num_tokens
+def _main_rows_remapped(self: _WrapsReference, q: Any, kv_cache: Any, indices: Any, kw: dict[str, Any],
+                        remap: Callable[[torch.Tensor, int], torch.Tensor]) -> Any:
+    """The reference over ``remap(main index rows, main cache slots)``."""
+    n = formats.parse_cache(kv_cache, kw.get("fmt", "dsv4"), page_block_size=kw.get("page_block_size")).num_tokens
+    rows = _rows(indices)
+    return self._reference(q, kv_cache, remap(rows, n).to(rows.dtype), **kw)
 
 
 @wrong(
@@ -351,10 +356,7 @@ def _slots(cache: Any, fmt: Any, page_block_size: int | None, name: str) -> int:
 )
 class only_minus_one_masked(_WrapsReference):
     def sparse_mla_forward(self, q, kv_cache, indices, **kw):
-        fmt = kw.get("fmt", "dsv4")
-        n = _slots(kv_cache, fmt, kw.get("page_block_size"), "kv_cache")
-        rows = _rows(indices)
-        return self._reference(q, kv_cache, torch.where(rows < -1, rows % n, rows).to(rows.dtype), **kw)
+        return _main_rows_remapped(self, q, kv_cache, indices, kw, lambda r, n: torch.where(r < -1, r % n, r))
 
 
 @wrong(
@@ -363,10 +365,33 @@ class only_minus_one_masked(_WrapsReference):
 )
 class past_cache_wraps(_WrapsReference):
     def sparse_mla_forward(self, q, kv_cache, indices, **kw):
-        fmt = kw.get("fmt", "dsv4")
-        n = _slots(kv_cache, fmt, kw.get("page_block_size"), "kv_cache")
-        rows = _rows(indices)
-        return self._reference(q, kv_cache, torch.where(rows >= n, rows % n, rows).to(rows.dtype), **kw)
+        return _main_rows_remapped(self, q, kv_cache, indices, kw, lambda r, n: torch.where(r >= n, r % n, r))
+
+
+@wrong(
+    "main-cache lanes from 512 on are never read (a kernel sized for DSV4's 512-wide rows given DSV3.2's "
+    "topk 2048 or a wide DSpark row)",
+    "DeepSeek-V3.2 serves topk 2048 (FlashMLA tests/test_flash_mla_sparse_decoding.py); fixed-size lane buffers",
+)
+class main_lanes_past_512_dropped(_WrapsReference):
+    def sparse_mla_forward(self, q, kv_cache, indices, **kw):
+        def drop(rows: torch.Tensor, _slots: int) -> torch.Tensor:
+            return torch.where(torch.arange(rows.shape[-1], device=rows.device) >= 512, -1, rows)
+
+        return _main_rows_remapped(self, q, kv_cache, indices, kw, drop)
+
+
+@wrong(
+    "an extra cache passed with the DSV3.2 layout is silently dropped (only the main cache attended)",
+    "FlashInfer 0.6.14-0.6.18 ran the DSV3.2 decode kernel on such calls (pytest_sparse_mla.dispatch: "
+    "extra_cache_ignored)",
+)
+class dsv32_drops_extra_cache(_WrapsReference):
+    def sparse_mla_forward(self, q, kv_cache, indices, **kw):
+        if formats.get_format(kw.get("fmt", "dsv4")).name == "dsv3_2":
+            for key in ("extra_kv_cache", "extra_indices", "extra_topk_length", "extra_page_block_size"):
+                kw.pop(key, None)
+        return self._reference(q, kv_cache, indices, **kw)
 
 
 @wrong(
@@ -420,16 +445,19 @@ class ignores_extra_topk_length(_WrapsReference):
         return self._reference(q, kv_cache, indices, **kw)
 
 
-def _fold_heads(self: _WrapsReference, q: Any, kv_cache: Any, indices: Any, kw: dict[str, Any]) -> Any:
-    """Heads 16..31 of token t use token t+1's index row and lengths (the last token its own)."""
+def _fold_heads(
+    self: _WrapsReference, q: Any, kv_cache: Any, indices: Any, kw: dict[str, Any], group: int = 16
+) -> Any:
+    """Heads ``group..2*group-1`` of token t use token t+1's index row and lengths (the last token
+    its own)."""
     num_tokens = int(q.shape[0])
     nxt = torch.clamp(torch.arange(num_tokens, device=q.device) + 1, max=max(num_tokens - 1, 0))
-    first = self._reference(q[:, :16], kv_cache, indices, **_heads_kw(kw, slice(0, 16)))
-    shifted = _heads_kw(kw, slice(16, 32))
+    first = self._reference(q[:, :group], kv_cache, indices, **_heads_kw(kw, slice(0, group)))
+    shifted = _heads_kw(kw, slice(group, 2 * group))
     for key in ("topk_length", "extra_indices", "extra_topk_length"):
         if shifted.get(key) is not None:
             shifted[key] = _rows(shifted[key])[nxt] if shifted[key].dim() > 1 else shifted[key][nxt]
-    second = self._reference(q[:, 16:32], kv_cache, _rows(indices)[nxt], **shifted)
+    second = self._reference(q[:, group : 2 * group], kv_cache, _rows(indices)[nxt], **shifted)
     return _replace(
         first, output=torch.cat([first.output, second.output], 1), lse=torch.cat([first.lse, second.lse], 1)
     )
@@ -463,6 +491,17 @@ class head_fold_32_dsv32(_WrapsReference):
         if fmt.name != "dsv3_2" or int(q.shape[1]) != 32 or int(q.shape[0]) == 0:
             return self._reference(q, kv_cache, indices, **kw)
         return _fold_heads(self, q, kv_cache, indices, kw)
+
+
+@wrong(
+    "128 heads run as two groups of 64 and the second group reads the next token's index row",
+    "the head_fold_32 class at FlashMLA's head counts: a 64-head tile launched twice for 128 heads",
+)
+class head_fold_128(_WrapsReference):
+    def sparse_mla_forward(self, q, kv_cache, indices, **kw):
+        if int(q.shape[1]) != 128 or int(q.shape[0]) == 0:
+            return self._reference(q, kv_cache, indices, **kw)
+        return _fold_heads(self, q, kv_cache, indices, kw, group=64)
 
 
 def _rebased(cache: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pytest_sparse_mla import Envelope, Unsupported, Widths
+from pytest_sparse_mla import Envelope, Widths
 from pytest_sparse_mla.attention.cases import AttentionCase, case_classes, fit_case, make_inputs
 from pytest_sparse_mla.envelope import UNIVERSAL, NotApplicable
 from pytest_sparse_mla.implementations.flashmla import ENVELOPE as FLASHMLA
@@ -68,6 +68,8 @@ def test_call_reason_names_what_lies_outside() -> None:
     only = Envelope(lse_conventions=("flashmla",))
     assert "lse_convention='flashinfer'" in only.call_reason(**shape, lse_convention="flashinfer")
     assert UNIVERSAL.call_reason(**{**shape, "num_heads": 7, "topk": 3}) is None
+    assert (FLASHMLA.lse_convention, only.lse_convention, Envelope(lse_conventions=()).lse_convention) == (
+        "flashinfer", "flashmla", None)  # fmt: skip
 
 
 def test_the_package_exports_the_envelope_without_importing_torch() -> None:
@@ -94,16 +96,21 @@ def test_fit_moves_heads_and_pads_widths_and_keeps_the_name() -> None:
     assert fit_case(case, UNIVERSAL) is case
 
 
-def test_padding_lanes_are_minus_one_and_the_drawn_lanes_are_the_unfitted_draw() -> None:
+def test_padding_lanes_are_minus_one_after_the_drawn_lanes() -> None:
+    """topk 100 with half the lanes masked (``data.sparse_indices``: lanes 50..99 are -1), in rows of
+    128: lanes 0..49 hold cache slots, 50..127 are -1; the cache is drawn as for the unfitted case."""
     case = AttentionCase("pad", 4, 12, 100, num_pages=4)
-    fitted = fit_case(case, FLASHMLA)
     plain = make_inputs(case, torch.Generator().manual_seed(3))
-    padded = make_inputs(fitted, torch.Generator().manual_seed(3))
+    padded = make_inputs(fit_case(case, FLASHMLA), torch.Generator().manual_seed(3))
     assert tuple(padded.indices.shape) == (4, 128)
-    assert bool((padded.indices[:, 100:] == -1).all())
-    # the same generator draws the cache, then 64 heads of queries instead of 12: the rows differ from
-    # the plain draw only through the query draw before them, so compare the cache bytes
+    assert bool((padded.indices[:, :50] >= 0).all()) and bool((padded.indices[:, :50] < 256).all())
+    assert bool((padded.indices[:, 50:] == -1).all())
     assert torch.equal(plain.cache.packed, padded.cache.packed)
+
+
+def test_an_unknown_requirement_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"requires=\('head',\): expected names from"):
+        fit_case(AttentionCase("typo", 4, 64, 64, requires=("head",)), FLASHMLA)
 
 
 @pytest.mark.parametrize(
@@ -273,7 +280,3 @@ def test_the_example_head64_kernel_runs_every_class_its_envelope_admits(tmp_path
     never = {row["class"]: row["why_not"] for row in doc["coverage"] if not row["ran"]}
     assert set(never) == {"lse-flashinfer", "extra-length-beyond-row", "zero-tokens", "negative-indices"}, never
     assert all("not applicable to this envelope" in why[0] for why in never.values()), never
-
-
-def test_unsupported_is_a_not_implemented_error() -> None:
-    assert issubclass(Unsupported, NotImplementedError)

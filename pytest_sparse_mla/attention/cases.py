@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from pytest_sparse_mla import data, deployments, formats
-from pytest_sparse_mla.envelope import Envelope, NotApplicable
+from pytest_sparse_mla.envelope import Envelope, NotApplicable, route_of
 
 __all__ = [
     "AttentionCase",
@@ -577,10 +577,13 @@ def fit_case(case: AttentionCase, envelope: Envelope) -> AttentionCase:
     Raises:
         NotApplicable: a change would touch what the case ``requires`` (the message names the
             envelope field and the value).
+        ValueError: ``requires`` names something not in :data:`REQUIREMENTS`.
     """
     notes: list[str] = []
     change: dict[str, Any] = {}
     req = set(case.requires)
+    if not req <= set(REQUIREMENTS):
+        raise ValueError(f"{case.name}: requires={case.requires!r}: expected names from {REQUIREMENTS}")
 
     def na(why: str) -> NotApplicable:
         return NotApplicable(f"not applicable to this envelope: {why}")
@@ -624,10 +627,8 @@ def fit_case(case: AttentionCase, envelope: Envelope) -> AttentionCase:
         change.update(topk_length=None, extra_topk_length=None)
         notes.append("topk_length dropped")
         lengths = []
-    for key, (drawn_key, width_key, widths) in {
-        "topk": ("topk", "index_width", envelope.topk),
-        "topk_extra": ("topk_extra", "extra_index_width", envelope.extra_topk),
-    }.items():
+    for key, width_key, widths in (("topk", "index_width", envelope.topk),
+                                   ("topk_extra", "extra_index_width", envelope.extra_topk)):  # fmt: skip
         width = getattr(case, key)
         if key == "topk_extra" and not dual:
             continue
@@ -635,7 +636,7 @@ def fit_case(case: AttentionCase, envelope: Envelope) -> AttentionCase:
         if (drawn, row) != (width, width):
             if "width" in req:
                 raise na(widths.reason(key, width) or f"{key}={width}")
-            change[drawn_key], change[width_key] = drawn, row
+            change[key], change[width_key] = drawn, row
             notes.append(f"{key} {width}->{drawn} drawn in rows of {row}")
     for name, value, width in lengths:
         drawn = change.get("topk" if name == "topk_length" else "topk_extra", width)
@@ -685,7 +686,7 @@ def case_classes(case: AttentionCase) -> tuple[str, ...]:
     ``length-beyond-row`` (``extra-`` prefixed for the extra cache), ``T-64-65`` (either side of
     the decode/prefill cutoff), ``decode`` / ``prefill``, ``per-layer-views``, ``mixed-magnitudes``,
     ``padded-width``."""
-    out: list[str] = ["decode" if case.num_tokens <= 64 else "prefill"]
+    out: list[str] = [route_of(case.num_tokens)]
     if case.num_tokens in (64, 65):
         out.append("T-64-65")
     if case.query == "peaked":

@@ -403,9 +403,8 @@ def _import_object(spec: str, config: pytest.Config | None = None) -> Any:
     except locate.ModuleMissing:
         raise
     except ImportError as exc:
-        hint = ""
-        if module_name.endswith(".py"):  # a file name given for a module
-            hint = f"; for the file {module_name!r}, give the module name {module_name[:-3]!r}"
+        file_hint = locate.file_name_hint(module_name)
+        hint = f"; {file_hint}" if file_hint else ""
         raise pytest.UsageError(
             f"--sparse-mla-impl={spec!r}: cannot import module {module_name!r} ({exc}){hint}"
         ) from None

@@ -195,7 +195,7 @@ def lse_to_convention(
 
 def shape_reason(
     peer: str,
-    envelope_for: Callable[[int], Envelope],
+    envelope: Envelope,
     devices: tuple[str, ...],
     q: Any,
     kv_cache: Any,
@@ -213,7 +213,7 @@ def shape_reason(
 
     Args:
         peer: the peer's entry point, in words (prefix of the reason).
-        envelope_for: ``num_tokens -> Envelope`` (the envelope of the kernel that runs).
+        envelope: the adapter's envelope.
         devices: device types the peer runs on.
         q, kv_cache, indices, fmt, topk_length, extra_indices, extra_topk_length, attn_sink: as the
             forward.
@@ -235,7 +235,7 @@ def shape_reason(
         return f"{peer} runs on {'/'.join(devices)}, not on {device}"
     idx_shape = tuple(getattr(indices, "shape", ()))
     extra_shape = tuple(getattr(extra_indices, "shape", ())) if extra_indices is not None else None
-    reason = envelope_for(num_tokens).call_reason(
+    reason = envelope.call_reason(
         fmt=f.name,
         num_tokens=num_tokens,
         num_heads=int(shape[1]) if len(shape) > 1 else 0,

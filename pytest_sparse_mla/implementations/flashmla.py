@@ -167,7 +167,7 @@ class FlashMlaImplementation:
         return route_for(num_tokens)
 
     def _forward_reason(self, *args: Any, **kwargs: Any) -> str | None:
-        return shape_reason(PEER, lambda _num_tokens: self.envelope, DEVICES, *args, exact_token_stride=True, **kwargs)
+        return shape_reason(PEER, self.envelope, DEVICES, *args, exact_token_stride=True, **kwargs)
 
     # ---- the forward
 

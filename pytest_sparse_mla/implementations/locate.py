@@ -32,6 +32,14 @@ class ModuleMissing(ImportError):
     """No module of that name exists on ``sys.path`` or in any searched folder."""
 
 
+def file_name_hint(module: str) -> str | None:
+    """For ``mykernel.py`` (a file name given where a module is expected): the module name to give."""
+    stem, dot, suffix = module.rpartition(".")
+    if dot and suffix == "py" and is_module_path(stem):
+        return f"for the file {module!r}, give the module name {stem!r}"
+    return None
+
+
 def is_module_path(text: str) -> bool:
     """Whether ``text`` is a dotted module path (``mykernel``, ``mypkg.kern``)."""
     return bool(text) and all(part.isidentifier() for part in text.split("."))
@@ -117,9 +125,9 @@ def miss_message(
     folders = "\n".join(f"      {d}" for d in dirs)
     close = difflib.get_close_matches(spec, sorted(all_names), n=3, cutoff=0.6)
     hints = [f"did you mean {' or '.join(repr(n) for n in close)}?"] if close else []
-    stem, dot, suffix = module.rpartition(".")
-    if dot and suffix == "py" and is_module_path(stem):  # a file name given for a module
-        hints.append(f"for the file {module!r}, give the module name {stem + spec[len(module):]!r}")
+    file_hint = file_name_hint(module)
+    if file_hint:
+        hints.append(file_hint)
     hint = f" ({'; '.join(hints)})" if hints else ""
     return (
         f"--sparse-mla-impl={spec!r}: unknown implementation{hint}; expected one of {_listed(all_names)}, "

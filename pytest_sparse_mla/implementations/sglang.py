@@ -382,8 +382,7 @@ class _SglangBase:
         return f"{self.name} provides no {capability!r}"
 
     def _forward_reason(self, *args: Any, **kwargs: Any) -> str | None:
-        envelope = self.envelope
-        return shape_reason(self.peer, lambda _num_tokens: envelope, self.devices, *args, **kwargs)
+        return shape_reason(self.peer, self.envelope, self.devices, *args, **kwargs)
 
     @staticmethod
     def _src_pbs(kv_cache: Any, src_page_block_size: int | None) -> int:
