@@ -132,6 +132,7 @@ class Envelope:
         min_tokens, max_tokens: ``num_tokens`` taken (``max_tokens`` ``None``: no bound). The
             decode route is ``num_tokens <= 64``, prefill above (:func:`route_of`).
         attn_sink: whether an ``attn_sink`` is taken.
+        sink_formats: formats for which an ``attn_sink`` is taken (with ``attn_sink=True``).
         masked_indices: ``"negative"`` (every negative index masks its lane) or ``"minus_one"``
             (only ``-1``; FlashMLA's decode reads other negatives as huge page numbers).
         index_past_cache: what a valid lane whose index is ``>= num_pages * page_block_size``
@@ -159,6 +160,7 @@ class Envelope:
     min_tokens: int = 0
     max_tokens: int | None = None
     attn_sink: bool = True
+    sink_formats: tuple[str, ...] = ("dsv4", "dsv3_2")
     masked_indices: Literal["negative", "minus_one"] = "negative"
     index_past_cache: Literal["masked", "refused", "undefined"] = "refused"
     lse_conventions: tuple[LseConvention, ...] = ("flashinfer", "flashmla")
@@ -167,7 +169,7 @@ class Envelope:
 
     def __post_init__(self) -> None:
         known = {"dsv4", "dsv3_2"}
-        for name in ("formats", "extra_cache_formats", "topk_length_formats"):
+        for name in ("formats", "extra_cache_formats", "topk_length_formats", "sink_formats"):
             value = getattr(self, name)
             if not isinstance(value, tuple) or not set(value) <= known:
                 raise ValueError(f"Envelope({name}={value!r}): expected a tuple of {sorted(known)}")
@@ -218,6 +220,10 @@ class Envelope:
     def takes_lengths(self, fmt: str) -> bool:
         """Whether ``topk_length`` / ``extra_topk_length`` are taken for ``fmt``."""
         return fmt in self.topk_length_formats
+
+    def takes_sink(self, fmt: str) -> bool:
+        """Whether an ``attn_sink`` is taken for ``fmt``."""
+        return self.attn_sink and fmt in self.sink_formats
 
     def heads_for(self, num_heads: int) -> int:
         """``num_heads`` if taken, else the smallest taken count above it, else the largest."""
@@ -274,8 +280,10 @@ class Envelope:
                 return f"{name}={ps} is not in {taken}"
         if has_topk_length and not self.takes_lengths(fmt):
             return f"topk_length for {fmt!r} (topk_length_formats={self.topk_length_formats})"
-        if has_sink and not self.attn_sink:
-            return "attn_sink (attn_sink=False)"
+        if has_sink and not self.takes_sink(fmt):
+            if not self.attn_sink:
+                return "attn_sink (attn_sink=False)"
+            return f"attn_sink for {fmt!r} (sink_formats={self.sink_formats})"
         if lse_convention is not None and self.returns_lse and lse_convention not in self.lse_conventions:
             return f"lse_convention={lse_convention!r} is not in lse_conventions={self.lse_conventions}"
         return None

@@ -194,10 +194,11 @@ def test_duplicated_candidate_weighs_double(fmt, sparse_mla_impl, sparse_mla_tol
 def test_sink_minus_inf_equals_no_sink(
     fmt, sparse_mla_impl, sparse_mla_tolerances, sparse_mla_inputs, sparse_mla_envelope, sparse_mla_device
 ):
-    if not sparse_mla_envelope.attn_sink:
-        _na("attn_sink (attn_sink=False)")
     case = _case("sink-inf", fmt, 16, 16, 128, with_sink=False, **_dual(fmt))
     inputs = sparse_mla_inputs(case)
+    if not sparse_mla_envelope.takes_sink(inputs.case.fmt):
+        _na(f"attn_sink for {inputs.case.fmt!r} (attn_sink={sparse_mla_envelope.attn_sink}, "
+            f"sink_formats={sparse_mla_envelope.sink_formats})")  # fmt: skip
     base = inputs.run(sparse_mla_impl.sparse_mla_forward)
     sink = torch.full((inputs.q.shape[1],), -math.inf, dtype=torch.float32, device=sparse_mla_device)
     res = inputs.run(sparse_mla_impl.sparse_mla_forward, attn_sink=sink)

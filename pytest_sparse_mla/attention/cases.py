@@ -606,9 +606,11 @@ def fit_case(case: AttentionCase, envelope: Envelope) -> AttentionCase:
             raise na(f"num_heads={case.num_heads} is not in num_heads={envelope.num_heads}")
         change["num_heads"] = heads
         notes.append(f"num_heads {case.num_heads}->{heads}")
-    if case.with_sink and not envelope.attn_sink:
+    if case.with_sink and not envelope.takes_sink(case.fmt):
         if "sink" in req:
-            raise na("an attn_sink (attn_sink=False)")
+            raise na(
+                f"an attn_sink for {case.fmt!r} (attn_sink={envelope.attn_sink}, sink_formats={envelope.sink_formats})"
+            )
         change["with_sink"] = False
         notes.append("attn_sink dropped")
     dual = case.dual

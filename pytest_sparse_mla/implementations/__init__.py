@@ -85,8 +85,12 @@ Built-ins
 * ``sglang-triton``, ``sglang-torch`` (``implementations.sglang``): SGLang's Triton and PyTorch
   DeepSeek-V4 sparse decode and its page split, executed from the installed ``sglang`` wheel
   without importing its server stack. ``flashmla`` (``implementations.flashmla``): FlashMLA's
-  SM90/SM100 sparse decode (``T <= 64``) and sparse prefill, from a built ``flash_mla``. Each
-  declares what its peer takes as an ``envelope`` and answers
+  SM90/SM100 sparse decode (``T <= 64``) and sparse prefill, from a built ``flash_mla``.
+  ``flaggems`` (``implementations.flaggems``): FlagGems' Triton implementation of FlashMLA's
+  interface, executed from its source files. ``vllm-triton`` (``implementations.vllm_triton``):
+  vLLM's Triton BF16 sparse MLA over a dequantized table. ``flashinfer-reference``
+  (``implementations.flashinfer_reference``): the pure-torch references in the flashinfer-python
+  wheel, on any device (CPU included). Each declares what its peer takes as an ``envelope`` and answers
   ``unsupported_reason(capability, *args, **kwargs)`` (a reason, or ``None``) before a call; the
   call raises :class:`pytest_sparse_mla.Unsupported` with the same text, and
   ``_peer.UnsafeForPeer`` for valid inputs the peer would mishandle out of bounds.
@@ -353,6 +357,9 @@ BUILTINS: dict[str, Callable[[pytest.Config], Any]] = {
     "sglang-triton": _peer_adapter("sglang", "SglangTritonImplementation"),
     "sglang-torch": _peer_adapter("sglang", "SglangTorchImplementation"),
     "flashmla": _peer_adapter("flashmla", "FlashMlaImplementation"),
+    "flaggems": _peer_adapter("flaggems", "FlagGemsImplementation"),
+    "vllm-triton": _peer_adapter("vllm_triton", "VllmTritonImplementation"),
+    "flashinfer-reference": _peer_adapter("flashinfer_reference", "FlashInferReferenceImplementation"),
 }
 
 

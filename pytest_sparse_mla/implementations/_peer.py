@@ -38,6 +38,8 @@ __all__ = [
     "shape_reason",
     "PeerCall",
     "open_forward",
+    "virtual_table",
+    "load_source_module",
 ]
 
 
@@ -345,3 +347,105 @@ def open_forward(
         ekv4, elayout, eidx = rows(extra_kv_cache, extra_page_block_size, extra_indices, extra_topk_length, names)
         extra = (extra_kv_cache, ekv4, elayout, eidx)
     return PeerCall(num_tokens, kv4, layout, idx, extra, lse_convention, lse_scale)
+
+
+def virtual_table(
+    call: PeerCall,
+    kv_cache: Any,
+    topk_length: Any,
+    extra_topk_length: Any,
+    *,
+    row_multiple: int,
+) -> tuple[Any, Any, Any]:
+    """The BF16 latent table and index rows a prefill-style peer reads instead of packed caches.
+
+    The packed caches are dequantized with ``formats.unpack_dequantize`` (exact: an E4M3 code times
+    a power of two is a BF16 number). With an extra cache, its table is appended after the main one
+    and its valid lanes are shifted by the main cache's token count (FlashInfer's test reference
+    builds the same "virtual table", ``tests/attention/test_sparse_mla_sm120.py``); the two rows are
+    joined and lanes past ``topk_length`` / ``extra_topk_length`` become ``-1`` (one row has one
+    prefix length). Rows are padded with ``-1`` to a multiple of ``row_multiple``.
+
+    Args:
+        call: the checked call (:func:`open_forward`).
+        kv_cache: the main packed cache (the bytes ``call.layout`` describes).
+        topk_length, extra_topk_length: ``[T]`` int32 or ``None``.
+        row_multiple: the peer's index-row multiple (lanes).
+
+    Returns:
+        ``(kv, rows, length)``: ``kv`` ``[N, 1, d_qk]`` BF16 (``N`` = main tokens + extra tokens),
+        ``rows`` ``[T, width]`` int32 (``width`` a multiple of ``row_multiple``), ``length`` the
+        ``topk_length`` to hand the peer (``None`` with an extra cache: folded into ``rows``).
+    """
+    import torch
+
+    from pytest_sparse_mla import formats
+
+    layout = call.layout
+    d_qk = layout.fmt.d_qk
+    table = formats.unpack_dequantize(
+        kv_cache, layout.fmt, page_block_size=layout.page_block_size, dtype=torch.bfloat16
+    )
+    tables = [table.reshape(-1, d_qk)]
+    rows, length = call.idx, topk_length
+    if call.extra is not None:
+        extra_cache, _, elayout, eidx = call.extra
+        etable = formats.unpack_dequantize(
+            extra_cache, layout.fmt, page_block_size=elayout.page_block_size, dtype=torch.bfloat16
+        )
+        tables.append(etable.reshape(-1, d_qk))
+        main_rows = torch.where(valid_lanes(call.idx, topk_length), call.idx, torch.full_like(call.idx, -1))
+        extra_rows = torch.where(valid_lanes(eidx, extra_topk_length), eidx + layout.num_tokens, -1)
+        rows, length = torch.cat([main_rows, extra_rows.to(call.idx.dtype)], dim=1), None
+    width = -(-rows.shape[1] // row_multiple) * row_multiple
+    padded = torch.full((rows.shape[0], width), -1, dtype=torch.int32, device=rows.device)
+    padded[:, : rows.shape[1]] = rows
+    kv = torch.cat(tables, dim=0) if len(tables) > 1 else tables[0]
+    return kv.unsqueeze(1), padded, length
+
+
+def load_source_module(name: str, path: Any, stubs: dict[str, dict[str, Any]]) -> Any:
+    """Execute a peer's source file as module ``name``, with ``stubs`` standing in for its imports.
+
+    Used for peers whose kernels live in a package too heavy (or too device-specific) to import in a
+    test session: the file runs as it is, only the modules in ``stubs`` (module name -> attributes)
+    are replaced while it executes; ``sys.modules`` entries of those names are restored afterwards.
+    The module stays registered under ``name`` (Triton's JIT reads its functions' source from it).
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        Whatever the file raises while it executes.
+    """
+    import importlib.util
+    import sys
+    import types
+    from pathlib import Path
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: the peer's source file is missing")
+    if name in sys.modules:
+        return sys.modules[name]
+    saved = {key: sys.modules.get(key) for key in stubs}
+    try:
+        for key, attrs in stubs.items():
+            module = types.ModuleType(key)
+            module.__dict__.update(attrs)
+            module.__path__ = []  # a package, so dotted stubs below it resolve
+            sys.modules[key] = module
+        spec = importlib.util.spec_from_file_location(name, path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
+        return module
+    finally:
+        for key, old in saved.items():
+            if old is None:
+                sys.modules.pop(key, None)
+            else:
+                sys.modules[key] = old

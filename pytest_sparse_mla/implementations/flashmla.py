@@ -59,6 +59,7 @@ from pytest_sparse_mla.implementations._peer import (
     open_forward,
     shape_reason,
     valid_lanes,
+    virtual_table,
 )
 
 __all__ = [
@@ -124,11 +125,32 @@ def _find_flash_mla() -> bool:
 
 
 class FlashMlaImplementation:
-    """Built-in ``flashmla`` (see the module docstring for the routes, mapping and refusals)."""
+    """Built-in ``flashmla`` (see the module docstring for the routes, mapping and refusals).
+
+    The adapter is written against FlashMLA's Python interface, so another implementation of that
+    interface (``implementations.flaggems``) subclasses it and changes only the class attributes
+    below and :meth:`module`.
+    """
 
     name = "flashmla"
     compute_mode = "bf16"
     envelope = ENVELOPE
+    #: The peer's entry points, in words (prefix of refusals); the devices it runs on.
+    peer = PEER
+    devices = DEVICES
+    #: ``PeerResult.entry`` of each route.
+    decode_entry = "flash_mla.flash_mla_with_kvcache"
+    prefill_entry = "flash_mla.flash_mla_sparse_fwd"
+    #: The decode masks only ``-1`` and reads index pairs as ``int2`` (refused otherwise).
+    decode_masks_only_minus_one = True
+
+    def module(self) -> Any:
+        """The object holding ``get_mla_metadata``, ``flash_mla_with_kvcache`` and ``flash_mla_sparse_fwd``.
+
+        Raises:
+            ImportError: as :func:`flash_mla_module`.
+        """
+        return flash_mla_module()
 
     # ---- capability checks
 
@@ -150,13 +172,13 @@ class FlashMlaImplementation:
         return None
 
     def unsupported_reason(self, capability: str, *args: Any, **kwargs: Any) -> str | None:
-        """Why FlashMLA cannot take this call (same arguments as the call), or ``None``.
+        """Why the peer cannot take this call (same arguments as the call), or ``None``.
 
         Only shapes, formats and devices are read (no host sync); the call raises
         :class:`pytest_sparse_mla.Unsupported` with the same text.
         """
         if capability != "sparse_mla_forward":
-            return f"flashmla provides no {capability!r}"
+            return f"{self.name} provides no {capability!r}"
         return self._forward_reason(*args, **kwargs)
 
     @staticmethod
@@ -167,7 +189,7 @@ class FlashMlaImplementation:
         return route_for(num_tokens)
 
     def _forward_reason(self, *args: Any, **kwargs: Any) -> str | None:
-        return shape_reason(PEER, self.envelope, DEVICES, *args, exact_token_stride=True, **kwargs)
+        return shape_reason(self.peer, self.envelope, self.devices, *args, exact_token_stride=True, **kwargs)
 
     # ---- the forward
 
@@ -220,10 +242,10 @@ class FlashMlaImplementation:
             extra_topk_length=extra_topk_length, extra_page_block_size=extra_page_block_size,
             lse_convention=lse_convention, lse_scale=lse_scale, return_fp32=return_fp32,
             check_rows=lambda idx, length, _slots, _name, length_name: self._check_lengths(
-                length, idx.shape[1], length_name
+                self.name, length, idx.shape[1], length_name
             ),
         )  # fmt: skip
-        num_tokens, kv4, layout, idx, extra = call.num_tokens, call.kv4, call.layout, call.idx, call.extra
+        num_tokens, kv4, idx, extra = call.num_tokens, call.kv4, call.idx, call.extra
         route = self.route(num_tokens)
         if route == "decode":
             out, lse, entry = self._decode(
@@ -231,7 +253,7 @@ class FlashMlaImplementation:
             )
         else:
             out, lse, entry = self._prefill(
-                q, kv_cache, layout, idx, topk_length, attn_sink, extra, extra_topk_length, float(sm_scale)
+                q, kv_cache, call, topk_length, attn_sink, extra_topk_length, float(sm_scale)
             )
         lse = lse_to_convention(
             lse, sink_included=False, attn_sink=attn_sink, lse_convention=call.lse_convention, lse_scale=call.lse_scale
@@ -239,20 +261,21 @@ class FlashMlaImplementation:
         return PeerResult(out, lse, route, entry)
 
     @staticmethod
-    def _check_lengths(length: Any, topk: int, name: str) -> None:
+    def _check_lengths(adapter: str, length: Any, topk: int, name: str) -> None:
         if length is None:
             return
         bad = (length < 0) | (length > topk)
         if bool(bad.any()):
             t = int(bad.nonzero()[0, 0])
             raise UnsafeForPeer(
-                f"flashmla: {name}[{t}]={int(length[t])} outside [0, {topk}]; FlashMLA does not clamp "
-                "it (flash_mla_interface.py: 'only the leftmost topk_length indices will be processed'), "
-                "its kernels size the work and read index lanes from the raw value"
+                f"{adapter}: {name}[{t}]={int(length[t])} outside [0, {topk}]; the kernels do not clamp "
+                "it (FlashMLA's flash_mla_interface.py: 'only the leftmost topk_length indices will be "
+                "processed'), they size the work and read index lanes from the raw value"
             )
 
-    @staticmethod
-    def _check_decode_rows(idx: Any, length: Any, name: str) -> None:
+    def _check_decode_rows(self, idx: Any, length: Any, name: str) -> None:
+        if not self.decode_masks_only_minus_one:
+            return
         if idx.stride(0) % 2 or idx.data_ptr() % 8:
             raise UnsafeForPeer(
                 f"flashmla: {name} rows start at {idx.data_ptr()} with row stride {idx.stride(0)}; "
@@ -280,7 +303,7 @@ class FlashMlaImplementation:
         extra_topk_length: Any,
         sm_scale: float,
     ) -> tuple[Any, Any, str]:
-        flash_mla = flash_mla_module()
+        flash_mla = self.module()
         self._check_decode_rows(idx, topk_length, "indices")
         extra_kv4 = extra_idx3 = None
         if extra is not None:
@@ -306,49 +329,22 @@ class FlashMlaImplementation:
             topk_length=None if topk_length is None else topk_length.contiguous(),
             extra_topk_length=None if extra_topk_length is None else extra_topk_length.contiguous(),
         )
-        return out[:, 0], lse[:, :, 0], "flash_mla.flash_mla_with_kvcache"
+        return out[:, 0], lse[:, :, 0], self.decode_entry
 
     def _prefill(
         self,
         q: Any,
         kv_cache: Any,
-        layout: Any,
-        idx: Any,
+        call: Any,
         topk_length: Any,
         attn_sink: Any,
-        extra: Any,
         extra_topk_length: Any,
         sm_scale: float,
     ) -> tuple[Any, Any, str]:
-        import torch
-
-        from pytest_sparse_mla import formats
-
-        flash_mla = flash_mla_module()
-        d_qk = layout.fmt.d_qk
-        table = formats.unpack_dequantize(
-            kv_cache, layout.fmt, page_block_size=layout.page_block_size, dtype=torch.bfloat16
+        flash_mla = self.module()
+        kv, rows, length = virtual_table(
+            call, kv_cache, topk_length, extra_topk_length, row_multiple=PREFILL_ROW_MULTIPLE
         )
-        tables = [table.reshape(-1, d_qk)]
-        rows = idx
-        length = topk_length
-        if extra is not None:
-            extra_cache, _, elayout, eidx = extra
-            etable = formats.unpack_dequantize(
-                extra_cache, layout.fmt, page_block_size=elayout.page_block_size, dtype=torch.bfloat16
-            )
-            tables.append(etable.reshape(-1, d_qk))
-            minus_one = torch.full_like(idx, -1)
-            main_rows = torch.where(valid_lanes(idx, topk_length), idx, minus_one)
-            extra_rows = torch.where(valid_lanes(eidx, extra_topk_length), eidx + layout.num_tokens, -1)
-            rows = torch.cat([main_rows, extra_rows.to(idx.dtype)], dim=1)
-            length = None
-        width = -(-rows.shape[1] // PREFILL_ROW_MULTIPLE) * PREFILL_ROW_MULTIPLE
-        if width != rows.shape[1]:
-            padded = torch.full((rows.shape[0], width), -1, dtype=torch.int32, device=rows.device)
-            padded[:, : rows.shape[1]] = rows
-            rows = padded
-        kv = torch.cat(tables, dim=0).unsqueeze(1) if len(tables) > 1 else tables[0].unsqueeze(1)
         out, _max_logits, lse = flash_mla.flash_mla_sparse_fwd(
             q,
             kv,
@@ -358,7 +354,7 @@ class FlashMlaImplementation:
             attn_sink,
             None if length is None else length.contiguous(),
         )
-        return out, lse, "flash_mla.flash_mla_sparse_fwd"
+        return out, lse, self.prefill_entry
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"

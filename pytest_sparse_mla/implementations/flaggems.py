@@ -1,0 +1,168 @@
+"""Built-in ``flaggems``: adapter over FlagGems' Triton implementation of FlashMLA's interface
+(flagos-ai/FlagGems, ``src/flag_gems/fused/flash_mla_with_kvcache.py``: ``get_mla_metadata``,
+``flash_mla_with_kvcache``, sparse FP8 decode for both cache formats; ``src/flag_gems/fused/flashmla_sparse.py``:
+``flash_mla_sparse_fwd``, sparse BF16 prefill).
+
+FlagGems reimplements FlashMLA's Python interface in Triton, so this adapter is the ``flashmla``
+adapter (``implementations.flashmla``: the same routes, cache views, virtual prefill table and LSE
+conversion) over a different module. Only the two source files run: they are executed from the
+FlagGems source tree (``flag_gems`` found on ``sys.path``, e.g. ``PYTHONPATH=FlagGems/src``, or an
+installed FlagGems; the ``flag-gems`` wheel on the package index predates these files) without
+importing the ``flag_gems`` package, whose import registers its operators with torch. Their one
+FlagGems import, ``flag_gems.utils.triton_version_utils.has_triton_tle``, is answered ``False``
+while they execute, so the FlagTree-only warp-specialised paths stay off and stock Triton runs the
+portable kernels (``_sparse_decode_kernel``, ``_sparse_decode_model1_kernel``,
+``triton_flash_mla_sparse_fwd``).
+
+What differs from FlashMLA (read from the kernels above): every negative index masks its lane in
+the decode (``kv_ids >= 0``) and an index past the cache is masked (``block_ids < NUM_BLOCKS``,
+``kv_ids < SKV``), no ``int2`` index loads; like FlashMLA, ``topk_length`` is read raw (the number
+of tiles is ``cdiv(topk_length, BK)``, lanes past ``topk`` would be read), so a length outside
+``[0, topk]`` is refused as unsafe. The LSE is FlashMLA's (natural log, sink excluded, ``+inf``
+for an empty row); the sink enters the output as ``exp(lse) / (exp(lse) + exp(sink))``, computed
+in fp32 as written.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import types
+from pathlib import Path
+from typing import Any
+
+from pytest_sparse_mla.envelope import Envelope, Widths
+from pytest_sparse_mla.implementations.flashmla import PREFILL_ROW_MULTIPLE, TOPK_TILE, FlashMlaImplementation
+
+__all__ = ["FlagGemsImplementation", "ENVELOPE", "flaggems_module", "flaggems_source"]
+
+_HINT = (
+    "put FlagGems' src directory on PYTHONPATH (git clone flagos-ai/FlagGems; README, 'Run the suites against a peer')"
+)
+_FILES = ("fused/flash_mla_with_kvcache.py", "fused/flashmla_sparse.py")
+
+#: The peer's entry points, in words (prefix of refusals).
+PEER = (
+    "FlagGems flash_mla_with_kvcache (Triton sparse FP8 decode, T <= 64) / flash_mla_sparse_fwd "
+    "(Triton sparse BF16 prefill)"
+)
+
+#: FlashMLA's interface, as FlagGems asserts it (``flash_mla_with_kvcache``: h_q 64 or 128, topk
+#: % 64, V32 without extra cache or topk_length; ``flash_mla_sparse_fwd``: h_q 64 or 128).
+ENVELOPE = Envelope(
+    formats=("dsv4", "dsv3_2"),
+    num_heads=(64, 128),
+    topk=Widths(multiple=TOPK_TILE),
+    extra_topk=Widths(multiple=TOPK_TILE),
+    extra_cache_formats=("dsv4",),
+    topk_length_formats=("dsv4",),
+    topk_length_range="row",
+    min_tokens=1,
+    masked_indices="negative",
+    index_past_cache="refused",
+    lse_conventions=("flashinfer", "flashmla"),
+    notes=(
+        "num_tokens <= 64: flash_mla_with_kvcache (FlagGems' Triton decode), one batch entry per token; "
+        "d_qk 512 = DSV4 584 B cache (_sparse_decode_model1_kernel), 576 = DSV3.2 656 B cache "
+        "(_sparse_decode_kernel, no extra cache, no topk_length)",
+        f"num_tokens > 64: flash_mla_sparse_fwd over a BF16 table the adapter dequantizes (exact); an extra "
+        f"cache is appended to the table, index rows padded with -1 to a multiple of {PREFILL_ROW_MULTIPLE}",
+        "every negative index masks its lane; topk_length must lie in [0, topk] (read raw); an index past "
+        "the cache is refused by the adapter (the kernels mask it)",
+        "its own LSE: natural log, sink excluded, empty row +inf; converted to the asked convention",
+        "FlagTree-only paths off (has_triton_tle answered False): stock Triton's portable kernels",
+    ),
+)
+
+
+def flaggems_source() -> Path | None:
+    """The ``flag_gems`` package directory on ``sys.path`` (not imported), or ``None``."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("flag_gems")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for location in spec.submodule_search_locations:
+        root = Path(location)
+        if all((root / f).is_file() for f in _FILES):
+            return root
+    return None
+
+
+def _version(root: Path) -> str:
+    """``flag_gems/_version.py`` (written by setuptools-scm at install): version, else commit, else ``unknown``."""
+    path = root / "_version.py"
+    text = path.read_text(encoding="utf-8") if path.is_file() else ""
+    found = dict(re.findall(r"^(version|commit_id)\s*=\s*['\"]([^'\"]+)['\"]", text, flags=re.M))
+    if found.get("commit_id") and found.get("version", "source") == "source":
+        return f"source {found['commit_id'][:9]}"
+    return found.get("version") or "unknown"
+
+
+@functools.lru_cache(maxsize=1)
+def flaggems_module() -> Any:
+    """FlagGems' two source files executed with ``has_triton_tle`` answering ``False``.
+
+    Returns:
+        A namespace with ``get_mla_metadata``, ``flash_mla_with_kvcache``, ``flash_mla_sparse_fwd``,
+        ``__version__`` (``flag_gems/_version.py``) and ``__file__`` (the package directory).
+
+    Raises:
+        ImportError: FlagGems' source is not on ``sys.path``, or lacks the two files.
+    """
+    from pytest_sparse_mla.implementations._peer import load_source_module
+
+    root = flaggems_source()
+    if root is None:
+        raise ImportError(f"flag_gems with {', '.join(_FILES)} is not on sys.path ({_HINT})")
+    stubs = {
+        "flag_gems": {},
+        "flag_gems.utils": {},
+        "flag_gems.utils.triton_version_utils": {"has_triton_tle": lambda *args, **kwargs: False},
+    }
+    decode = load_source_module("_sparse_mla_peer_flaggems_decode", root / _FILES[0], stubs)
+    prefill = load_source_module("_sparse_mla_peer_flaggems_prefill", root / _FILES[1], stubs)
+    return types.SimpleNamespace(
+        get_mla_metadata=decode.get_mla_metadata,
+        flash_mla_with_kvcache=decode.flash_mla_with_kvcache,
+        flash_mla_sparse_fwd=prefill.flash_mla_sparse_fwd,
+        __version__=_version(root),
+        __file__=str(root),
+    )
+
+
+class FlagGemsImplementation(FlashMlaImplementation):
+    """Built-in ``flaggems`` (see the module docstring)."""
+
+    name = "flaggems"
+    compute_mode = "bf16"
+    envelope = ENVELOPE
+    peer = PEER
+    decode_entry = "flag_gems.fused.flash_mla_with_kvcache.flash_mla_with_kvcache"
+    prefill_entry = "flag_gems.fused.flashmla_sparse.flash_mla_sparse_fwd"
+    decode_masks_only_minus_one = False
+
+    def module(self) -> Any:
+        """:func:`flaggems_module`."""
+        return flaggems_module()
+
+    def skip_reason(self, capability: str, device: str) -> str | None:
+        """Why FlagGems cannot run here: its source is not on ``sys.path``, Triton is missing, or not CUDA."""
+        import importlib.util
+
+        if capability != "sparse_mla_forward":
+            return None
+        if flaggems_source() is None:
+            return f"flaggems adapter: flag_gems with {', '.join(_FILES)} is not on sys.path ({_HINT})"
+        if importlib.util.find_spec("triton") is None:
+            return "flaggems adapter: FlagGems' kernels need Triton, which is not installed"
+        if device != "cuda":
+            return f"flaggems adapter: FlagGems' kernels need CUDA tensors; the suites run on {device}"
+        try:
+            self.module()
+        except Exception as exc:  # noqa: BLE001 - any failure of the peer's source is a skip reason
+            return f"flaggems adapter: executing FlagGems' source failed ({type(exc).__name__}: {exc})"
+        return None

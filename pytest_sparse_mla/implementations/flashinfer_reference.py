@@ -1,0 +1,258 @@
+"""Built-in ``flashinfer-reference``: adapter over the pure-torch references FlashInfer ships in its
+wheel (flashinfer-python 0.7.2.post1, ``flashinfer/experimental/b12x/attention/_shared/mla/``).
+
+* DSV4 (584 B footer cache): ``compressed_reference.py``, ``compressed_sparse_mla_reference(q,
+  swa_k_cache, swa_indices, swa_topk_lengths, *, sm_scale, attn_sink, extra_k_cache,
+  extra_indices, extra_topk_lengths, swa_page_size, extra_page_size, return_lse=True)``: main
+  ("SWA") cache plus an optional extra (C4/C128) cache, sink, per-row lengths; natural-log LSE with
+  the sink included (an empty row: ``-inf``, or the sink itself).
+* DSV3.2 (656 B inline cache): ``reference.py``, ``sparse_mla_reference(q_all, kv_cache
+  [N, 1, 656], page_table_1 [T, topk], active_token_counts, sm_scale, v_head_dim=512,
+  return_lse=True)``: flat token indices, no sink, no extra cache; base-2 LSE (FlashInfer #5203).
+
+Both run on any device torch runs on, CPU included, so CI judges them. The two files are executed
+from the installed wheel (found on ``sys.path``; ``flashinfer`` itself is not imported: its import
+loads CUDA libraries), as they are: they import only ``torch`` and ``math``.
+
+The adapter's own work is layout only: FlashInfer's DSV4 reference reads a flat ``[pages,
+page_nbytes]`` buffer whose page stride is ``page_size * 584`` rounded up to a multiple of 576
+(``compressed_sparse_mla_page_nbytes``: SGLang's allocation), and its DSV3.2 reference a
+``[tokens, 1, 656]`` table; the adapter copies every page's bytes, poison included, into that
+form. Lengths are passed as given (the DSV4 reference requires them: a row without one gets the
+row width). An ``fp32`` output (``return_fp32=True``) comes from the same references with the query
+upcast (exact: BF16 values), which they compute in and cast to ``q.dtype``.
+
+What differs from the contract, read from the references (and listed in the xfail file where it
+is a discrepancy): the DSV4 reference's valid count is ``min(topk_length, position of the first
+negative index)`` (``_valid_prefix_length``), so the lanes after a ``-1`` inside the prefix are
+dropped, where FlashInfer's kernels mask each negative lane and keep the rest; it raises
+``ValueError`` for a negative ``topk_length`` (``_bounded_length``) instead of clamping it to 0
+(declared: ``topk_length_range="row"``); it refuses an index past the cache (``ValueError``).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from pathlib import Path
+from typing import Any
+
+from pytest_sparse_mla.envelope import Envelope
+from pytest_sparse_mla.implementations._peer import PeerResult, lse_to_convention, open_forward, shape_reason
+
+__all__ = ["FlashInferReferenceImplementation", "ENVELOPE", "references", "flashinfer_source"]
+
+_DIR = "experimental/b12x/attention/_shared/mla"
+_FILES = ("compressed_reference.py", "reference.py")
+_HINT = "pip install --no-deps flashinfer-python==0.7.2.post1 (a pure-Python wheel; no GPU needed)"
+
+PEER = (
+    "FlashInfer's pure-torch references (compressed_sparse_mla_reference for the DSV4 cache, "
+    "sparse_mla_reference for the DSV3.2 cache)"
+)
+DEVICES = ("cpu", "cuda")
+
+ENVELOPE = Envelope(
+    formats=("dsv4", "dsv3_2"),
+    extra_cache_formats=("dsv4",),
+    topk_length_range="row",
+    sink_formats=("dsv4",),
+    masked_indices="negative",
+    index_past_cache="refused",
+    lse_conventions=("flashinfer", "flashmla"),
+    notes=(
+        "DSV4: compressed_sparse_mla_reference (main + extra cache, sink, per-row lengths); the adapter "
+        "copies the cache into its flat [pages, ceil(ps*584/576)*576] form",
+        "DSV3.2: sparse_mla_reference over a [tokens, 1, 656] copy of the cache; no sink, no extra cache; "
+        "base-2 LSE",
+        "fp32 arithmetic on dequantized values, one query row at a time; output cast to q.dtype",
+        "topk_length must lie in [0, topk] for DSV4 (a negative one raises ValueError)",
+    ),
+)
+
+
+def flashinfer_source() -> Path | None:
+    """The installed ``flashinfer/experimental/b12x/attention/_shared/mla`` directory (not imported), or ``None``."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("flashinfer")
+    except (ImportError, ValueError):
+        return None
+    for location in (spec.submodule_search_locations or []) if spec is not None else []:
+        root = Path(location) / _DIR
+        if all((root / f).is_file() for f in _FILES):
+            return root
+    return None
+
+
+def flashinfer_version() -> str | None:
+    """The installed flashinfer-python version (package metadata), or ``None``."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("flashinfer-python")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+@functools.lru_cache(maxsize=1)
+def references() -> tuple[Any, Any]:
+    """``(compressed_reference, reference)``: the two files executed as modules.
+
+    Raises:
+        ImportError: the wheel (with these files) is not installed.
+    """
+    from pytest_sparse_mla.implementations._peer import load_source_module
+
+    root = flashinfer_source()
+    if root is None:
+        raise ImportError(f"flashinfer/{_DIR}/{{{','.join(_FILES)}}} is not installed ({_HINT})")
+    return tuple(  # type: ignore[return-value]
+        load_source_module(f"_sparse_mla_peer_flashinfer_{f[:-3]}", root / f, {}) for f in _FILES
+    )
+
+
+def _flat_pages(cache: Any, layout: Any, page_nbytes: int) -> Any:
+    """The cache's pages as FlashInfer's flat ``[pages, page_nbytes]`` buffer (a copy; zero tail)."""
+    import torch
+
+    used = layout.page_block_size * layout.fmt.bytes_per_token
+    pages = torch.as_strided(cache, (layout.num_pages, used), (layout.page_stride, 1), cache.storage_offset())
+    flat = torch.zeros((layout.num_pages, page_nbytes), dtype=torch.uint8, device=cache.device)
+    flat[:, :used] = pages
+    return flat
+
+
+def _token_rows(cache: Any, layout: Any) -> Any:
+    """The cache's token records as a ``[tokens, 1, bytes_per_token]`` copy."""
+    import torch
+
+    bpt = layout.fmt.bytes_per_token
+    rows = torch.as_strided(
+        cache,
+        (layout.num_pages, layout.page_block_size, bpt),
+        (layout.page_stride, layout.token_stride, 1),
+        cache.storage_offset(),
+    )
+    return rows.reshape(-1, 1, bpt).clone()
+
+
+class FlashInferReferenceImplementation:
+    """Built-in ``flashinfer-reference`` (see the module docstring)."""
+
+    name = "flashinfer-reference"
+    compute_mode = "exact"
+    envelope = ENVELOPE
+
+    def skip_reason(self, capability: str, device: str) -> str | None:
+        """Why the references cannot run here: the wheel is not installed, or a device they do not run on."""
+        if capability != "sparse_mla_forward":
+            return None
+        if flashinfer_source() is None:
+            return f"flashinfer-reference adapter: flashinfer-python's references are not installed ({_HINT})"
+        if device not in DEVICES:
+            return f"flashinfer-reference adapter: runs on {'/'.join(DEVICES)}, not on {device}"
+        try:
+            references()
+        except Exception as exc:  # noqa: BLE001 - any failure of the peer's source is a skip reason
+            return f"flashinfer-reference adapter: executing the references failed ({type(exc).__name__}: {exc})"
+        return None
+
+    def unsupported_reason(self, capability: str, *args: Any, **kwargs: Any) -> str | None:
+        """Why the references cannot take this call (same arguments as the call), or ``None``."""
+        if capability != "sparse_mla_forward":
+            return f"{self.name} provides no {capability!r}"
+        return shape_reason(PEER, self.envelope, DEVICES, *args, **kwargs)
+
+    def sparse_mla_forward(
+        self,
+        q: Any,
+        kv_cache: Any,
+        indices: Any,
+        *,
+        sm_scale: float,
+        fmt: str = "dsv4",
+        page_block_size: int | None = None,
+        topk_length: Any = None,
+        attn_sink: Any = None,
+        extra_kv_cache: Any = None,
+        extra_indices: Any = None,
+        extra_topk_length: Any = None,
+        extra_page_block_size: int | None = None,
+        lse_convention: str = "flashinfer",
+        lse_scale: float = 1.0,
+        grid_release: str | None = None,
+        chunk_tokens: int | None = None,
+        return_fp32: bool = False,
+        backend: str | None = None,
+    ) -> PeerResult:
+        """Run FlashInfer's reference for ``fmt`` with the reference forward's signature.
+
+        ``grid_release``, ``chunk_tokens`` and ``backend`` are ignored.
+
+        Returns:
+            :class:`PeerResult`: output ``[T, H, 512]`` (BF16, or fp32 with ``return_fp32``), the LSE
+            converted to ``lse_convention``, ``route=None``.
+
+        Raises:
+            pytest_sparse_mla.Unsupported: as :meth:`unsupported_reason`.
+            ValueError, TypeError: as :func:`_peer.open_forward`; whatever the references raise
+                (``ValueError`` for a negative ``topk_length``, shapes they refuse).
+            ImportError: the wheel is not installed.
+        """
+        import torch
+
+        del grid_release, chunk_tokens, backend
+        reason = self.unsupported_reason(
+            "sparse_mla_forward", q, kv_cache, indices, fmt=fmt, topk_length=topk_length, attn_sink=attn_sink,
+            extra_indices=extra_indices, extra_topk_length=extra_topk_length,
+        )  # fmt: skip
+        call = open_forward(
+            self.name, reason, q, kv_cache, indices, fmt=fmt, page_block_size=page_block_size,
+            topk_length=topk_length, extra_kv_cache=extra_kv_cache, extra_indices=extra_indices,
+            extra_topk_length=extra_topk_length, extra_page_block_size=extra_page_block_size,
+            lse_convention=lse_convention, lse_scale=lse_scale, return_fp32=False,
+        )  # fmt: skip
+        compressed, nsa = references()
+        query = q.float() if return_fp32 else q
+        layout = call.layout
+        if layout.fmt.name == "dsv3_2":
+            out, lse2 = nsa.sparse_mla_reference(
+                q_all=query, kv_cache=_token_rows(kv_cache, layout), page_table_1=call.idx,
+                active_token_counts=topk_length, sm_scale=float(sm_scale), v_head_dim=512, return_lse=True,
+            )  # fmt: skip
+            lse = lse2.to(torch.float64) * math.log(2.0)
+            entry = "flashinfer...mla.reference.sparse_mla_reference"
+        else:
+            width = call.idx.shape[1]
+            lengths = topk_length if topk_length is not None else torch.full(
+                (call.num_tokens,), width, dtype=torch.int32, device=q.device
+            )  # fmt: skip
+            kwargs: dict[str, Any] = {}
+            if call.extra is not None:
+                extra_cache, _, elayout, eidx = call.extra
+                kwargs = {
+                    "extra_k_cache": _flat_pages(
+                        extra_cache, elayout, compressed.compressed_sparse_mla_page_nbytes(elayout.page_block_size)
+                    ),
+                    "extra_indices": eidx,
+                    "extra_topk_lengths": extra_topk_length if extra_topk_length is not None else torch.full(
+                        (call.num_tokens,), eidx.shape[1], dtype=torch.int32, device=q.device
+                    ),
+                    "extra_page_size": elayout.page_block_size,
+                }  # fmt: skip
+            page_nbytes = compressed.compressed_sparse_mla_page_nbytes(layout.page_block_size)
+            out, lse = compressed.compressed_sparse_mla_reference(
+                query, _flat_pages(kv_cache, layout, page_nbytes),
+                call.idx, lengths, sm_scale=float(sm_scale), attn_sink=attn_sink, swa_page_size=layout.page_block_size,
+                return_lse=True, **kwargs,
+            )  # fmt: skip
+            entry = "flashinfer...mla.compressed_reference.compressed_sparse_mla_reference"
+        lse = lse_to_convention(
+            lse, sink_included=True, attn_sink=attn_sink, lse_convention=call.lse_convention, lse_scale=call.lse_scale
+        )
+        return PeerResult(out, lse, None, entry)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r}>"

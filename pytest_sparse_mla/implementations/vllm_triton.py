@@ -1,0 +1,223 @@
+"""Built-in ``vllm-triton``: adapter over vLLM's Triton BF16 sparse MLA (vllm-project/vllm,
+``vllm/v1/attention/ops/xpu_mla_sparse.py``, ``triton_bf16_mla_sparse_interface``; PR #33230).
+
+``triton_bf16_mla_sparse_interface(q [T, H, d_qk] BF16, kv [N, 1, d_qk] BF16, indices [T, 1, topk]
+int32, sm_scale, d_v=512, block_dpe) -> (out [T, H, 512] BF16, max_logits [T, H], lse [T, H])``:
+one Triton kernel for every ``T`` (no decode/prefill split), over a BF16 latent table rather than
+a packed cache. The adapter gives it the table the ``flashmla`` adapter gives FlashMLA's prefill
+(``_peer.virtual_table``): the packed caches dequantized exactly to BF16, an extra cache appended
+with its valid lanes shifted, lanes past ``topk_length`` / ``extra_topk_length`` turned into
+``-1``, rows padded with ``-1`` to a multiple of 16 (the kernel asserts ``index_topk % BLOCK_N ==
+0``, ``BLOCK_N = 16``). ``block_dpe`` is 0 for DSV4 (``d_qk = 512``: the RoPE lanes sit inside the
+512 values, which are also V; the function's docstring names this case) and 64 for DSV3.2
+(``d_qk = 576``).
+
+Only the source file runs: the module is executed from a vLLM source tree or installation found on
+``sys.path`` (``vllm`` need not import), with its one vLLM import, ``vllm.triton_utils`` (re-exports
+of ``triton``, ``triton.language`` and the constants ``LOG2E``, ``LOGE2``), answered by Triton
+itself while it executes.
+
+Conventions (read from ``_bf16_mla_sparse_kernel``): every negative index and every index ``>=
+N`` masks its lane; no ``attn_sink`` argument; the LSE is natural log (``max_logits + log2(e_sum)
+* ln 2``). An empty row keeps the kernel's finite running-max sentinel ``-1e30`` (in log2 units),
+so its LSE is about ``-6.9e29`` instead of ``-inf`` and its output ``0``: the adapter reads an LSE
+below ``-1e29`` as "no candidate" (a convention, documented in the kernel's comment on the
+sentinel). The adapter refuses a valid lane past its own cache (in the joined table it would reach
+the other cache's rows).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from pathlib import Path
+from typing import Any
+
+from pytest_sparse_mla.envelope import Envelope, Widths
+from pytest_sparse_mla.implementations._peer import (
+    PeerResult,
+    lse_to_convention,
+    open_forward,
+    shape_reason,
+    virtual_table,
+)
+
+__all__ = ["VllmTritonImplementation", "ENVELOPE", "vllm_module", "vllm_source"]
+
+_FILE = "v1/attention/ops/xpu_mla_sparse.py"
+_HINT = (
+    "install vLLM, or put a directory holding vllm/v1/attention/ops/xpu_mla_sparse.py on PYTHONPATH "
+    "(README, 'Run the suites against a peer')"
+)
+#: ``BLOCK_N`` of ``triton_bf16_mla_sparse_interface``: index rows are a multiple of it.
+ROW_MULTIPLE = 16
+#: The kernel's running-max sentinel (``-1.0e30``, log2 units) times ``ln 2``, halved: an LSE below
+#: it means the row had no valid lane.
+EMPTY_LSE_BELOW = -1.0e30 * math.log(2.0) / 2
+
+PEER = "vLLM triton_bf16_mla_sparse_interface (Triton BF16 sparse MLA over a dequantized table)"
+DEVICES = ("cuda",)
+
+ENVELOPE = Envelope(
+    formats=("dsv4", "dsv3_2"),
+    num_heads=None,
+    topk=Widths(),
+    extra_topk=Widths(),
+    extra_cache_formats=("dsv4", "dsv3_2"),
+    topk_length_formats=("dsv4", "dsv3_2"),
+    topk_length_range="clamped",
+    attn_sink=False,
+    min_tokens=1,
+    masked_indices="negative",
+    index_past_cache="refused",
+    lse_conventions=("flashinfer", "flashmla"),
+    notes=(
+        "one kernel for every num_tokens over a BF16 table the adapter dequantizes (exact); an extra cache "
+        "is appended to the table; lanes past topk_length become -1; rows padded with -1 to a multiple of 16",
+        "block_dpe 0 for DSV4 (d_qk 512), 64 for DSV3.2 (d_qk 576); no attn_sink argument",
+        "its own LSE: natural log; an empty row's LSE is the finite sentinel -1e30 * ln 2 (read as empty)",
+        "BF16 products (tl.dot), fp32 online softmax in base 2",
+    ),
+)
+
+
+def vllm_source() -> Path | None:
+    """``vllm/v1/attention/ops/xpu_mla_sparse.py`` on ``sys.path`` (``vllm`` not imported), or ``None``."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("vllm")
+    except (ImportError, ValueError):
+        return None
+    for location in (spec.submodule_search_locations or []) if spec is not None else []:
+        path = Path(location) / _FILE
+        if path.is_file():
+            return path
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def vllm_module() -> Any:
+    """vLLM's ``xpu_mla_sparse.py`` executed with ``vllm.triton_utils`` answered by Triton.
+
+    Raises:
+        ImportError: the file is not found on ``sys.path``; Triton is not installed.
+    """
+    import triton
+    import triton.language as tl
+
+    from pytest_sparse_mla.implementations._peer import load_source_module
+
+    path = vllm_source()
+    if path is None:
+        raise ImportError(f"vllm/{_FILE} is not on sys.path ({_HINT})")
+    stubs = {
+        "vllm": {},
+        "vllm.triton_utils": {"LOG2E": math.log2(math.e), "LOGE2": math.log(2.0), "tl": tl, "triton": triton},
+    }
+    return load_source_module("_sparse_mla_peer_vllm_xpu_mla_sparse", path, stubs)
+
+
+class VllmTritonImplementation:
+    """Built-in ``vllm-triton`` (see the module docstring)."""
+
+    name = "vllm-triton"
+    compute_mode = "bf16"
+    envelope = ENVELOPE
+
+    def skip_reason(self, capability: str, device: str) -> str | None:
+        """Why vLLM's kernel cannot run here: its source is not on ``sys.path``, no Triton, or not CUDA."""
+        import importlib.util
+
+        if capability != "sparse_mla_forward":
+            return None
+        if vllm_source() is None:
+            return f"vllm-triton adapter: vllm/{_FILE} is not on sys.path ({_HINT})"
+        if importlib.util.find_spec("triton") is None:
+            return "vllm-triton adapter: the kernel needs Triton, which is not installed"
+        if device != "cuda":
+            return f"vllm-triton adapter: the Triton kernel needs CUDA tensors; the suites run on {device}"
+        try:
+            vllm_module()
+        except Exception as exc:  # noqa: BLE001 - any failure of the peer's source is a skip reason
+            return f"vllm-triton adapter: executing vLLM's source failed ({type(exc).__name__}: {exc})"
+        return None
+
+    def unsupported_reason(self, capability: str, *args: Any, **kwargs: Any) -> str | None:
+        """Why the kernel cannot take this call (same arguments as the call), or ``None`` (no host sync)."""
+        if capability != "sparse_mla_forward":
+            return f"{self.name} provides no {capability!r}"
+        return shape_reason(PEER, self.envelope, DEVICES, *args, **kwargs)
+
+    def sparse_mla_forward(
+        self,
+        q: Any,
+        kv_cache: Any,
+        indices: Any,
+        *,
+        sm_scale: float,
+        fmt: str = "dsv4",
+        page_block_size: int | None = None,
+        topk_length: Any = None,
+        attn_sink: Any = None,
+        extra_kv_cache: Any = None,
+        extra_indices: Any = None,
+        extra_topk_length: Any = None,
+        extra_page_block_size: int | None = None,
+        lse_convention: str = "flashinfer",
+        lse_scale: float = 1.0,
+        grid_release: str | None = None,
+        chunk_tokens: int | None = None,
+        return_fp32: bool = False,
+        backend: str | None = None,
+    ) -> PeerResult:
+        """Run vLLM's kernel with the reference forward's signature (mapping in the module docstring).
+
+        ``grid_release``, ``chunk_tokens`` and ``backend`` are ignored.
+
+        Returns:
+            :class:`PeerResult`: the BF16 output ``[T, H, 512]``, the LSE converted to
+            ``lse_convention``, ``route=None``.
+
+        Raises:
+            pytest_sparse_mla.Unsupported: as :meth:`unsupported_reason` (an ``attn_sink``, a device).
+            ValueError: as :func:`_peer.open_forward`.
+            ImportError: the source is not found.
+            Whatever the kernel raises (``AssertionError`` from the interface's asserts).
+        """
+        import torch
+
+        del grid_release, chunk_tokens, backend
+        reason = self.unsupported_reason(
+            "sparse_mla_forward", q, kv_cache, indices, fmt=fmt, topk_length=topk_length, attn_sink=attn_sink,
+            extra_indices=extra_indices, extra_topk_length=extra_topk_length,
+        )  # fmt: skip
+        call = open_forward(
+            self.name, reason, q, kv_cache, indices, fmt=fmt, page_block_size=page_block_size,
+            topk_length=topk_length, extra_kv_cache=extra_kv_cache, extra_indices=extra_indices,
+            extra_topk_length=extra_topk_length, extra_page_block_size=extra_page_block_size,
+            lse_convention=lse_convention, lse_scale=lse_scale, return_fp32=return_fp32,
+        )  # fmt: skip
+        kv, rows, length = virtual_table(call, kv_cache, topk_length, extra_topk_length, row_multiple=ROW_MULTIPLE)
+        if length is not None:  # one prefix length per row: folded into the row
+            rows = torch.where(valid_lanes_of(rows, length), rows, torch.full_like(rows, -1))
+        d_qk = call.layout.fmt.d_qk
+        out, _max_logits, lse = vllm_module().triton_bf16_mla_sparse_interface(
+            q, kv, rows.unsqueeze(1), float(sm_scale), d_v=512, block_dpe=d_qk - 512
+        )
+        lse = torch.where(lse < EMPTY_LSE_BELOW, torch.full_like(lse, -math.inf), lse)
+        lse = lse_to_convention(
+            lse, sink_included=False, attn_sink=None, lse_convention=call.lse_convention, lse_scale=call.lse_scale
+        )
+        return PeerResult(out, lse, None, "vllm.v1.attention.ops.xpu_mla_sparse.triton_bf16_mla_sparse_interface")
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r}>"
+
+
+def valid_lanes_of(rows: Any, length: Any) -> Any:
+    """``[T, W]`` bool: lane ``j`` lies below ``clamp(length[t], 0)`` (the index test is the kernel's)."""
+    import torch
+
+    lanes = torch.arange(rows.shape[1], device=rows.device)
+    return lanes.unsqueeze(0) < length.to(rows.device).long().clamp(min=0).unsqueeze(1)
