@@ -15,7 +15,8 @@ selected implementation. Its ``sparse_mla_forward``:
   with ``output`` / ``lse`` / ``route``, and gives back a :class:`ForwardResult`.
 
 Every other attribute is the implementation's own. Deliberately malformed calls (the bad-input
-suite) go to :attr:`GuardedImplementation.unguarded`.
+suite) go through :meth:`GuardedImplementation.bad_call`, straight to the implementation. Each call
+is recorded for ``--sparse-mla-repro-dir`` (:mod:`pytest_sparse_mla.repro`).
 """
 
 from __future__ import annotations
@@ -192,13 +193,27 @@ class GuardedImplementation:
                 "a bug of the suite's case fitting, not of the kernel",
                 pytrace=False,
             )
-        try:
-            res = self.unguarded.sparse_mla_forward(*args, **kwargs)
-        except Unsupported as exc:
-            if self.declared:
-                pytest.fail(f"{self._name} refused a call inside its declared envelope: {exc}", pytrace=False)
-            pytest.skip(f"{self._name} refused the call: {exc}")
-        return result_of(res, env, self._name)
+        from pytest_sparse_mla import repro
+
+        with repro.judged_call(args, kwargs) as rec:
+            try:
+                res = self.unguarded.sparse_mla_forward(*args, **kwargs)
+            except Unsupported as exc:
+                if self.declared:
+                    pytest.fail(f"{self._name} refused a call inside its declared envelope: {exc}", pytrace=False)
+                pytest.skip(f"{self._name} refused the call: {exc}")
+            result = result_of(res, env, self._name)
+            repro.set_result(rec, result.output, result.lse)
+        return result
+
+    def bad_call(self, argument: str, *args: Any, **kwargs: Any) -> Any:
+        """Call the implementation's ``sparse_mla_forward`` with deliberately bad input (no guard):
+        it must raise a ``TypeError`` or ``ValueError`` naming ``argument`` (the bad-input suite).
+        Recorded for ``--sparse-mla-repro-dir`` with that expectation."""
+        from pytest_sparse_mla import repro
+
+        with repro.judged_call(args, kwargs, expect_error=argument):
+            return self.unguarded.sparse_mla_forward(*args, **kwargs)
 
     def __repr__(self) -> str:
         return f"<guarded {self.unguarded!r}>"

@@ -100,6 +100,8 @@ class SparseMlaOptions:
         xfail_file / skip_file: absolute paths of the files of test ids to mark xfail / skip.
         gpu_per_worker: pin each xdist worker to one visible GPU.
         report_json: absolute path of the JSON run report, or ``None``.
+        repro_dir: absolute directory for standalone reproducers of failing calls
+            (``pytest_sparse_mla.repro``), or ``None``.
         tolerances: parsed ``sparse_mla_tolerances`` ini lines,
             ``{profile: {parameter: value}}`` (``pytest_sparse_mla.tolerances.parse_ini_lines``).
         activated_by: why the plugin is active in this session (e.g. ``"-p sparse_mla"``).
@@ -116,6 +118,7 @@ class SparseMlaOptions:
     skip_file: Path | None = None
     gpu_per_worker: bool = True
     report_json: Path | None = None
+    repro_dir: Path | None = None
     tolerances: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     activated_by: str = ""
 
@@ -195,6 +198,13 @@ def add_options(parser: pytest.Parser) -> None:
         metavar="PATH",
         help="Write versions, device, options and the GPU of every xdist worker to PATH as JSON",
     )
+    group.addoption(
+        "--sparse-mla-repro-dir",
+        default=None,
+        metavar="DIR",
+        help="For every wrong call of a failing or xfailed test, write a standalone reproducer "
+        "(repro.py + inputs.pt: needs only torch and the implementation) under DIR",
+    )
     from pytest_sparse_mla import tolerances
 
     for name, (text, kind, default) in INI_KEYS.items():
@@ -231,6 +241,7 @@ _DESTS = (
     "sparse_mla_deployment_report",
     "sparse_mla_no_gpu_pinning",
     "sparse_mla_report_json",
+    "sparse_mla_repro_dir",
 )
 
 
@@ -341,6 +352,21 @@ def _report_json(config: pytest.Config) -> Path | None:
     return path
 
 
+def _repro_dir(config: pytest.Config) -> Path | None:
+    value = config.getoption("sparse_mla_repro_dir", None)
+    if not value:
+        return None
+    path = Path(value).resolve()
+    if path.exists() and not path.is_dir():
+        raise pytest.UsageError(f"--sparse-mla-repro-dir={value!r}: {path} exists and is not a directory")
+    if not path.parent.is_dir():
+        raise pytest.UsageError(
+            f"--sparse-mla-repro-dir={value!r}: no such directory {path.parent}; expected a directory "
+            "to create (or an existing one)"
+        )
+    return path
+
+
 def _seed(config: pytest.Config) -> int:
     text = config.getoption("sparse_mla_seed", None)
     if text is None:
@@ -378,6 +404,7 @@ def from_config(config: pytest.Config, activated_by: str = "") -> SparseMlaOptio
         ),
         gpu_per_worker=not config.getoption("sparse_mla_no_gpu_pinning", False),
         report_json=_report_json(config),
+        repro_dir=_repro_dir(config),
         tolerances=tolerances.parse_ini_lines(list(config.getini("sparse_mla_tolerances"))),
         activated_by=activated_by,
     )

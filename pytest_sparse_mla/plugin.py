@@ -199,9 +199,38 @@ def pytest_runtest_call(item: pytest.Item) -> Any:
         raise pytest.skip.Exception(f"refused by the implementation: {exc}", _use_item_location=True) from exc
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> Any:
+    """With ``--sparse-mla-repro-dir``: a failed or xfailed test's wrong calls become standalone
+    reproducers (``repro``)."""
+    report = yield
+    if report.when == "call" and (report.failed or hasattr(report, "wasxfail")):
+        opts = item.config.stash.get(options.OPTIONS_KEY, None)
+        if opts is not None and opts.repro_dir is not None:
+            from pytest_sparse_mla import repro, tolerances
+
+            funcargs = getattr(item, "funcargs", {})
+            impl = funcargs.get("sparse_mla_impl")
+            if impl is not None:
+                tol = funcargs.get("sparse_mla_tolerances")
+                profiles = tolerances.DEFAULT_PROFILES
+                fallback = profiles.get(tolerances.profile_for(impl), profiles["kernel"])
+                model = tol.model if tol is not None else fallback
+                outcome = "xfailed" if hasattr(report, "wasxfail") else "failed"
+                repro.write_reproducers(opts.repro_dir, item.nodeid, impl.unguarded, model, outcome)
+    return report
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """Fail (not skip) a GPU test that cannot run when ``--sparse-mla-require-gpu`` is given, and a
-    shipped suite test collected by an xdist worker of a session that does not use the plugin."""
+    shipped suite test collected by an xdist worker of a session that does not use the plugin.
+    With ``--sparse-mla-repro-dir``, start recording the test's calls."""
+    opts = item.config.stash.get(options.OPTIONS_KEY, None)
+    if opts is not None and opts.repro_dir is not None:
+        from pytest_sparse_mla import repro
+
+        repro.enable(True)
+        repro.begin_test()
     if item.stash.get(_NEEDS_PLUGIN_KEY, False):
         pytest.fail(NEEDS_PLUGIN, pytrace=False)
     mark = item.get_closest_marker(options.GPU_REQUIRED_MARKER)

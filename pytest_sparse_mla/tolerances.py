@@ -320,6 +320,43 @@ def _output_causes(a: Any, e: Any, row_err: Any, row_bound: Any, num_tokens: int
     return causes
 
 
+def output_bound(
+    expected: Any,
+    *,
+    profile: Profile,
+    fmt: Any = "dsv4",
+    scales: Any = None,
+    output_dtype: Any = None,
+    other_dtype: Any = None,
+) -> Any:
+    """The elementwise bound of :func:`compare_output`: ``[T, H, D]`` float64.
+
+    ``factor * ((p_roundings*u_p + N*2**-24 + e^(2 ds) - 1) * sum_j w_j|V_j| + u_o*|E| + (N+2)*2**-126)``
+    with ``factor`` 2 when ``other_dtype`` is given (two results of one implementation compared),
+    ``u_o`` the unit roundoff of ``output_dtype`` (of the wider of the two with ``other_dtype``).
+
+    Args:
+        expected: ``[T, H, D]`` (or ``[T, D]``) the oracle's float64 output.
+        profile, fmt, scales: as :func:`compare_output`.
+        output_dtype: the dtype of the result judged (``None``: BF16).
+    """
+    import torch
+
+    e = expected.to(torch.float64)
+    if e.dim() == 2:
+        e = e.unsqueeze(1)
+    sc = _scales_of(e, scales)
+    u_o = _unit_roundoff(output_dtype if output_dtype is not None else torch.bfloat16)
+    if other_dtype is not None:
+        u_o = max(u_o, _unit_roundoff(other_dtype))
+    ds = _score_error(profile, fmt, sc.score_magnitude) if sc.from_oracle else torch.zeros_like(sc.rms_weighted)
+    factor = 2.0 if other_dtype is not None else 1.0
+    m_coef = profile.p_roundings * profile.p_unit_roundoff + sc.max_candidates * U_FP32  # scalar
+    worst = (m_coef + torch.expm1(2.0 * ds)).unsqueeze(-1) * sc.abs_weighted  # [T, H, D]
+    flushed = (sc.max_candidates + 2) * FTZ  # every product w_j V_j and the result may flush to zero
+    return factor * (worst + u_o * e.abs() + flushed)
+
+
 def compare_output(
     actual: Any,
     expected: Any,
@@ -362,11 +399,9 @@ def compare_output(
         u_o = max(u_o, _unit_roundoff(expected.dtype))
     ds = _score_error(profile, fmt, sc.score_magnitude) if sc.from_oracle else torch.zeros_like(sc.rms_weighted)
     factor = 2.0 if pair else 1.0
-    m_coef = profile.p_roundings * profile.p_unit_roundoff + sc.max_candidates * U_FP32  # scalar
     score_term = torch.expm1(2.0 * ds)  # (e^{2 ds} - 1): the weights' worst relative change
-    worst = (m_coef + score_term).unsqueeze(-1) * sc.abs_weighted  # [T, H, D]
-    flushed = (sc.max_candidates + 2) * FTZ  # every product w_j V_j and the result may flush to zero
-    elem_bound = factor * (worst + u_o * e.abs() + flushed)
+    elem_bound = output_bound(e, profile=profile, fmt=fmt, scales=scales, output_dtype=actual.dtype,
+                              other_dtype=expected.dtype if pair else None)  # fmt: skip
     diff = (a - e).abs()
     finite = torch.isfinite(a)
     diff = torch.where(finite, diff, torch.full_like(diff, math.inf))
@@ -481,6 +516,19 @@ def _lse_causes(a: Any, e: Any, bad: Any, convention: str, lse_scale: float, num
     return causes
 
 
+def lse_bound(natural: Any, *, profile: Profile, fmt: Any = "dsv4", scales: Any = None, pair: bool = False) -> Any:
+    """The bound of :func:`compare_lse` for an oracle LSE ``natural`` (``[T, H]``, natural-log units):
+    ``factor * (lse_abs + ds + 2**-23 |lse|)`` natural-log units, ``factor`` 2 with ``pair``."""
+    import torch
+
+    e = natural.to(torch.float64)
+    ds = torch.zeros_like(e)
+    if scales is not None:
+        ds = _score_error(profile, fmt, scales.score_magnitude.to(torch.float64).reshape(e.shape))
+    factor = 2.0 if pair else 1.0
+    return factor * (profile.lse_abs + ds + 2.0**-23 * e.abs().nan_to_num(posinf=0.0, neginf=0.0))
+
+
 def compare_lse(
     actual: Any,
     expected: Any,
@@ -520,11 +568,8 @@ def compare_lse(
         if lse_convention == "flashmla"
         else (f"log2 x lse_scale={lse_scale:g}, sink included; compared after conversion to natural log")
     )
-    ds = torch.zeros_like(e)
-    if scales is not None:
-        ds = _score_error(profile, fmt, scales.score_magnitude.to(torch.float64).reshape(e.shape))
     factor = 2.0 if pair else 1.0
-    bound = factor * (profile.lse_abs + ds + 2.0**-23 * e.abs().nan_to_num(posinf=0.0, neginf=0.0))
+    bound = lse_bound(e, profile=profile, fmt=fmt, scales=scales, pair=pair)
     finite = torch.isfinite(a) & torch.isfinite(e)
     same_inf = torch.isinf(a) & torch.isinf(e) & (torch.sign(a) == torch.sign(e))
     diff = torch.where(finite, (a - e).abs(), torch.where(same_inf, torch.zeros_like(a), torch.full_like(a, math.inf)))

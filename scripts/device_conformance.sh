@@ -4,7 +4,7 @@
 #
 #   RESULTS=dir bash scripts/device_conformance.sh [IMPL ...]     # from the repository root
 #
-# IMPLs default to: reference sglang-triton sglang-torch flashmla. Peers come from the carried
+# IMPLs default to: reference sglang-triton sglang-torch flaggems vllm-triton flashinfer-reference flashmla. Peers come from the carried
 # files listed in scripts/peers_env.sh (a FlashMLA build is made in the background from its source
 # when none is carried, while the other implementations run). Per IMPL, in $RESULTS:
 #   conformance-IMPL.json   --sparse-mla-report-json (probe, options, device per worker)
@@ -22,7 +22,7 @@ OUT=${RESULTS:?set RESULTS to the results directory}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 IMPLS=("$@")
-[ ${#IMPLS[@]} -gt 0 ] || IMPLS=(reference sglang-triton sglang-torch flashmla)
+[ ${#IMPLS[@]} -gt 0 ] || IMPLS=(reference sglang-triton sglang-torch flaggems vllm-triton flashinfer-reference flashmla)
 export PYTHONUNBUFFERED=1 PEERS_ENV_FUNCTIONS_ONLY=1
 # shellcheck source=scripts/peers_env.sh
 source scripts/peers_env.sh
@@ -70,6 +70,9 @@ for dist in ("sglang", "pytest", "pytest-xdist", "syrupy", "hypothesis"):
         info[dist] = None
 src = os.path.join(os.environ.get("PEERS_DIR", "/tmp/sparse-mla-peers"), "flashmla", "PEER_SOURCE.txt")
 info["flashmla_source"] = open(src).read().strip().splitlines() if os.path.exists(src) else None
+for peer, path in (("flaggems", ".peers/flaggems/src/flag_gems/_version.py"), ("vllm", ".peers/vllm/SOURCE"),
+                   ("flashinfer_reference", ".peers/flashinfer/SOURCE")):
+    info[f"{peer}_source"] = open(path).read().strip().splitlines() if os.path.exists(path) else None
 json.dump(info, open(sys.argv[1], "w"), indent=1)
 print(json.dumps(info))
 PY

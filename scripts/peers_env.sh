@@ -14,6 +14,12 @@
 #                                    FLASH_MLA_DISABLE_SM100=1 python setup.py build_ext --inplace
 #                                    (about 2 minutes on 16 cores); with PEERS_EXT_OUT=DIR set, the
 #                                    build is packed to DIR/flash_mla-ext.tar.xz to be carried next time
+#   .peers/flaggems/src/flag_gems/    FlagGems' two source files (fused/flash_mla_with_kvcache.py,
+#                                    fused/flashmla_sparse.py; git show of flagos-ai/FlagGems) and a
+#                                    _version.py naming the commit: put on PYTHONPATH (flaggems)
+#   .peers/vllm/vllm/                 vLLM's v1/attention/ops/xpu_mla_sparse.py (vllm-triton)
+#   .peers/flashinfer/flashinfer/     the two reference files of the flashinfer-python wheel
+#                                    (flashinfer-reference), when the wheel itself is not installed
 # and installs this checkout (`pip install --no-deps -e .`: the pytest11 entry point behind
 # `-p sparse_mla`). Variables: PEERS_DIR (default /tmp/sparse-mla-peers), PEERS_EXT_OUT,
 # MAX_JOBS (16), NVCC_THREADS (2). With PEERS_ENV_FUNCTIONS_ONLY=1 it only defines the functions
@@ -35,7 +41,11 @@ peers_install_wheels() {  # every carried wheel, one at a time (one bad wheel do
 }
 
 peers_pythonpath() {
-  export PYTHONPATH="$PEERS_ROOT:$PEERS_DIR/site:$PEERS_DIR/flashmla${PYTHONPATH:+:$PYTHONPATH}"
+  local p="$PEERS_ROOT:$PEERS_DIR/site:$PEERS_DIR/flashmla" d
+  for d in flaggems/src vllm flashinfer; do
+    [ -d "$PEERS_ROOT/.peers/$d" ] && p="$p:$PEERS_ROOT/.peers/$d"
+  done
+  export PYTHONPATH="$p${PYTHONPATH:+:$PYTHONPATH}"
 }
 
 peers_install_project() {
@@ -82,7 +92,7 @@ peers_status() {
   python3 - <<'PY' >&2 || true
 import importlib.metadata as m
 from pytest_sparse_mla.implementations import BUILTINS
-for name in ("sglang-triton", "sglang-torch", "flashmla"):
+for name in ("sglang-triton", "sglang-torch", "flashmla", "flaggems", "vllm-triton", "flashinfer-reference"):
     impl = BUILTINS[name](None)
     print(f"peers_env: {name}: {impl.skip_reason('sparse_mla_forward', 'cuda') or 'ready'}")
 try:

@@ -86,7 +86,7 @@ def test_bad_input_raises_a_clear_error(name, sparse_mla_impl, sparse_mla_inputs
     env = sparse_mla_envelope
     fmt = env.formats[0] if "dsv4" not in env.formats else "dsv4"
     missing = [n for n, ok in (("extra", env.takes_extra(fmt)), ("topk_length", env.takes_lengths(fmt)),
-                               ("sink", env.attn_sink)) if n in needs.split() and not ok]  # fmt: skip
+                               ("sink", env.takes_sink(fmt))) if n in needs.split() and not ok]  # fmt: skip
     if missing:
         pytest.skip(f"not applicable to this envelope: it takes no {' / '.join(missing)} for {fmt!r}")
     inputs = sparse_mla_inputs(CASE)
@@ -94,7 +94,7 @@ def test_bad_input_raises_a_clear_error(name, sparse_mla_impl, sparse_mla_inputs
     kwargs = inputs.kwargs()
     mutate(inputs, args, kwargs)
     with pytest.raises((TypeError, ValueError)) as excinfo:
-        sparse_mla_impl.unguarded.sparse_mla_forward(*args, **kwargs)
+        sparse_mla_impl.bad_call(argument, *args, **kwargs)
     assert re.search(rf"\b{argument}\b", str(excinfo.value)), f"the error must name {argument!r}: {excinfo.value}"
 
 
@@ -122,7 +122,7 @@ def test_a_valid_lane_past_the_cache_does_what_the_envelope_says(
     past[-1, 0] = inputs.cache.num_tokens  # one past the last slot
     if behaviour == "refused":
         with pytest.raises(ValueError) as excinfo:
-            sparse_mla_impl.unguarded.sparse_mla_forward(inputs.q, inputs.cache.packed, past, **inputs.kwargs())
+            sparse_mla_impl.bad_call("indices", inputs.q, inputs.cache.packed, past, **inputs.kwargs())
         assert re.search(r"\bindices\b", str(excinfo.value)), f"the error must name 'indices': {excinfo.value}"
         return
     masked = inputs.indices.clone()

@@ -40,6 +40,7 @@ __all__ = [
     "open_forward",
     "virtual_table",
     "load_source_module",
+    "call_peer",
 ]
 
 
@@ -405,47 +406,33 @@ def virtual_table(
 
 
 def load_source_module(name: str, path: Any, stubs: dict[str, dict[str, Any]]) -> Any:
-    """Execute a peer's source file as module ``name``, with ``stubs`` standing in for its imports.
+    """:func:`pytest_sparse_mla.implementations._source.exec_source` (kept here for the adapters)."""
+    from pytest_sparse_mla.implementations._source import exec_source
 
-    Used for peers whose kernels live in a package too heavy (or too device-specific) to import in a
-    test session: the file runs as it is, only the modules in ``stubs`` (module name -> attributes)
-    are replaced while it executes; ``sys.modules`` entries of those names are restored afterwards.
-    The module stays registered under ``name`` (Triton's JIT reads its functions' source from it).
+    return exec_source(name, path, stubs)
 
-    Raises:
-        FileNotFoundError: ``path`` does not exist.
-        Whatever the file raises while it executes.
+
+def call_peer(
+    source: dict[str, Any],
+    function: str,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    script_args: tuple[Any, ...] | None = None,
+) -> Any:
+    """``fn(*args, **kwargs)``, the peer call of an adapter, reported to ``--sparse-mla-repro-dir``
+    (:func:`pytest_sparse_mla.repro.record_native`) so a reproducer can make the same call.
+
+    Args:
+        source: how a standalone script finds the peer: ``{"kind": "import", "module": ...}`` or
+            ``{"kind": "file", "package": ..., "path": ..., "stubs": None | "flaggems" | "vllm"}``
+            (``implementations._source``).
+        function: ``fn``'s name in that module.
+        script_args: ``args`` as the script should rebuild them (``repro.METADATA`` in place of an
+            object it recreates), when they differ.
     """
-    import importlib.util
-    import sys
-    import types
-    from pathlib import Path
+    from pytest_sparse_mla import repro
 
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: the peer's source file is missing")
-    if name in sys.modules:
-        return sys.modules[name]
-    saved = {key: sys.modules.get(key) for key in stubs}
-    try:
-        for key, attrs in stubs.items():
-            module = types.ModuleType(key)
-            module.__dict__.update(attrs)
-            module.__path__ = []  # a package, so dotted stubs below it resolve
-            sys.modules[key] = module
-        spec = importlib.util.spec_from_file_location(name, path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        try:
-            spec.loader.exec_module(module)
-        except BaseException:
-            del sys.modules[name]
-            raise
-        return module
-    finally:
-        for key, old in saved.items():
-            if old is None:
-                sys.modules.pop(key, None)
-            else:
-                sys.modules[key] = old
+    if repro.enabled():
+        repro.record_native(source, function, script_args if script_args is not None else args, kwargs)
+    return fn(*args, **kwargs)

@@ -113,18 +113,13 @@ def flaggems_module() -> Any:
     Raises:
         ImportError: FlagGems' source is not on ``sys.path``, or lacks the two files.
     """
-    from pytest_sparse_mla.implementations._peer import load_source_module
+    from pytest_sparse_mla.implementations._source import exec_source, stubs_for
 
     root = flaggems_source()
     if root is None:
         raise ImportError(f"flag_gems with {', '.join(_FILES)} is not on sys.path ({_HINT})")
-    stubs = {
-        "flag_gems": {},
-        "flag_gems.utils": {},
-        "flag_gems.utils.triton_version_utils": {"has_triton_tle": lambda *args, **kwargs: False},
-    }
-    decode = load_source_module("_sparse_mla_peer_flaggems_decode", root / _FILES[0], stubs)
-    prefill = load_source_module("_sparse_mla_peer_flaggems_prefill", root / _FILES[1], stubs)
+    decode = exec_source("_sparse_mla_peer_flaggems_decode", root / _FILES[0], stubs_for("flaggems"))
+    prefill = exec_source("_sparse_mla_peer_flaggems_prefill", root / _FILES[1], stubs_for("flaggems"))
     return types.SimpleNamespace(
         get_mla_metadata=decode.get_mla_metadata,
         flash_mla_with_kvcache=decode.flash_mla_with_kvcache,
@@ -144,6 +139,8 @@ class FlagGemsImplementation(FlashMlaImplementation):
     decode_entry = "flag_gems.fused.flash_mla_with_kvcache.flash_mla_with_kvcache"
     prefill_entry = "flag_gems.fused.flashmla_sparse.flash_mla_sparse_fwd"
     decode_masks_only_minus_one = False
+    decode_source = {"kind": "file", "package": "flag_gems", "path": _FILES[0], "stubs": "flaggems"}
+    prefill_source = {"kind": "file", "package": "flag_gems", "path": _FILES[1], "stubs": "flaggems"}
 
     def module(self) -> Any:
         """:func:`flaggems_module`."""

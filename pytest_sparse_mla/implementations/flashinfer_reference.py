@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from pytest_sparse_mla.envelope import Envelope
-from pytest_sparse_mla.implementations._peer import PeerResult, lse_to_convention, open_forward, shape_reason
+from pytest_sparse_mla.implementations._peer import PeerResult, call_peer, lse_to_convention, open_forward, shape_reason
 
 __all__ = ["FlashInferReferenceImplementation", "ENVELOPE", "references", "flashinfer_source"]
 
@@ -51,6 +51,8 @@ PEER = (
     "sparse_mla_reference for the DSV3.2 cache)"
 )
 DEVICES = ("cpu", "cuda")
+#: Where a standalone reproducer finds each reference (``_peer.call_peer``).
+_SOURCES = tuple({"kind": "file", "package": "flashinfer", "path": f"{_DIR}/{f}", "stubs": None} for f in _FILES)
 
 ENVELOPE = Envelope(
     formats=("dsv4", "dsv3_2"),
@@ -73,17 +75,10 @@ ENVELOPE = Envelope(
 
 def flashinfer_source() -> Path | None:
     """The installed ``flashinfer/experimental/b12x/attention/_shared/mla`` directory (not imported), or ``None``."""
-    import importlib.util
+    from pytest_sparse_mla.implementations._source import find_source
 
-    try:
-        spec = importlib.util.find_spec("flashinfer")
-    except (ImportError, ValueError):
-        return None
-    for location in (spec.submodule_search_locations or []) if spec is not None else []:
-        root = Path(location) / _DIR
-        if all((root / f).is_file() for f in _FILES):
-            return root
-    return None
+    found = [find_source("flashinfer", f"{_DIR}/{f}") for f in _FILES]
+    return found[0].parent if all(found) else None  # type: ignore[union-attr]
 
 
 def flashinfer_version() -> str | None:
@@ -103,13 +98,13 @@ def references() -> tuple[Any, Any]:
     Raises:
         ImportError: the wheel (with these files) is not installed.
     """
-    from pytest_sparse_mla.implementations._peer import load_source_module
+    from pytest_sparse_mla.implementations._source import exec_source
 
     root = flashinfer_source()
     if root is None:
         raise ImportError(f"flashinfer/{_DIR}/{{{','.join(_FILES)}}} is not installed ({_HINT})")
     return tuple(  # type: ignore[return-value]
-        load_source_module(f"_sparse_mla_peer_flashinfer_{f[:-3]}", root / f, {}) for f in _FILES
+        exec_source(f"_sparse_mla_peer_flashinfer_{f[:-3]}", root / f, {}) for f in _FILES
     )
 
 
@@ -218,9 +213,11 @@ class FlashInferReferenceImplementation:
         query = q.float() if return_fp32 else q
         layout = call.layout
         if layout.fmt.name == "dsv3_2":
-            out, lse2 = nsa.sparse_mla_reference(
-                q_all=query, kv_cache=_token_rows(kv_cache, layout), page_table_1=call.idx,
-                active_token_counts=topk_length, sm_scale=float(sm_scale), v_head_dim=512, return_lse=True,
+            out, lse2 = call_peer(
+                _SOURCES[1], "sparse_mla_reference", nsa.sparse_mla_reference, (),
+                {"q_all": query, "kv_cache": _token_rows(kv_cache, layout), "page_table_1": call.idx,
+                 "active_token_counts": topk_length, "sm_scale": float(sm_scale), "v_head_dim": 512,
+                 "return_lse": True},
             )  # fmt: skip
             lse = lse2.to(torch.float64) * math.log(2.0)
             entry = "flashinfer...mla.reference.sparse_mla_reference"
@@ -243,10 +240,11 @@ class FlashInferReferenceImplementation:
                     "extra_page_size": elayout.page_block_size,
                 }  # fmt: skip
             page_nbytes = compressed.compressed_sparse_mla_page_nbytes(layout.page_block_size)
-            out, lse = compressed.compressed_sparse_mla_reference(
-                query, _flat_pages(kv_cache, layout, page_nbytes),
-                call.idx, lengths, sm_scale=float(sm_scale), attn_sink=attn_sink, swa_page_size=layout.page_block_size,
-                return_lse=True, **kwargs,
+            kwargs.update(sm_scale=float(sm_scale), attn_sink=attn_sink, swa_page_size=layout.page_block_size,
+                          return_lse=True)  # fmt: skip
+            out, lse = call_peer(
+                _SOURCES[0], "compressed_sparse_mla_reference", compressed.compressed_sparse_mla_reference,
+                (query, _flat_pages(kv_cache, layout, page_nbytes), call.idx, lengths), kwargs,
             )  # fmt: skip
             entry = "flashinfer...mla.compressed_reference.compressed_sparse_mla_reference"
         lse = lse_to_convention(

@@ -55,12 +55,14 @@ from pytest_sparse_mla.envelope import Envelope, Widths
 from pytest_sparse_mla.implementations._peer import (
     PeerResult,
     UnsafeForPeer,
+    call_peer,
     lse_to_convention,
     open_forward,
     shape_reason,
     valid_lanes,
     virtual_table,
 )
+from pytest_sparse_mla.repro import METADATA
 
 __all__ = [
     "FlashMlaImplementation",
@@ -141,6 +143,9 @@ class FlashMlaImplementation:
     #: ``PeerResult.entry`` of each route.
     decode_entry = "flash_mla.flash_mla_with_kvcache"
     prefill_entry = "flash_mla.flash_mla_sparse_fwd"
+    #: Where a standalone reproducer finds each route's function (``_peer.call_peer``).
+    decode_source: dict[str, Any] = {"kind": "import", "module": "flash_mla"}
+    prefill_source: dict[str, Any] = {"kind": "import", "module": "flash_mla"}
     #: The decode masks only ``-1`` and reads index pairs as ``int2`` (refused otherwise).
     decode_masks_only_minus_one = True
 
@@ -311,24 +316,22 @@ class FlashMlaImplementation:
             self._check_decode_rows(eidx, extra_topk_length, "extra_indices")
             extra_idx3 = eidx.unsqueeze(1)
         sched, _ = flash_mla.get_mla_metadata()
-        out, lse = flash_mla.flash_mla_with_kvcache(
-            q.unsqueeze(1),
-            kv4,
-            None,
-            None,
-            512,
-            sched,
-            None,
-            softmax_scale=sm_scale,
-            causal=False,
-            is_fp8_kvcache=True,
-            indices=idx.unsqueeze(1),
-            attn_sink=attn_sink,
-            extra_k_cache=extra_kv4,
-            extra_indices_in_kvcache=extra_idx3,
-            topk_length=None if topk_length is None else topk_length.contiguous(),
-            extra_topk_length=None if extra_topk_length is None else extra_topk_length.contiguous(),
-        )
+        args = (q.unsqueeze(1), kv4, None, None, 512, sched, None)
+        kwargs = {
+            "softmax_scale": sm_scale,
+            "causal": False,
+            "is_fp8_kvcache": True,
+            "indices": idx.unsqueeze(1),
+            "attn_sink": attn_sink,
+            "extra_k_cache": extra_kv4,
+            "extra_indices_in_kvcache": extra_idx3,
+            "topk_length": None if topk_length is None else topk_length.contiguous(),
+            "extra_topk_length": None if extra_topk_length is None else extra_topk_length.contiguous(),
+        }
+        out, lse = call_peer(
+            self.decode_source, "flash_mla_with_kvcache", flash_mla.flash_mla_with_kvcache, args, kwargs,
+            script_args=(*args[:5], METADATA, None),
+        )  # fmt: skip
         return out[:, 0], lse[:, :, 0], self.decode_entry
 
     def _prefill(
@@ -345,14 +348,9 @@ class FlashMlaImplementation:
         kv, rows, length = virtual_table(
             call, kv_cache, topk_length, extra_topk_length, row_multiple=PREFILL_ROW_MULTIPLE
         )
-        out, _max_logits, lse = flash_mla.flash_mla_sparse_fwd(
-            q,
-            kv,
-            rows.unsqueeze(1),
-            sm_scale,
-            512,
-            attn_sink,
-            None if length is None else length.contiguous(),
+        args = (q, kv, rows.unsqueeze(1), sm_scale, 512, attn_sink, None if length is None else length.contiguous())
+        out, _max_logits, lse = call_peer(
+            self.prefill_source, "flash_mla_sparse_fwd", flash_mla.flash_mla_sparse_fwd, args, {}
         )
         return out, lse, self.prefill_entry
 

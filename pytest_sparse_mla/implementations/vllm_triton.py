@@ -36,6 +36,7 @@ from typing import Any
 from pytest_sparse_mla.envelope import Envelope, Widths
 from pytest_sparse_mla.implementations._peer import (
     PeerResult,
+    call_peer,
     lse_to_convention,
     open_forward,
     shape_reason,
@@ -55,6 +56,8 @@ ROW_MULTIPLE = 16
 #: it means the row had no valid lane.
 EMPTY_LSE_BELOW = -1.0e30 * math.log(2.0) / 2
 
+#: Where a standalone reproducer finds the function (``_peer.call_peer``).
+SOURCE = {"kind": "file", "package": "vllm", "path": _FILE, "stubs": "vllm"}
 PEER = "vLLM triton_bf16_mla_sparse_interface (Triton BF16 sparse MLA over a dequantized table)"
 DEVICES = ("cuda",)
 
@@ -83,17 +86,9 @@ ENVELOPE = Envelope(
 
 def vllm_source() -> Path | None:
     """``vllm/v1/attention/ops/xpu_mla_sparse.py`` on ``sys.path`` (``vllm`` not imported), or ``None``."""
-    import importlib.util
+    from pytest_sparse_mla.implementations._source import find_source
 
-    try:
-        spec = importlib.util.find_spec("vllm")
-    except (ImportError, ValueError):
-        return None
-    for location in (spec.submodule_search_locations or []) if spec is not None else []:
-        path = Path(location) / _FILE
-        if path.is_file():
-            return path
-    return None
+    return find_source("vllm", _FILE)  # type: ignore[no-any-return]
 
 
 @functools.lru_cache(maxsize=1)
@@ -103,19 +98,12 @@ def vllm_module() -> Any:
     Raises:
         ImportError: the file is not found on ``sys.path``; Triton is not installed.
     """
-    import triton
-    import triton.language as tl
-
-    from pytest_sparse_mla.implementations._peer import load_source_module
+    from pytest_sparse_mla.implementations._source import exec_source, stubs_for
 
     path = vllm_source()
     if path is None:
         raise ImportError(f"vllm/{_FILE} is not on sys.path ({_HINT})")
-    stubs = {
-        "vllm": {},
-        "vllm.triton_utils": {"LOG2E": math.log2(math.e), "LOGE2": math.log(2.0), "tl": tl, "triton": triton},
-    }
-    return load_source_module("_sparse_mla_peer_vllm_xpu_mla_sparse", path, stubs)
+    return exec_source("_sparse_mla_peer_vllm_xpu_mla_sparse", path, stubs_for("vllm"))
 
 
 class VllmTritonImplementation:
@@ -202,9 +190,10 @@ class VllmTritonImplementation:
         if length is not None:  # one prefix length per row: folded into the row
             rows = torch.where(valid_lanes_of(rows, length), rows, torch.full_like(rows, -1))
         d_qk = call.layout.fmt.d_qk
-        out, _max_logits, lse = vllm_module().triton_bf16_mla_sparse_interface(
-            q, kv, rows.unsqueeze(1), float(sm_scale), d_v=512, block_dpe=d_qk - 512
-        )
+        out, _max_logits, lse = call_peer(
+            SOURCE, "triton_bf16_mla_sparse_interface", vllm_module().triton_bf16_mla_sparse_interface,
+            (q, kv, rows.unsqueeze(1), float(sm_scale)), {"d_v": 512, "block_dpe": d_qk - 512},
+        )  # fmt: skip
         lse = torch.where(lse < EMPTY_LSE_BELOW, torch.full_like(lse, -math.inf), lse)
         lse = lse_to_convention(
             lse, sink_included=False, attn_sink=None, lse_convention=call.lse_convention, lse_scale=call.lse_scale

@@ -1,0 +1,109 @@
+"""Executing a peer's source file without importing its package, and finding it.
+
+Standard library only, and self-contained on purpose: :mod:`pytest_sparse_mla.repro` copies these
+functions' source (``inspect.getsource``) into the standalone reproducer scripts it writes, which
+must run with torch and the peer alone. The adapters (``flaggems``, ``vllm_triton``,
+``flashinfer_reference``) call the same functions, so a script loads the peer exactly as the suite did.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["exec_source", "find_source", "stubs_for"]
+
+
+def find_source(package: str, path: str) -> Any:
+    """``<package dir>/<path>`` for the first ``package`` directory on ``sys.path`` holding ``path``
+    (``importlib.util.find_spec``: the package is not imported), or ``None``."""
+    import importlib.util
+    from pathlib import Path
+
+    try:
+        spec = importlib.util.find_spec(package)
+    except (ImportError, ValueError):
+        return None
+    for location in (spec.submodule_search_locations or []) if spec is not None else []:
+        candidate = Path(location) / path
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def stubs_for(kind: Any) -> dict[str, dict[str, Any]]:
+    """The stand-ins a peer's file gets for its package's imports while it executes.
+
+    ``"flaggems"``: ``flag_gems.utils.triton_version_utils.has_triton_tle`` answering ``False`` (the
+    FlagTree-only paths off). ``"vllm"``: ``vllm.triton_utils`` as Triton itself (``triton``, ``tl``)
+    and vLLM's two constants ``LOG2E``, ``LOGE2`` (``vllm/triton_utils/__init__.py``). ``None``: none.
+
+    Raises:
+        ValueError: another ``kind``.
+    """
+    import math
+
+    if kind is None:
+        return {}
+    if kind == "flaggems":
+        return {
+            "flag_gems": {},
+            "flag_gems.utils": {},
+            "flag_gems.utils.triton_version_utils": {"has_triton_tle": lambda *args, **kwargs: False},
+        }
+    if kind == "vllm":
+        import triton
+        import triton.language as tl
+
+        return {
+            "vllm": {},
+            "vllm.triton_utils": {"LOG2E": math.log2(math.e), "LOGE2": math.log(2.0), "tl": tl, "triton": triton},
+        }
+    raise ValueError(f"stubs_for({kind!r}): expected None, 'flaggems' or 'vllm'")
+
+
+def exec_source(name: str, path: Any, stubs: dict[str, dict[str, Any]]) -> Any:
+    """Execute a peer's source file as module ``name``, with ``stubs`` standing in for its imports.
+
+    For peers whose kernels live in a package too heavy (or too device-specific) to import in a
+    test session: the file runs as it is, only the modules in ``stubs`` (module name -> attributes)
+    are replaced while it executes; ``sys.modules`` entries of those names are restored afterwards.
+    The module stays registered under ``name`` (Triton's JIT reads its functions' source from it).
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        Whatever the file raises while it executes.
+    """
+    import importlib.util
+    import sys
+    import types
+    from pathlib import Path
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: the peer's source file is missing")
+    if name in sys.modules:
+        return sys.modules[name]
+    saved = {key: sys.modules.get(key) for key in stubs}
+    try:
+        for key, attrs in stubs.items():
+            stub = types.ModuleType(key)
+            stub.__dict__.update(attrs)
+            stub.__path__ = []  # a package, so dotted stubs below it resolve
+            sys.modules[key] = stub
+        spec = importlib.util.spec_from_file_location(name, path)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"{path}: not loadable as a module")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
+        return module
+    finally:
+        for key, old in saved.items():
+            if old is None:
+                sys.modules.pop(key, None)
+            else:
+                sys.modules[key] = old

@@ -1,0 +1,511 @@
+"""Standalone reproducers of failing judged calls (``--sparse-mla-repro-dir DIR``).
+
+A maintainer reading "test X fails against your kernel" should not have to install this plugin to
+see it. With ``--sparse-mla-repro-dir DIR``, every call a failing or xfailed test made to the
+implementation under test becomes, when it is itself wrong, one folder
+``DIR/<test id>/call<k>/`` holding:
+
+* ``inputs.pt`` (``torch.save``; loads with ``weights_only=True``): the call's tensors and
+  arguments, exactly as the kernel received them (views keep their storage, strides and offset),
+  the float64 oracle's output and LSE for that call, and the elementwise bounds the suite applied
+  (``tolerances.output_bound``, ``tolerances.lse_bound``);
+* ``repro.py``: a script that needs only torch and the implementation. Where a built-in peer
+  adapter made the call, it calls the peer's own function with the arguments the adapter passed it
+  (``flash_mla.flash_mla_with_kvcache``, FlagGems' and vLLM's source files, FlashInfer's
+  references), never this package; otherwise it imports the implementation by its import string
+  and calls ``sparse_mla_forward(q, kv_cache, indices, **kwargs)``. ``--impl module:Class`` runs
+  another implementation on the same inputs (``pytest_sparse_mla.implementations:ReferenceImplementation``
+  is the bundled reference). It prints expected vs got at the worst element and exits 1 while the
+  discrepancy exists, 0 once the result lies within the bound (2: it could not run).
+
+What counts as wrong is what the script itself checks (:func:`_judge`, whose source the script
+carries): a non-finite or out-of-bound output element, an out-of-bound LSE (protocol calls only: a
+peer's native LSE is in its own convention), an error raised by a call the suite expected to
+succeed, or no ``TypeError``/``ValueError`` naming the argument for a deliberately bad call. A test
+whose failure is a relation between calls (two results that must be equal bit for bit) and none
+of whose calls is wrong by itself gets a ``NO-REPRO.txt`` saying so.
+
+Recording happens only when the option is given: the guard (:mod:`pytest_sparse_mla.guard`) wraps
+each call in :func:`judged_call`, the peer adapters report the peer call they make through
+:func:`record_native`. State is per process (one test at a time per xdist worker).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import json
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "NativeCall",
+    "RecordedCall",
+    "begin_test",
+    "enable",
+    "enabled",
+    "judged_call",
+    "record_native",
+    "recorded_calls",
+    "write_reproducers",
+    "METADATA",
+]
+
+#: An argument a script computes instead of loading: ``<module>.get_mla_metadata()[0]`` (FlashMLA's
+#: scheduler metadata object, which ``torch.save`` with ``weights_only`` cannot hold).
+METADATA = {"__module_call__": "get_mla_metadata", "index": 0}
+
+
+@dataclass
+class NativeCall:
+    """A peer function call an adapter made (``source`` as :func:`_load`, arguments snapshotted)."""
+
+    source: dict[str, Any]
+    function: str
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
+@dataclass
+class RecordedCall:
+    """One call of the implementation under test during a test.
+
+    Attributes:
+        args, kwargs: the ``sparse_mla_forward`` arguments (snapshotted before the call).
+        expect_error: the argument a deliberately bad call must name (``None``: a judged call).
+        output, lse: the result (CPU snapshots), or ``None``.
+        error: ``"Type: message"`` of an exception the call raised, or ``None``.
+        native: the peer calls the adapter made for it.
+    """
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    expect_error: str | None = None
+    output: Any = None
+    lse: Any = None
+    error: str | None = None
+    native: list[NativeCall] = field(default_factory=list)
+    devices: Any = None
+
+
+_ENABLED = False
+_CALLS: list[RecordedCall] = []
+_NATIVE: list[NativeCall] | None = None
+
+
+def enable(flag: bool) -> None:
+    """Turn recording on (``--sparse-mla-repro-dir`` given) or off."""
+    global _ENABLED
+    _ENABLED = bool(flag)
+
+
+def enabled() -> bool:
+    """Whether calls are being recorded."""
+    return _ENABLED
+
+
+def begin_test() -> None:
+    """Forget the previous test's calls."""
+    _CALLS.clear()
+
+
+def recorded_calls() -> list[RecordedCall]:
+    """The calls of the current test, in order."""
+    return list(_CALLS)
+
+
+def _snapshot(value: Any) -> Any:
+    """A CPU copy of ``value`` made now: tensors keep their whole storage, size, stride and offset."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        if value.device.type == "meta":
+            return value
+        storage = value.detach().untyped_storage()
+        copy = torch.empty(0, dtype=value.dtype, device="cpu")
+        copy.set_(storage.cpu() if storage.device.type != "cpu" else storage.clone(), value.storage_offset(),
+                  value.size(), value.stride())  # fmt: skip
+        return copy
+    if isinstance(value, tuple):
+        return tuple(_snapshot(v) for v in value)
+    if isinstance(value, list):
+        return [_snapshot(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _snapshot(v) for k, v in value.items()}
+    return value
+
+
+def _devices(value: Any) -> Any:
+    """``value``'s structure with each tensor replaced by its device string (``None`` elsewhere)."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return str(value.device)
+    if isinstance(value, (tuple, list)):
+        return [_devices(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _devices(v) for k, v in value.items()}
+    return None
+
+
+def record_native(source: dict[str, Any], function: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Called by a peer adapter just before it calls ``function`` of ``source`` (no-op unless a
+    judged call is being recorded). ``args`` may hold :data:`METADATA` in place of an object the
+    script rebuilds."""
+    if _NATIVE is not None:
+        _NATIVE.append(NativeCall(dict(source), function, _snapshot(tuple(args)), _snapshot(dict(kwargs))))
+
+
+@contextlib.contextmanager
+def judged_call(args: tuple[Any, ...], kwargs: dict[str, Any], expect_error: str | None = None) -> Iterator[Any]:
+    """Record one call of the implementation (yields the :class:`RecordedCall`, or ``None`` when
+    recording is off); an exception leaving the block is recorded and re-raised."""
+    global _NATIVE
+    if not _ENABLED:
+        yield None
+        return
+    rec = RecordedCall(_snapshot(tuple(args)), _snapshot(dict(kwargs)), expect_error=expect_error,
+                       devices=_devices({"args": tuple(args), "kwargs": dict(kwargs)}))  # fmt: skip
+    _NATIVE = rec.native
+    try:
+        yield rec
+    except BaseException as exc:
+        rec.error = f"{type(exc).__name__}: {exc}"
+        raise
+    finally:
+        _NATIVE = None
+        _CALLS.append(rec)
+
+
+def set_result(rec: Any, output: Any, lse: Any) -> None:
+    """Store a judged call's result in its record (no-op for ``None``)."""
+    if rec is not None:
+        rec.output, rec.lse = _snapshot(output), _snapshot(lse)
+
+
+# --- the judgement (its source is copied into every script) ------------------------------------
+
+
+def _judge(expected: Any, bound: Any, got: Any, what: str) -> list[str]:
+    """Lines describing where ``got`` leaves ``|got - expected| <= bound`` (non-finite counts as out),
+    worst element first; ``[]`` when it stays inside. Tensors of one shape; ``expected`` may hold
+    ``+-inf`` (an empty row's LSE), matched by the same infinity."""
+    import torch
+
+    e = expected.double().cpu()
+    a = got.double().cpu().reshape(e.shape)
+    same_inf = torch.isinf(a) & torch.isinf(e) & (torch.sign(a) == torch.sign(e))
+    diff = torch.where(same_inf, torch.zeros_like(a), (a - e).abs())
+    diff = torch.where(torch.isnan(diff), torch.full_like(diff, float("inf")), diff)
+    bad = diff > bound.double().cpu()
+    if not bool(bad.any()):
+        return []
+    ratio = torch.where(bad, diff / bound.double().cpu().clamp_min(1e-300), torch.zeros_like(diff))
+    ratio = ratio.nan_to_num(posinf=1e308)
+    idx = tuple(int(i) for i in torch.unravel_index(ratio.argmax(), ratio.shape))
+    where = ", ".join(f"{n} {i}" for n, i in zip(("token", "head", "dim"), idx, strict=False))
+    return [
+        f"{what}: {int(bad.sum())} of {bad.numel()} values outside the bound; worst at {where}: "
+        f"expected {float(e[idx]):.7g}, got {float(a[idx]):.7g}, |diff| {float(diff[idx]):.3g} > "
+        f"bound {float(bound.double()[idx]):.3g}"
+    ]
+
+
+# --- writing ------------------------------------------------------------------------------------
+
+_ORACLE_KEYS = (
+    "sm_scale", "fmt", "page_block_size", "topk_length", "attn_sink", "extra_kv_cache", "extra_indices",
+    "extra_topk_length", "extra_page_block_size", "lse_convention", "lse_scale",
+)  # fmt: skip
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.=-]+", "_", name)[:150]
+
+
+def _expectation(rec: RecordedCall, profile: Any) -> dict[str, Any] | None:
+    """The oracle's output, LSE and bounds for ``rec`` (``None`` when the oracle refuses the call)."""
+    import math
+
+    import torch
+
+    from pytest_sparse_mla import tolerances
+    from pytest_sparse_mla.attention.oracle import oracle_forward
+
+    kwargs = {k: v for k, v in rec.kwargs.items() if k in _ORACLE_KEYS}
+    try:
+        oracle = oracle_forward(*rec.args, **kwargs)
+    except (TypeError, ValueError):
+        return None
+    fmt = kwargs.get("fmt", "dsv4")
+    dtype = rec.output.dtype if rec.output is not None else torch.bfloat16
+    out = {
+        "expected_output": oracle.output.to(torch.float64),
+        "output_bound": tolerances.output_bound(oracle.output, profile=profile, fmt=fmt, scales=oracle.scales,
+                                                output_dtype=dtype),  # fmt: skip
+        "lse_convention": oracle.lse_convention,
+        "lse_scale": float(oracle.lse_scale),
+    }
+    natural = oracle.lse.to(torch.float64)
+    if oracle.lse_convention != "flashmla":
+        natural = natural * (math.log(2.0) / oracle.lse_scale)
+    out["expected_lse_natural"] = natural
+    out["lse_bound_natural"] = tolerances.lse_bound(natural, profile=profile, fmt=fmt, scales=oracle.scales)
+    return out
+
+
+def _natural(lse: Any, convention: str, scale: float) -> Any:
+    import math
+
+    x = lse.double()
+    return x if convention == "flashmla" else x * (math.log(2.0) / scale)
+
+
+def _verdict(rec: RecordedCall, expect: dict[str, Any] | None) -> list[str]:
+    """What is wrong with ``rec`` by the script's own checks (``[]``: nothing by itself)."""
+    if rec.expect_error is not None:
+        if rec.error is None:
+            return [f"no error raised; expected a TypeError or ValueError naming {rec.expect_error!r}"]
+        kind = rec.error.split(":", 1)[0]
+        if kind not in ("TypeError", "ValueError") or not re.search(rf"\b{rec.expect_error}\b", rec.error):
+            return [f"raised {rec.error}; expected a TypeError or ValueError naming {rec.expect_error!r}"]
+        return []
+    if rec.error is not None:
+        if rec.error.startswith(("Skipped", "Failed", "XFailed", "Unsupported")):
+            return []  # pytest's own outcomes and declared refusals are not the kernel's answer
+        return [f"raised {rec.error}; the call lies inside the envelope and must succeed"]
+    if expect is None or rec.output is None:
+        return []
+    lines = _judge(expect["expected_output"], expect["output_bound"], rec.output, "output")
+    if rec.lse is not None:
+        got = _natural(rec.lse, expect["lse_convention"], expect["lse_scale"])
+        lines += _judge(expect["expected_lse_natural"], expect["lse_bound_natural"], got, "lse (natural log)")
+    return lines
+
+
+def _impl_string(impl: Any) -> str:
+    cls = type(impl)
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def write_reproducers(
+    directory: str | Path,
+    nodeid: str,
+    impl: Any,
+    profile: Any,
+    outcome: str,
+    calls: list[RecordedCall] | None = None,
+) -> list[Path]:
+    """Write one reproducer per wrong call of a failed or xfailed test (module docstring).
+
+    Args:
+        directory: the ``--sparse-mla-repro-dir``.
+        nodeid: the test id (the folder name, made file-system safe).
+        impl: the implementation under test (unguarded).
+        profile: the ``tolerances.Profile`` in force for the test.
+        outcome: ``"failed"`` or ``"xfailed"`` (recorded in the index).
+        calls: the calls (default: this test's recorded calls).
+
+    Returns:
+        The folders written (none when no call is wrong by itself: ``NO-REPRO.txt`` says why).
+    """
+    import torch
+
+    calls = recorded_calls() if calls is None else calls
+    if not calls:
+        return []
+    base = Path(directory) / _safe(nodeid.split("::", 1)[-1])
+    written: list[Path] = []
+    reasons: list[str] = []
+    for k, rec in enumerate(calls):
+        expect = None if rec.expect_error is not None or rec.error is not None else _expectation(rec, profile)
+        verdict = _verdict(rec, expect)
+        if not verdict:
+            reasons.append(f"call {k}: within the bound by itself")
+            continue
+        folder = base / f"call{k}"
+        folder.mkdir(parents=True, exist_ok=True)
+        native = rec.native[-1] if rec.native else None
+        data: dict[str, Any] = {
+            "nodeid": nodeid,
+            "impl": _impl_string(impl),
+            "impl_name": str(getattr(impl, "name", "")),
+            "device": str(rec.args[0].device) if rec.args and hasattr(rec.args[0], "device") else "cpu",
+            "args": rec.args,
+            "kwargs": rec.kwargs,
+            "devices": rec.devices,
+            "expect_error": rec.expect_error,
+            "recorded": verdict,
+        }
+        if expect is not None:
+            data.update(expect)
+        if native is not None:
+            data["native"] = {"source": native.source, "function": native.function, "args": native.args,
+                              "kwargs": native.kwargs}  # fmt: skip
+        torch.save(data, folder / "inputs.pt")
+        (folder / "repro.py").write_text(_script(nodeid, impl, verdict, native), encoding="utf-8")
+        written.append(folder)
+    index = Path(directory) / "index.jsonl"
+    index.parent.mkdir(parents=True, exist_ok=True)
+    with index.open("a", encoding="utf-8") as fh:
+        fh.write(json.dumps({"nodeid": nodeid, "outcome": outcome, "impl": str(getattr(impl, "name", "")),
+                             "scripts": [str(p / "repro.py") for p in written]}) + "\n")  # fmt: skip
+    if not written:
+        base.mkdir(parents=True, exist_ok=True)
+        (base / "NO-REPRO.txt").write_text(
+            f"{nodeid} ({outcome}): no call is wrong by itself ({'; '.join(reasons)}); the failure is a "
+            "relation between calls (e.g. two results that must be equal bit for bit). Run the test itself.\n",
+            encoding="utf-8",
+        )
+    return written
+
+
+def _script(nodeid: str, impl: Any, verdict: list[str], native: NativeCall | None) -> str:
+    from pytest_sparse_mla.implementations import _source
+
+    helpers = "\n\n".join(
+        inspect.getsource(fn) for fn in (_source.find_source, _source.stubs_for, _source.exec_source, _judge)
+    )
+    how = (
+        f"calls {native.source.get('module') or native.source.get('package')}'s {native.function} directly"
+        if native is not None
+        else f"imports {_impl_string(impl)} and calls sparse_mla_forward"
+    )
+    head = f'''#!/usr/bin/env python3
+"""Reproducer written by pytest-sparse-mla (--sparse-mla-repro-dir).
+
+Test: {nodeid}
+Implementation: {getattr(impl, "name", "")} ({_impl_string(impl)}); this script {how}.
+Recorded: {" / ".join(verdict)}
+
+Needs torch and the implementation only. Usage:
+    python repro.py                  # the recorded call, on the recorded device
+    python repro.py --device cpu     # another device
+    python repro.py --impl pytest_sparse_mla.implementations:ReferenceImplementation   # another implementation
+Exit 0: the result lies within the bound of the float64 oracle; 1: the discrepancy is there; 2: could not run.
+"""
+'''
+    return head + _SCRIPT_BODY.replace("#HELPERS#", helpers)
+
+
+_SCRIPT_BODY = '''
+from __future__ import annotations
+
+import argparse
+import importlib
+import math
+import os
+import re
+import sys
+from typing import Any
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+#HELPERS#
+
+
+def _to(value: Any, device: str, recorded: Any = None, main: str = "") -> Any:
+    """Tensors to ``device``; one recorded on another device than ``main`` stays on that device
+    (a call that mixes devices on purpose keeps mixing them)."""
+    if isinstance(value, torch.Tensor):
+        if isinstance(recorded, str) and recorded != main:
+            return value.to(recorded) if not recorded.startswith("cuda") or torch.cuda.is_available() else value
+        return value.to(device)
+    if isinstance(value, (tuple, list)):
+        rec = recorded if isinstance(recorded, list) else [None] * len(value)
+        out = [_to(v, device, r, main) for v, r in zip(value, rec)]
+        return tuple(out) if isinstance(value, tuple) else out
+    if isinstance(value, dict):
+        rec = recorded if isinstance(recorded, dict) else {}
+        return {k: _to(v, device, rec.get(k), main) for k, v in value.items()}
+    return value
+
+
+def _peer_module(source: dict) -> Any:
+    if source["kind"] == "import":
+        return importlib.import_module(source["module"])
+    path = find_source(source["package"], source["path"])
+    if path is None:
+        raise ImportError(f"{source['package']}/{source['path']} is not on sys.path")
+    return exec_source("_repro_" + source["package"], path, stubs_for(source.get("stubs")))
+
+
+def _import_impl(spec: str) -> Any:
+    module, _, attr = spec.partition(":")
+    obj = importlib.import_module(module)
+    for part in attr.split(".") if attr else ():
+        obj = getattr(obj, part)
+    return obj() if isinstance(obj, type) else obj
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--impl", help="module:Class of a sparse_mla_forward implementation to run instead")
+    parser.add_argument("--device", help="device to run on (default: the recorded one)")
+    opts = parser.parse_args()
+    data = torch.load(os.path.join(HERE, "inputs.pt"), weights_only=True)
+    device = opts.device or data["device"]
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        print(f"recorded on {device}; no CUDA device here: use --device cpu if the implementation runs there")
+        return 2
+    native = data.get("native") if not opts.impl else None
+    try:
+        target = _peer_module(native["source"]) if native is not None else _import_impl(opts.impl or data["impl"])
+    except Exception as exc:  # noqa: BLE001 - not the answer under test: the environment
+        print(f"cannot run: the implementation does not load ({type(exc).__name__}: {exc})")
+        return 2
+    try:
+        if native is not None:
+            module = target
+            args = [getattr(module, a["__module_call__"])()[a["index"]] if isinstance(a, dict) and
+                    "__module_call__" in a else a for a in _to(native["args"], device)]  # fmt: skip
+            result = getattr(module, native["function"])(*args, **_to(native["kwargs"], device))
+            output, lse = (result[0] if isinstance(result, (tuple, list)) else result), None
+        else:
+            impl = target
+            devs = data.get("devices") or {}
+            args = _to(data["args"], device, devs.get("args"), data["device"])
+            result = impl.sparse_mla_forward(*args, **_to(data["kwargs"], device, devs.get("kwargs"), data["device"]))
+            if isinstance(result, (tuple, list)):
+                output, lse = result[0], (result[1] if len(result) > 1 else None)
+            elif hasattr(result, "output"):
+                output, lse = result.output, getattr(result, "lse", None)
+            else:
+                output, lse = result, None
+    except Exception as exc:  # the answer under test, or an environment problem
+        text = f"{type(exc).__name__}: {exc}"
+        if data["expect_error"] is not None:
+            word = re.search(r"\\b" + re.escape(data["expect_error"]) + r"\\b", str(exc)) is not None
+            named = exc.__class__.__name__ in ("TypeError", "ValueError") and word
+            print(("OK: " if named else "DISCREPANCY: ") + f"raised {text}; expected a TypeError or ValueError "
+                  f"naming {data['expect_error']!r}")  # fmt: skip
+            return 0 if named else 1
+        print(f"DISCREPANCY: raised {text}; the call must succeed")
+        return 1
+    if data["expect_error"] is not None:
+        print(f"DISCREPANCY: no error raised; expected a TypeError or ValueError naming {data['expect_error']!r}")
+        return 1
+    lines = _judge(data["expected_output"], data["output_bound"], output, "output")
+    if lse is not None and "expected_lse_natural" in data:
+        got = lse.double()
+        if data["lse_convention"] != "flashmla":
+            got = got * (math.log(2.0) / data["lse_scale"])
+        lines += _judge(data["expected_lse_natural"], data["lse_bound_natural"], got, "lse (natural log)")
+    if lines:
+        print("DISCREPANCY (expected = float64 oracle):")
+        print("\\n".join("  " + line for line in lines))
+        return 1
+    print("OK: within the bound of the float64 oracle" + (" (output only: the peer's LSE is in its own convention)"
+                                                          if native is not None else ""))  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+'''
