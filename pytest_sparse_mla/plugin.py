@@ -217,7 +217,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> 
                 fallback = profiles.get(tolerances.profile_for(impl), profiles["kernel"])
                 model = tol.model if tol is not None else fallback
                 outcome = "xfailed" if hasattr(report, "wasxfail") else "failed"
-                repro.write_reproducers(opts.repro_dir, item.nodeid, impl.unguarded, model, outcome)
+                spec = opts.impl if ":" in opts.impl else None  # an import string names the object itself
+                repro.write_reproducers(opts.repro_dir, item.nodeid, impl.unguarded, model, outcome, impl_spec=spec)
     return report
 
 

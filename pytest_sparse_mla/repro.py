@@ -118,16 +118,15 @@ def recorded_calls() -> list[RecordedCall]:
 
 
 def _snapshot(value: Any) -> Any:
-    """A CPU copy of ``value`` made now: tensors keep their whole storage, size, stride and offset."""
+    """A copy of ``value`` made now, on its device: tensors keep their whole storage, size, stride
+    and offset (a view of a pool stays a view of a copy of that pool)."""
     import torch
 
     if isinstance(value, torch.Tensor):
         if value.device.type == "meta":
             return value
-        storage = value.detach().untyped_storage()
-        copy = torch.empty(0, dtype=value.dtype, device="cpu")
-        copy.set_(storage.cpu() if storage.device.type != "cpu" else storage.clone(), value.storage_offset(),
-                  value.size(), value.stride())  # fmt: skip
+        copy = torch.empty(0, dtype=value.dtype, device=value.device)
+        copy.set_(value.detach().untyped_storage().clone(), value.storage_offset(), value.size(), value.stride())
         return copy
     if isinstance(value, tuple):
         return tuple(_snapshot(v) for v in value)
@@ -298,6 +297,7 @@ def write_reproducers(
     profile: Any,
     outcome: str,
     calls: list[RecordedCall] | None = None,
+    impl_spec: str | None = None,
 ) -> list[Path]:
     """Write one reproducer per wrong call of a failed or xfailed test (module docstring).
 
@@ -308,6 +308,7 @@ def write_reproducers(
         profile: the ``tolerances.Profile`` in force for the test.
         outcome: ``"failed"`` or ``"xfailed"`` (recorded in the index).
         calls: the calls (default: this test's recorded calls).
+        impl_spec: the ``module:attribute`` the script imports (default: the implementation's class).
 
     Returns:
         The folders written (none when no call is wrong by itself: ``NO-REPRO.txt`` says why).
@@ -321,7 +322,7 @@ def write_reproducers(
     written: list[Path] = []
     reasons: list[str] = []
     for k, rec in enumerate(calls):
-        expect = None if rec.expect_error is not None or rec.error is not None else _expectation(rec, profile)
+        expect = None if rec.expect_error is not None else _expectation(rec, profile)
         verdict = _verdict(rec, expect)
         if not verdict:
             reasons.append(f"call {k}: within the bound by itself")
@@ -331,7 +332,7 @@ def write_reproducers(
         native = rec.native[-1] if rec.native else None
         data: dict[str, Any] = {
             "nodeid": nodeid,
-            "impl": _impl_string(impl),
+            "impl": impl_spec or _impl_string(impl),
             "impl_name": str(getattr(impl, "name", "")),
             "device": str(rec.args[0].device) if rec.args and hasattr(rec.args[0], "device") else "cpu",
             "args": rec.args,
@@ -346,7 +347,7 @@ def write_reproducers(
             data["native"] = {"source": native.source, "function": native.function, "args": native.args,
                               "kwargs": native.kwargs}  # fmt: skip
         torch.save(data, folder / "inputs.pt")
-        (folder / "repro.py").write_text(_script(nodeid, impl, verdict, native), encoding="utf-8")
+        (folder / "repro.py").write_text(_script(nodeid, impl, verdict, native, impl_spec), encoding="utf-8")
         written.append(folder)
     index = Path(directory) / "index.jsonl"
     index.parent.mkdir(parents=True, exist_ok=True)
@@ -363,7 +364,7 @@ def write_reproducers(
     return written
 
 
-def _script(nodeid: str, impl: Any, verdict: list[str], native: NativeCall | None) -> str:
+def _script(nodeid: str, impl: Any, verdict: list[str], native: NativeCall | None, impl_spec: str | None) -> str:
     from pytest_sparse_mla.implementations import _source
 
     helpers = "\n\n".join(
@@ -372,13 +373,13 @@ def _script(nodeid: str, impl: Any, verdict: list[str], native: NativeCall | Non
     how = (
         f"calls {native.source.get('module') or native.source.get('package')}'s {native.function} directly"
         if native is not None
-        else f"imports {_impl_string(impl)} and calls sparse_mla_forward"
+        else f"imports {impl_spec or _impl_string(impl)} and calls sparse_mla_forward"
     )
     head = f'''#!/usr/bin/env python3
 """Reproducer written by pytest-sparse-mla (--sparse-mla-repro-dir).
 
 Test: {nodeid}
-Implementation: {getattr(impl, "name", "")} ({_impl_string(impl)}); this script {how}.
+Implementation: {getattr(impl, "name", "")} ({impl_spec or _impl_string(impl)}); this script {how}.
 Recorded: {" / ".join(verdict)}
 
 Needs torch and the implementation only. Usage:
@@ -449,7 +450,7 @@ def main() -> int:
     parser.add_argument("--impl", help="module:Class of a sparse_mla_forward implementation to run instead")
     parser.add_argument("--device", help="device to run on (default: the recorded one)")
     opts = parser.parse_args()
-    data = torch.load(os.path.join(HERE, "inputs.pt"), weights_only=True)
+    data = torch.load(os.path.join(HERE, "inputs.pt"), map_location="cpu", weights_only=True)
     device = opts.device or data["device"]
     if device.startswith("cuda") and not torch.cuda.is_available():
         print(f"recorded on {device}; no CUDA device here: use --device cpu if the implementation runs there")

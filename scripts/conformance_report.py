@@ -172,22 +172,24 @@ def _short(text: str, limit: int = 240) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+#: The built-in peer adapters, in report order.
+PEERS = ("sglang-triton", "sglang-torch", "flashmla", "flaggems", "vllm-triton", "flashinfer-reference")
+
+
 def declarations() -> dict[str, Any]:
     """Each peer adapter's envelope, entry points and devices (imported from this checkout; no torch needed)."""
-    from pytest_sparse_mla.implementations import flashmla, sglang
+    from pytest_sparse_mla.implementations import BUILTINS
 
-    return {
-        "sglang-triton": {"peer": sglang.TRITON_PEER, "devices": list(sglang.TRITON_DEVICES),
-                          **sglang.TRITON_ENVELOPE.as_dict()},
-        "sglang-torch": {"peer": sglang.TORCH_PEER, "devices": list(sglang.TORCH_DEVICES),
-                         **sglang.TORCH_ENVELOPE.as_dict()},
-        "flashmla": {"peer": flashmla.PEER, "devices": list(flashmla.DEVICES), **flashmla.ENVELOPE.as_dict()},
-    }  # fmt: skip
+    out = {}
+    for name in PEERS:
+        impl = BUILTINS[name](None)
+        out[name] = {"peer": impl.peer, "devices": list(impl.devices), **impl.envelope.as_dict()}
+    return out
 
 
 def build(results: Path, smoke_path: Path | None = None, notes_path: Path | None = None) -> dict[str, Any]:
     impls = sorted(p.name[len("conformance-") : -len(".xml")] for p in results.glob("conformance-*.xml"))
-    order = ["reference", "sglang-triton", "sglang-torch", "flashmla"]
+    order = ["reference", *PEERS]
     impls.sort(key=lambda n: (order.index(n) if n in order else len(order), n))
     notes_path = notes_path or ROOT / "docs" / "conformance" / "notes.json"
     notes = json.loads(notes_path.read_text()) if notes_path.exists() else {}
@@ -208,6 +210,16 @@ def build(results: Path, smoke_path: Path | None = None, notes_path: Path | None
             impl: {c: e for c, per in data.get("cases", {}).items() if (e := per.get(impl, {})).get("status") != "ok"}
             for impl in data.get("summary", {})
         }
+    check = results / "repro-check.json"
+    if check.exists():
+        data = json.loads(check.read_text())
+        per: dict[str, dict[str, int]] = {}
+        for rec in data.get("records", []):
+            row = per.setdefault(rec.get("impl", "?"), {"scripts": 0, "hold": 0, "native": 0})
+            row["scripts"] += 1
+            row["hold"] += int(bool(rec.get("holds")))
+            row["native"] += int(bool(rec.get("native")))
+        doc["reproducers"] = {"summary": data.get("summary", {}), "per_implementation": per}
     bench = results / "bench" / "results.json"
     if bench.exists():
         doc["benchmarks"] = json.loads(bench.read_text())
@@ -234,7 +246,10 @@ def markdown(doc: dict[str, Any]) -> str:
         f"torch {m.get('torch')} (CUDA {m.get('cuda_runtime')}), triton {m.get('triton')}, Python {m.get('python')}, "
         f"{m.get('cpu_count')} CPUs; run {m.get('date_utc')} UTC.",
         f"Peers: SGLang {m.get('sglang')} (wheel from PyPI, installed --no-deps); FlashMLA "
-        f"{'; '.join(m.get('flashmla_source') or ['not built'])}, built with FLASH_MLA_DISABLE_SM100=1.",
+        f"{'; '.join(m.get('flashmla_source') or ['not built'])}, built with FLASH_MLA_DISABLE_SM100=1; "
+        f"FlagGems {'; '.join(m.get('flaggems_source') or ['not carried'])} (source files); vLLM "
+        f"{'; '.join(m.get('vllm_source') or ['not carried'])}; FlashInfer references: "
+        f"{'; '.join(m.get('flashinfer_reference_source') or ['not carried'])}.",
         *([f"Note: {m['note']}.", ""] if m.get("note") else [""]),
         f"Command: `{doc['command']}`. Each peer's shipped xfail file is applied, so a known discrepancy "
         "counts as `xfailed` and a test that starts passing fails the run (`xfail_strict`). A capability the "
@@ -317,6 +332,27 @@ def markdown(doc: dict[str, Any]) -> str:
             out.append(f"* **`{name}` [{d['key']}] {d['kind']}** ({d['xfailed_tests']} xfailed tests): {d['text']}")
     if not any_disc:
         out.append("None recorded.")
+    if doc.get("reproducers"):
+        rep = doc["reproducers"]
+        out += [
+            "",
+            "## Reproducers",
+            "",
+            "The same run with `--sparse-mla-repro-dir` (REPRO=1): one standalone `repro.py` per wrong call of an "
+            "xfailed or failed test, then `scripts/check_repros.py`: a script holds when it exits 1 on its "
+            "implementation (a script that calls the peer directly runs with `pytest` and `pytest_sparse_mla` "
+            "unimportable) and 0 with `--impl` the bundled reference. `docs/discrepancies.md` lists them.",
+            "",
+            "| implementation | scripts | hold | call the peer directly |",
+            "| --- | ---: | ---: | ---: |",
+        ]
+        for name, row in rep["per_implementation"].items():
+            out.append(f"| `{name}` | {row['scripts']} | {row['hold']} | {row['native']} |")
+        missing = rep["summary"].get("xfail_lines_without_a_holding_script") or {}
+        if missing:
+            out += ["", "xfail lines without a holding script (page-split state, or a relation between calls):", ""]
+            for name, ids in missing.items():
+                out += [f"* `{name}`: " + ", ".join(f"`{i.split('::', 1)[-1]}`" for i in ids)]
     out += ["", "## Failures not listed in an xfail file", ""]
     any_fail = False
     for name, s in impls.items():

@@ -12,7 +12,9 @@
 #   conformance-IMPL.log    the pytest output
 # plus machine.json (GPU, driver, versions, peer sources) and, from scripts/conformance_report.py,
 # conformance.json and conformance.md. Shipped xfail files (pytest_sparse_mla/xfail/IMPL.txt) are
-# applied unless XFAIL=0. Optional: SMOKE=1 runs scripts/peers_smoke.py (smoke.json), BENCH=1 the
+# applied unless XFAIL=0. REPRO=1 writes the reproducers of every xfailed or failed call
+# (--sparse-mla-repro-dir, in repro/repro-IMPL) and runs them (scripts/check_repros.py: each must fail on its
+# implementation and pass on the reference; repro-check.json). Optional: SMOKE=1 runs scripts/peers_smoke.py (smoke.json), BENCH=1 the
 # peer and reference-attention benchmarks (bench/results.json). Variables: XDIST (workers, default 4), SUITE_TIMEOUT
 # (seconds per implementation, default 240), SMOKE_TIMEOUT (180), SMOKE_MAX_TOKENS (600),
 # BENCH_TIMEOUT (240), PEERS_EXT_OUT (pack a fresh FlashMLA build there),
@@ -83,6 +85,9 @@ run_suite() {  # run_suite IMPL
   if [ "${XFAIL:-1}" = 1 ] && [ -f "pytest_sparse_mla/xfail/$impl.txt" ]; then
     xfail=(--sparse-mla-xfail-file "pytest_sparse_mla/xfail/$impl.txt")
   fi
+  if [ "${REPRO:-0}" = 1 ]; then
+    xfail+=(--sparse-mla-repro-dir "$OUT/repro/repro-$impl")
+  fi
   t0=$(date +%s)
   stamp "suite $impl"
   timeout -s INT -k 20 "${SUITE_TIMEOUT:-240}" \
@@ -93,7 +98,7 @@ run_suite() {  # run_suite IMPL
       "${xfail[@]}" >"$OUT/conformance-$impl.log" 2>&1
   local rc=$?
   local xf=null
-  [ ${#xfail[@]} -gt 0 ] && xf="\"${xfail[1]}\""
+  [ "${XFAIL:-1}" = 1 ] && [ -f "pytest_sparse_mla/xfail/$impl.txt" ] && xf="\"pytest_sparse_mla/xfail/$impl.txt\""
   echo "{\"impl\": \"$impl\", \"exit\": $rc, \"seconds\": $(( $(date +%s) - t0 )), \"xfail_file\": $xf}" \
     >"$OUT/conformance-$impl.exit.json"
   stamp "suite $impl: exit $rc in $(( $(date +%s) - t0 )) s; $(tail -1 "$OUT/conformance-$impl.log")"
@@ -112,6 +117,12 @@ write_machine_json
 if [[ " ${IMPLS[*]} " == *" flashmla "* ]]; then
   run_suite flashmla
 fi
+if [ "${REPRO:-0}" = 1 ]; then
+  stamp "reproducers"
+  timeout -s INT "${REPRO_TIMEOUT:-300}" python3 scripts/check_repros.py "$OUT/repro" --jobs "${REPRO_JOBS:-12}" \
+    --json "$OUT/repro-check.json" >"$OUT/repro-check.log" 2>&1
+  stamp "reproducers: exit $?; $(head -c 1500 "$OUT/repro-check.log" | tr '\n' ' ')"
+fi
 if [ "${SMOKE:-0}" = 1 ]; then
   stamp "smoke"
   timeout -s INT "${SMOKE_TIMEOUT:-180}" python3 scripts/peers_smoke.py --out "$OUT/smoke.json" \
@@ -129,6 +140,6 @@ fi
 python3 scripts/conformance_report.py "$OUT" --json "$OUT/conformance.json" --md "$OUT/conformance.md" \
   >"$OUT/report.log" 2>&1 || stamp "report failed: $(tail -3 "$OUT/report.log")"
 if [ -n "${PACK:-}" ]; then
-  tar -C "$OUT" -cf - . | xz -T0 -6 >"$PACK" && stamp "packed $(du -h "$PACK" | cut -f1) to $PACK"
+  tar -C "$OUT" --exclude=inputs.pt -cf - . | xz -T0 -6 >"$PACK" && stamp "packed $(du -h "$PACK" | cut -f1) to $PACK"
 fi
 stamp "done"

@@ -222,6 +222,15 @@ class zero_output(_WrapsReference):
         return _replace(res, output=torch.zeros_like(res.output))
 
 
+@wrong(
+    "no input validation: an fp32 q is rounded to BF16 silently instead of refused",
+    "peer entry points without argument checks (SGLang's, FlagGems', vLLM's decode functions)",
+)
+class accepts_fp32_q(_WrapsReference):
+    def sparse_mla_forward(self, q, kv_cache, indices, **kw):
+        return self._reference(q.to(torch.bfloat16), kv_cache, indices, **kw)
+
+
 @wrong("sm_scale applied twice as large (x2)", "softmax_scale passed pre-multiplied by a caller")
 class sm_scale_x2(_WrapsReference):
     def sparse_mla_forward(self, q, kv_cache, indices, *, sm_scale, **kw):

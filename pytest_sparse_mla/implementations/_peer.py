@@ -41,6 +41,7 @@ __all__ = [
     "virtual_table",
     "load_source_module",
     "call_peer",
+    "check_folded_lengths",
 ]
 
 
@@ -436,3 +437,23 @@ def call_peer(
     if repro.enabled():
         repro.record_native(source, function, script_args if script_args is not None else args, kwargs)
     return fn(*args, **kwargs)
+
+
+def check_folded_lengths(q: Any, topk_length: Any, extra_topk_length: Any, has_extra: bool) -> None:
+    """Check the lengths an adapter folds into the index rows itself (its peer takes none): the same
+    checks as the bundled reference (``[T]`` int32 on ``q``'s device; ``extra_topk_length`` only with
+    an extra cache).
+
+    Raises:
+        TypeError: not a tensor, or not int32. ValueError: a wrong shape or device;
+            ``extra_topk_length`` without an extra cache.
+    """
+    import torch
+
+    from pytest_sparse_mla.attention.reference import _check_vector
+
+    if extra_topk_length is not None and not has_extra:
+        raise ValueError("extra_topk_length requires extra_kv_cache and extra_indices")
+    for name, value in (("topk_length", topk_length), ("extra_topk_length", extra_topk_length)):
+        if value is not None:
+            _check_vector(value, name, torch.int32, int(q.shape[0]), "one length per token", q)

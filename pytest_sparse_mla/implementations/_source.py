@@ -35,15 +35,32 @@ def stubs_for(kind: Any) -> dict[str, dict[str, Any]]:
 
     ``"flaggems"``: ``flag_gems.utils.triton_version_utils.has_triton_tle`` answering ``False`` (the
     FlagTree-only paths off). ``"vllm"``: ``vllm.triton_utils`` as Triton itself (``triton``, ``tl``)
-    and vLLM's two constants ``LOG2E``, ``LOGE2`` (``vllm/triton_utils/__init__.py``). ``None``: none.
+    and vLLM's two constants ``LOG2E``, ``LOGE2`` (``vllm/triton_utils/__init__.py``). ``"sglang"``:
+    the three ``sglang.srt`` names ``flash_mla_sm120.py`` reads (``environ.envs`` with
+    ``SGLANG_SM120_FLASHMLA_BACKEND.get() == "torch"``, ``utils.is_hip() == False``,
+    ``runtime_context.get_resources``, which raises: the page split binds its own). ``None``: none.
 
     Raises:
         ValueError: another ``kind``.
     """
     import math
+    import types
 
     if kind is None:
         return {}
+    if kind == "sglang":
+
+        def get_resources() -> Any:
+            raise RuntimeError("SGLang's get_resources() stand-in: no buffer registry bound")
+
+        backend = types.SimpleNamespace(get=lambda: "torch")
+        return {
+            "sglang": {},
+            "sglang.srt": {},
+            "sglang.srt.environ": {"envs": types.SimpleNamespace(SGLANG_SM120_FLASHMLA_BACKEND=backend)},
+            "sglang.srt.utils": {"is_hip": lambda: False},
+            "sglang.srt.runtime_context": {"get_resources": get_resources},
+        }
     if kind == "flaggems":
         return {
             "flag_gems": {},
@@ -58,7 +75,7 @@ def stubs_for(kind: Any) -> dict[str, dict[str, Any]]:
             "vllm": {},
             "vllm.triton_utils": {"LOG2E": math.log2(math.e), "LOGE2": math.log(2.0), "tl": tl, "triton": triton},
         }
-    raise ValueError(f"stubs_for({kind!r}): expected None, 'flaggems' or 'vllm'")
+    raise ValueError(f"stubs_for({kind!r}): expected None, 'flaggems', 'vllm' or 'sglang'")
 
 
 def exec_source(name: str, path: Any, stubs: dict[str, dict[str, Any]]) -> Any:

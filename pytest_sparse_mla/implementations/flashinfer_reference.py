@@ -139,6 +139,8 @@ class FlashInferReferenceImplementation:
     name = "flashinfer-reference"
     compute_mode = "exact"
     envelope = ENVELOPE
+    peer = PEER
+    devices = DEVICES
 
     def skip_reason(self, capability: str, device: str) -> str | None:
         """Why the references cannot run here: the wheel is not installed, or a device they do not run on."""
@@ -227,6 +229,8 @@ class FlashInferReferenceImplementation:
                 (call.num_tokens,), width, dtype=torch.int32, device=q.device
             )  # fmt: skip
             kwargs: dict[str, Any] = {}
+            if extra_topk_length is not None:  # the reference checks that it comes with an extra cache
+                kwargs["extra_topk_lengths"] = extra_topk_length
             if call.extra is not None:
                 extra_cache, _, elayout, eidx = call.extra
                 kwargs = {

@@ -74,6 +74,7 @@ from pytest_sparse_mla.envelope import Envelope, Unsupported
 from pytest_sparse_mla.implementations._peer import (
     PeerResult,
     UnsafeForPeer,
+    call_peer,
     lse_to_convention,
     open_forward,
     shape_reason,
@@ -181,20 +182,6 @@ def sglang_version() -> str | None:
         return None
 
 
-class _Setting:
-    def __init__(self, value: Any) -> None:
-        self._value = value
-
-    def get(self) -> Any:
-        return self._value
-
-
-class _Envs:
-    """Stand-in for ``sglang.srt.environ.envs``: the only setting read is the SM120 backend."""
-
-    SGLANG_SM120_FLASHMLA_BACKEND = _Setting("torch")
-
-
 class _Resources:
     def __init__(self, buffers: MutableMapping[str, Any]) -> None:
         self.buffers = buffers
@@ -246,24 +233,18 @@ def _get_resources() -> _Resources:
 
 
 def _stub_modules() -> dict[str, types.ModuleType]:
-    def package(name: str) -> types.ModuleType:
-        mod = types.ModuleType(name, "pytest-sparse-mla stand-in (see pytest_sparse_mla.implementations.sglang)")
-        mod.__path__ = []
-        return mod
+    """The stand-ins of ``_source.stubs_for("sglang")`` as modules, ``get_resources`` bound to the
+    registry of the split in progress."""
+    from pytest_sparse_mla.implementations._source import stubs_for
 
-    environ = types.ModuleType("sglang.srt.environ")
-    environ.envs = _Envs()  # type: ignore[attr-defined]
-    utils = package("sglang.srt.utils")
-    utils.is_hip = lambda: False  # type: ignore[attr-defined]
-    runtime_context = types.ModuleType("sglang.srt.runtime_context")
-    runtime_context.get_resources = _get_resources  # type: ignore[attr-defined]
-    return {
-        "sglang": package("sglang"),
-        "sglang.srt": package("sglang.srt"),
-        "sglang.srt.environ": environ,
-        "sglang.srt.utils": utils,
-        "sglang.srt.runtime_context": runtime_context,
-    }
+    modules = {}
+    for name, attrs in stubs_for("sglang").items():
+        mod = types.ModuleType(name, "pytest-sparse-mla stand-in (see pytest_sparse_mla.implementations.sglang)")
+        mod.__dict__.update(attrs)
+        mod.__path__ = []  # type: ignore[attr-defined]
+        modules[name] = mod
+    modules["sglang.srt.runtime_context"].get_resources = _get_resources  # type: ignore[attr-defined]
+    return modules
 
 
 @contextlib.contextmanager
@@ -480,9 +461,11 @@ class _SglangBase:
         if call.extra is not None:
             extra4, extra_idx3 = call.extra[1], call.extra[3].unsqueeze(1)
         kv4 = call.kv4
-        out, lse = self._forward_callable()(
-            q.unsqueeze(1), kv4, idx.unsqueeze(1), topk_length, attn_sink, 512, float(sm_scale),
-            extra4, extra_idx3, extra_topk_length,
+        source = {"kind": "file", "package": "sglang", "path": SGLANG_FILES[self._forward_file], "stubs": "sglang"}
+        out, lse = call_peer(
+            source, self._forward_function, self._forward_callable(),
+            (q.unsqueeze(1), kv4, idx.unsqueeze(1), topk_length, attn_sink, 512, float(sm_scale),
+             extra4, extra_idx3, extra_topk_length), {},
         )  # fmt: skip
         lse = lse_to_convention(
             lse[:, :, 0],

@@ -37,6 +37,7 @@ from pytest_sparse_mla.envelope import Envelope, Widths
 from pytest_sparse_mla.implementations._peer import (
     PeerResult,
     call_peer,
+    check_folded_lengths,
     lse_to_convention,
     open_forward,
     shape_reason,
@@ -112,6 +113,8 @@ class VllmTritonImplementation:
     name = "vllm-triton"
     compute_mode = "bf16"
     envelope = ENVELOPE
+    peer = PEER
+    devices = DEVICES
 
     def skip_reason(self, capability: str, device: str) -> str | None:
         """Why vLLM's kernel cannot run here: its source is not on ``sys.path``, no Triton, or not CUDA."""
@@ -169,7 +172,8 @@ class VllmTritonImplementation:
 
         Raises:
             pytest_sparse_mla.Unsupported: as :meth:`unsupported_reason` (an ``attn_sink``, a device).
-            ValueError: as :func:`_peer.open_forward`.
+            ValueError, TypeError: as :func:`_peer.open_forward`; the lengths the adapter folds into
+                the rows (:func:`_peer.check_folded_lengths`).
             ImportError: the source is not found.
             Whatever the kernel raises (``AssertionError`` from the interface's asserts).
         """
@@ -186,6 +190,7 @@ class VllmTritonImplementation:
             extra_topk_length=extra_topk_length, extra_page_block_size=extra_page_block_size,
             lse_convention=lse_convention, lse_scale=lse_scale, return_fp32=return_fp32,
         )  # fmt: skip
+        check_folded_lengths(q, topk_length, extra_topk_length, call.extra is not None)
         kv, rows, length = virtual_table(call, kv_cache, topk_length, extra_topk_length, row_multiple=ROW_MULTIPLE)
         if length is not None:  # one prefix length per row: folded into the row
             rows = torch.where(valid_lanes_of(rows, length), rows, torch.full_like(rows, -1))

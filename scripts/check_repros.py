@@ -1,0 +1,110 @@
+#!/usr/bin/env python3
+"""Run every reproducer ``--sparse-mla-repro-dir`` wrote, on its implementation and on the bundled
+reference, and check the xfail files against them.
+
+    python scripts/check_repros.py ROOT [--jobs 8] [--json out.json] [--xfail-dir pytest_sparse_mla/xfail]
+
+``ROOT`` holds one repro directory per implementation, named ``repro-<impl>`` (as
+``scripts/device_conformance.sh`` writes them with ``REPRO=1``). Each ``repro.py`` runs twice:
+as written (a script that calls a peer directly runs with ``pytest`` and ``pytest_sparse_mla``
+made unimportable, proving it needs neither) and with ``--impl`` the bundled reference. A
+reproducer holds when the first run exits 1 (the discrepancy is there) and the second exits 0.
+Then every test id listed in ``<xfail-dir>/<impl>.txt`` must have at least one reproducer that
+holds. Exit 0 when all of that is true, 1 otherwise; the JSON has one record per script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+REFERENCE = "pytest_sparse_mla.implementations:ReferenceImplementation"
+ISOLATED = (
+    "import runpy, sys; sys.modules['pytest_sparse_mla'] = None; sys.modules['pytest'] = None; "
+    "script = sys.argv[1]; sys.argv = sys.argv[1:]; runpy.run_path(script, run_name='__main__')"
+)
+
+
+def _run(cmd: list[str], cwd: Path, timeout: float) -> tuple[int, str]:
+    try:
+        done = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return 124, "timeout"
+    text = (done.stdout.strip() or done.stderr.strip()).splitlines()
+    return done.returncode, (text[0] if text else "")[:400]
+
+
+def check(script: Path, timeout: float) -> dict[str, object]:
+    native = "directly" in script.read_text(encoding="utf-8").split('"""', 2)[1]
+    first = [sys.executable, "-c", ISOLATED, str(script)] if native else [sys.executable, str(script)]
+    peer_rc, peer_out = _run(first, script.parent, timeout)
+    ref_rc, ref_out = _run([sys.executable, str(script), "--impl", REFERENCE], script.parent, timeout)
+    return {"script": str(script), "native": native, "peer_exit": peer_rc, "peer_says": peer_out,
+            "reference_exit": ref_rc, "reference_says": ref_out, "holds": peer_rc == 1 and ref_rc == 0}  # fmt: skip
+
+
+def _xfail_ids(path: Path) -> list[str]:
+    ids = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            ids.append(line)
+    return ids
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("root", type=Path)
+    parser.add_argument("--jobs", type=int, default=8)
+    parser.add_argument("--timeout", type=float, default=300)
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--xfail-dir", type=Path, default=Path("pytest_sparse_mla/xfail"))
+    opts = parser.parse_args()
+    scripts = sorted(opts.root.glob("repro-*/**/repro.py"))
+    with ThreadPoolExecutor(opts.jobs) as pool:
+        records = list(pool.map(lambda s: check(s, opts.timeout), scripts))
+    by_impl: dict[str, dict[str, list[dict[str, object]]]] = {}
+    for rec in records:
+        impl_dir = next(p for p in Path(str(rec["script"])).parents if p.name.startswith("repro-"))
+        index = impl_dir / "index.jsonl"
+        impl = impl_dir.name[len("repro-"):]
+        rec["impl"] = impl
+        for line in index.read_text(encoding="utf-8").splitlines() if index.exists() else []:
+            entry = json.loads(line)
+            if rec["script"] in [str(Path(p)) for p in entry["scripts"]]:
+                rec["nodeid"] = entry["nodeid"]
+                rec["outcome"] = entry["outcome"]
+        by_impl.setdefault(impl, {}).setdefault(str(rec.get("nodeid", "")), []).append(rec)
+    missing: dict[str, list[str]] = {}
+    for impl_dir in sorted(opts.root.glob("repro-*")):
+        impl = impl_dir.name[len("repro-"):]
+        xfail = opts.xfail_dir / f"{impl}.txt"
+        if not xfail.exists():
+            continue
+        runs = by_impl.get(impl, {})
+        for test_id in _xfail_ids(xfail):
+            matches = [r for nodeid, recs in runs.items() if nodeid.endswith(test_id) or nodeid.startswith(test_id)
+                       for r in recs]  # fmt: skip
+            if not any(r["holds"] for r in matches):
+                missing.setdefault(impl, []).append(test_id)
+    summary = {
+        "scripts": len(records),
+        "hold": sum(1 for r in records if r["holds"]),
+        "xfail_lines_without_a_holding_script": missing,
+    }
+    if opts.json:
+        opts.json.write_text(json.dumps({"summary": summary, "records": records}, indent=1), encoding="utf-8")
+    print(json.dumps(summary, indent=1))
+    for rec in records:
+        if not rec["holds"]:
+            print(f"NOT HOLDING peer={rec['peer_exit']} ref={rec['reference_exit']} {rec['script']}: "
+                  f"{rec['peer_says']} | {rec['reference_says']}")  # fmt: skip
+    return 0 if summary["hold"] == summary["scripts"] and not missing else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""``--sparse-mla-repro-dir``: the scripts fail on a wrong kernel, pass on the reference, and need
+neither pytest nor this package when a peer adapter made the call.
+
+Each test runs a small slice of the suites in a subprocess (the way a user runs them), then runs
+the written ``repro.py`` files as a maintainer would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
+REFERENCE = "pytest_sparse_mla.implementations:ReferenceImplementation"
+
+#: Runs a script with ``pytest_sparse_mla`` and ``pytest`` made unimportable.
+ISOLATED = (
+    "import runpy, sys; sys.modules['pytest_sparse_mla'] = None; sys.modules['pytest'] = None; "
+    "script = sys.argv[1]; sys.argv = sys.argv[1:]; runpy.run_path(script, run_name='__main__')"
+)
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return env
+
+
+def _suite(tmp_path: Path, impl: str, *selection: str) -> tuple[subprocess.CompletedProcess[str], Path]:
+    out = tmp_path / "repro"
+    cmd = [sys.executable, "-m", "pytest", "-p", "sparse_mla", *selection, "--sparse-mla-impl", impl,
+           "--sparse-mla-device", "cpu", "--sparse-mla-repro-dir", str(out), "-p", "no:xdist",
+           "-p", "no:cacheprovider", "-q", "--basetemp", str(tmp_path / "base")]  # fmt: skip
+    return subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600), out
+
+
+def _script(path: Path, *args: str, isolated: bool = False) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-c", ISOLATED, str(path), *args] if isolated else [sys.executable, str(path), *args]
+    return subprocess.run(cmd, cwd=path.parent, env=_env(), capture_output=True, text=True, timeout=600)
+
+
+def test_a_wrong_kernel_gets_a_script_that_fails_on_it_and_passes_on_the_reference(tmp_path):
+    run, out = _suite(
+        tmp_path, "kernel_catalogue:sm_scale_x2",
+        "suites/test_attention_accuracy.py::test_flashinfer_configurations_match_oracle[fi-decode-h8-k1024]",
+    )  # fmt: skip
+    assert run.returncode == 1, run.stdout[-3000:]
+    index = [json.loads(line) for line in (out / "index.jsonl").read_text().splitlines()]
+    assert [e["outcome"] for e in index] == ["failed"]
+    scripts = [Path(p) for p in index[0]["scripts"]]
+    assert scripts, "a wrong result must give a script"
+    got = _script(scripts[0])
+    assert got.returncode == 1, got.stdout + got.stderr
+    assert "DISCREPANCY" in got.stdout and "expected" in got.stdout and "got" in got.stdout
+    ref = _script(scripts[0], "--impl", REFERENCE)
+    assert ref.returncode == 0, ref.stdout + ref.stderr
+    assert "OK" in ref.stdout
+
+
+def test_a_bad_input_the_kernel_accepts_gets_a_script(tmp_path):
+    run, out = _suite(
+        tmp_path, "kernel_catalogue:accepts_fp32_q",
+        "suites/test_attention_inputs.py::test_bad_input_raises_a_clear_error[q-float32]",
+    )  # fmt: skip
+    assert run.returncode == 1, run.stdout[-3000:]
+    index = [json.loads(line) for line in (out / "index.jsonl").read_text().splitlines()]
+    script = Path(index[0]["scripts"][0])
+    got = _script(script)
+    assert got.returncode == 1 and "expected a TypeError or ValueError naming 'q'" in got.stdout, got.stdout
+    ref = _script(script, "--impl", REFERENCE)
+    assert ref.returncode == 0 and ref.stdout.startswith("OK: raised TypeError"), ref.stdout
+
+
+def test_a_passing_test_writes_nothing(tmp_path):
+    run, out = _suite(
+        tmp_path, "reference",
+        "suites/test_attention_accuracy.py::test_flashinfer_configurations_match_oracle[fi-decode-h8-k1024]",
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:]
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_a_peer_script_calls_the_peer_without_pytest_or_this_package(tmp_path):
+    from pytest_sparse_mla.implementations import BUILTINS
+
+    reason = BUILTINS["flashinfer-reference"](None).skip_reason("sparse_mla_forward", "cpu")
+    if reason is not None:
+        pytest.skip(reason)
+    run, out = _suite(
+        tmp_path, "flashinfer-reference",
+        "suites/test_attention_invariants.py::test_poisoned_rows_never_reach_the_output[nan-e4m3-0x7f-decode-dsv3_2]",
+        "suites/test_attention_invariants.py::test_candidate_permutation_invariance[dsv4]",
+    )  # fmt: skip
+    assert run.returncode == 1, run.stdout[-3000:]
+    scripts = [Path(p) for line in (out / "index.jsonl").read_text().splitlines() for p in json.loads(line)["scripts"]]
+    assert len(scripts) == 2
+    for script in scripts:
+        assert "calls flashinfer's" in script.read_text()
+        got = _script(script, isolated=True)
+        assert got.returncode == 1, got.stdout + got.stderr
+        assert "DISCREPANCY" in got.stdout
+        ref = _script(script, "--impl", REFERENCE)
+        assert ref.returncode == 0, ref.stdout + ref.stderr
