@@ -411,13 +411,25 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 #HELPERS#
 
 
+def _move(tensor: torch.Tensor, device: str) -> torch.Tensor:
+    """``tensor`` on ``device`` with its whole storage, offset and strides (a view of a pool stays a view)."""
+    target = torch.device(device)
+    if tensor.device == target or tensor.device.type == "meta":
+        return tensor
+    storage = tensor.untyped_storage()
+    moved = storage.cpu() if target.type == "cpu" else storage.to(device=target)
+    return torch.empty(0, dtype=tensor.dtype, device=target).set_(
+        moved, tensor.storage_offset(), tensor.size(), tensor.stride()
+    )
+
+
 def _to(value: Any, device: str, recorded: Any = None, main: str = "") -> Any:
     """Tensors to ``device``; one recorded on another device than ``main`` stays on that device
     (a call that mixes devices on purpose keeps mixing them)."""
     if isinstance(value, torch.Tensor):
         if isinstance(recorded, str) and recorded != main:
-            return value.to(recorded) if not recorded.startswith("cuda") or torch.cuda.is_available() else value
-        return value.to(device)
+            return _move(value, recorded) if not recorded.startswith("cuda") or torch.cuda.is_available() else value
+        return _move(value, device)
     if isinstance(value, (tuple, list)):
         rec = recorded if isinstance(recorded, list) else [None] * len(value)
         out = [_to(v, device, r, main) for v, r in zip(value, rec)]
