@@ -72,7 +72,7 @@ for dist in ("sglang", "pytest", "pytest-xdist", "syrupy", "hypothesis"):
         info[dist] = None
 src = os.path.join(os.environ.get("PEERS_DIR", "/tmp/sparse-mla-peers"), "flashmla", "PEER_SOURCE.txt")
 info["flashmla_source"] = open(src).read().strip().splitlines() if os.path.exists(src) else None
-for peer, path in (("flaggems", ".peers/flaggems/src/flag_gems/_version.py"), ("vllm", ".peers/vllm/SOURCE"),
+for peer, path in (("flaggems", ".peers/flaggems/SOURCE"), ("vllm", ".peers/vllm/SOURCE"),
                    ("flashinfer_reference", ".peers/flashinfer/SOURCE")):
     info[f"{peer}_source"] = open(path).read().strip().splitlines() if os.path.exists(path) else None
 json.dump(info, open(sys.argv[1], "w"), indent=1)
