@@ -95,7 +95,8 @@ def test_flaggems_maps_like_flashmla_and_keeps_negative_lanes(fake_flaggems, num
     fake = fake_flaggems("dsv4")
     call = _inputs(num_tokens, 64, seed=5)
     call["indices"][1, 3] = -2  # FlashMLA's decode would be refused here; FlagGems masks every negative
-    res = flaggems.FlagGemsImplementation().sparse_mla_forward(call["q"], call["kv_cache"], call["indices"], **_kw(call))
+    impl = flaggems.FlagGemsImplementation()
+    res = impl.sparse_mla_forward(call["q"], call["kv_cache"], call["indices"], **_kw(call))
     assert res.entry.startswith("flag_gems.fused.") and res.route == ("decode" if num_tokens <= 64 else "prefill")
     assert [kind for kind, _ in fake.calls] == [res.route]
     _assert_matches_oracle(res, call, "flashinfer")
