@@ -84,7 +84,7 @@ def test_a_miss_lists_every_form_that_would_have_worked(project: Path) -> None:
     assert result.returncode == pytest.ExitCode.USAGE_ERROR
     for needle in (
         "--sparse-mla-impl='my_kernel': unknown implementation",
-        "a built-in name: flashinfer,",
+        "a built-in name: flaggems, flashinfer,",
         "an entry-point name (group 'pytest_sparse_mla.implementations'",
         "pytest_sparse_mla_implementations(config) hook",
         "MODULE or PACKAGE.MODULE (the module itself), importable from sys.path or found as my_kernel.py",

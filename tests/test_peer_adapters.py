@@ -266,7 +266,7 @@ class FakeFlashMla(types.ModuleType):
 @pytest.fixture
 def fake_flash_mla(monkeypatch: pytest.MonkeyPatch):
     """Install a :class:`FakeFlashMla` as ``flash_mla``; the adapter admits CPU tensors."""
-    monkeypatch.setattr(flashmla, "DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(flashmla.FlashMlaImplementation, "devices", ("cuda", "cpu"))
 
     def install(fmt: str) -> FakeFlashMla:
         fake = FakeFlashMla(fmt)

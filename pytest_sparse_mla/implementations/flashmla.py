@@ -4,7 +4,7 @@ imported from the built package (``import flash_mla``, its ``flash_mla.cuda`` ex
 FlashMLA is not on a package index: build it from its source with CUTLASS at the commit it pins,
 e.g. for an H100/H200 ``FLASH_MLA_DISABLE_SM100=1 python setup.py build_ext --inplace`` (CUDA 13
 also needs ``$CUDA_HOME/include/cccl`` on ``CPLUS_INCLUDE_PATH``), then put the source directory on
-``PYTHONPATH`` (README, "Run the suites against SGLang or FlashMLA"; ``scripts/device_conformance.sh``).
+``PYTHONPATH`` (README, "Run the suites against a peer"; ``scripts/device_conformance.sh``).
 
 Routes (``route`` of the result), split at FlashInfer's decode cutoff like the bundled reference:
 
@@ -74,7 +74,7 @@ __all__ = [
 TOPK_TILE = 64
 #: The prefill kernel's index-row multiple (``topk % (2*B_TOPK) == 0``).
 PREFILL_ROW_MULTIPLE = 128
-_HINT = "build deepseek-ai/FlashMLA and put it on PYTHONPATH (README, 'Run the suites against SGLang or FlashMLA')"
+_HINT = "build deepseek-ai/FlashMLA and put it on PYTHONPATH (README, 'Run the suites against a peer')"
 
 #: The peer's entry points, in words (prefix of refusals).
 PEER = "FlashMLA flash_mla_with_kvcache (sparse FP8 decode, T <= 64) / flash_mla_sparse_fwd (sparse BF16 prefill)"
