@@ -206,14 +206,24 @@ class GuardedImplementation:
             repro.set_result(rec, result.output, result.lse)
         return result
 
-    def bad_call(self, argument: str, *args: Any, **kwargs: Any) -> Any:
-        """Call the implementation's ``sparse_mla_forward`` with deliberately bad input (no guard):
-        it must raise a ``TypeError`` or ``ValueError`` naming ``argument`` (the bad-input suite).
-        Recorded for ``--sparse-mla-repro-dir`` with that expectation."""
+    def page_split(self, *args: Any, **kwargs: Any) -> Any:
+        """The implementation's ``page_split``, recorded for ``--sparse-mla-repro-dir``."""
         from pytest_sparse_mla import repro
 
-        with repro.judged_call(args, kwargs, expect_error=argument):
-            return self.unguarded.sparse_mla_forward(*args, **kwargs)
+        with repro.judged_call(args, kwargs, capability="page_split") as rec:
+            out = self.unguarded.page_split(*args, **kwargs)
+            repro.set_result(rec, out, None)
+        return out
+
+    def bad_call(self, argument: str, *args: Any, capability: str = "sparse_mla_forward", **kwargs: Any) -> Any:
+        """Call the implementation's ``capability`` (``sparse_mla_forward`` or ``page_split``) with
+        deliberately bad input (no guard): it must raise a ``TypeError`` or ``ValueError`` naming
+        ``argument`` (``""``: any such error). Recorded for ``--sparse-mla-repro-dir`` with that
+        expectation."""
+        from pytest_sparse_mla import repro
+
+        with repro.judged_call(args, kwargs, expect_error=argument, capability=capability):
+            return getattr(self.unguarded, capability)(*args, **kwargs)
 
     def __repr__(self) -> str:
         return f"<guarded {self.unguarded!r}>"

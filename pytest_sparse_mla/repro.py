@@ -74,8 +74,11 @@ class RecordedCall:
     """One call of the implementation under test during a test.
 
     Attributes:
-        args, kwargs: the ``sparse_mla_forward`` arguments (snapshotted before the call).
-        expect_error: the argument a deliberately bad call must name (``None``: a judged call).
+        args, kwargs: the call's arguments (snapshotted before the call; a ``page_split``'s
+            ``registry`` is left out: a reproducer starts from empty buffers).
+        expect_error: the argument a deliberately bad call must name (``""``: any; ``None``: a
+            judged call).
+        capability: ``"sparse_mla_forward"`` or ``"page_split"``.
         output, lse: the result (CPU snapshots), or ``None``.
         error: ``"Type: message"`` of an exception the call raised, or ``None``.
         native: the peer calls the adapter made for it.
@@ -89,6 +92,7 @@ class RecordedCall:
     error: str | None = None
     native: list[NativeCall] = field(default_factory=list)
     devices: Any = None
+    capability: str = "sparse_mla_forward"
 
 
 _ENABLED = False
@@ -159,15 +163,21 @@ def record_native(source: dict[str, Any], function: str, args: tuple[Any, ...], 
 
 
 @contextlib.contextmanager
-def judged_call(args: tuple[Any, ...], kwargs: dict[str, Any], expect_error: str | None = None) -> Iterator[Any]:
+def judged_call(
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    expect_error: str | None = None,
+    capability: str = "sparse_mla_forward",
+) -> Iterator[Any]:
     """Record one call of the implementation (yields the :class:`RecordedCall`, or ``None`` when
     recording is off); an exception leaving the block is recorded and re-raised."""
     global _NATIVE
     if not _ENABLED:
         yield None
         return
-    rec = RecordedCall(_snapshot(tuple(args)), _snapshot(dict(kwargs)), expect_error=expect_error,
-                       devices=_devices({"args": tuple(args), "kwargs": dict(kwargs)}))  # fmt: skip
+    kept = {k: v for k, v in kwargs.items() if k != "registry"}
+    rec = RecordedCall(_snapshot(tuple(args)), _snapshot(kept), expect_error=expect_error,
+                       devices=_devices({"args": tuple(args), "kwargs": kept}), capability=capability)  # fmt: skip
     _NATIVE = rec.native
     try:
         yield rec
@@ -213,6 +223,27 @@ def _judge(expected: Any, bound: Any, got: Any, what: str) -> list[str]:
     ]
 
 
+def _judge_bytes(expected: Any, got: Any, what: str) -> list[str]:
+    """Lines describing where the bytes of ``got`` differ from ``expected`` (same shape, any dtype
+    viewed as bytes), first differing element first; ``[]`` when they are equal."""
+    import torch
+
+    e = expected.detach().cpu().contiguous()
+    a = got.detach().cpu().contiguous()
+    if tuple(a.shape) != tuple(e.shape) or a.dtype != e.dtype:
+        return [f"{what}: shape {tuple(a.shape)} {a.dtype}, expected {tuple(e.shape)} {e.dtype}"]
+    eb, ab = e.reshape(-1).view(torch.uint8), a.reshape(-1).view(torch.uint8)
+    bad = eb != ab
+    if not bool(bad.any()):
+        return []
+    first = int(bad.nonzero()[0, 0])
+    per_row = eb.numel() // max(e.shape[0], 1)
+    return [
+        f"{what}: {int(bad.sum())} of {eb.numel()} bytes differ; first at byte {first} (page {first // per_row}, "
+        f"byte {first % per_row} of it): expected 0x{int(eb[first]):02x}, got 0x{int(ab[first]):02x}"
+    ]
+
+
 # --- writing ------------------------------------------------------------------------------------
 
 _ORACLE_KEYS = (
@@ -226,13 +257,23 @@ def _safe(name: str) -> str:
 
 
 def _expectation(rec: RecordedCall, profile: Any) -> dict[str, Any] | None:
-    """The oracle's output, LSE and bounds for ``rec`` (``None`` when the oracle refuses the call)."""
+    """The oracle's output, LSE and bounds for ``rec`` (a page split: the bundled torch split's
+    bytes from empty buffers); ``None`` when the oracle refuses the call."""
     import math
 
     import torch
 
     from pytest_sparse_mla import tolerances
     from pytest_sparse_mla.attention.oracle import oracle_forward
+
+    if rec.capability == "page_split":
+        from pytest_sparse_mla.page_split import BufferRegistry, page_split
+
+        try:
+            split = page_split(*rec.args, **rec.kwargs, registry=BufferRegistry(), backend="torch")
+        except (TypeError, ValueError):
+            return None
+        return {"expected_split": split.clone()}
 
     kwargs = {k: v for k, v in rec.kwargs.items() if k in _ORACLE_KEYS}
     try:
@@ -266,11 +307,13 @@ def _natural(lse: Any, convention: str, scale: float) -> Any:
 def _verdict(rec: RecordedCall, expect: dict[str, Any] | None) -> list[str]:
     """What is wrong with ``rec`` by the script's own checks (``[]``: nothing by itself)."""
     if rec.expect_error is not None:
+        wanted = "a TypeError or ValueError" + (f" naming {rec.expect_error!r}" if rec.expect_error else "")
         if rec.error is None:
-            return [f"no error raised; expected a TypeError or ValueError naming {rec.expect_error!r}"]
+            return [f"no error raised; expected {wanted}"]
         kind = rec.error.split(":", 1)[0]
-        if kind not in ("TypeError", "ValueError") or not re.search(rf"\b{rec.expect_error}\b", rec.error):
-            return [f"raised {rec.error}; expected a TypeError or ValueError naming {rec.expect_error!r}"]
+        named = not rec.expect_error or re.search(rf"\b{rec.expect_error}\b", rec.error)
+        if kind not in ("TypeError", "ValueError") or not named:
+            return [f"raised {rec.error}; expected {wanted}"]
         return []
     if rec.error is not None:
         if rec.error.startswith(("Skipped", "Failed", "XFailed", "Unsupported")):
@@ -278,6 +321,8 @@ def _verdict(rec: RecordedCall, expect: dict[str, Any] | None) -> list[str]:
         return [f"raised {rec.error}; the call lies inside the envelope and must succeed"]
     if expect is None or rec.output is None:
         return []
+    if "expected_split" in expect:
+        return _judge_bytes(expect["expected_split"], rec.output, "split")
     lines = _judge(expect["expected_output"], expect["output_bound"], rec.output, "output")
     if rec.lse is not None:
         got = _natural(rec.lse, expect["lse_convention"], expect["lse_scale"])
@@ -339,6 +384,7 @@ def write_reproducers(
             "kwargs": rec.kwargs,
             "devices": rec.devices,
             "expect_error": rec.expect_error,
+            "capability": rec.capability,
             "recorded": verdict,
         }
         if expect is not None:
@@ -368,7 +414,8 @@ def _script(nodeid: str, impl: Any, verdict: list[str], native: NativeCall | Non
     from pytest_sparse_mla.implementations import _source
 
     helpers = "\n\n".join(
-        inspect.getsource(fn) for fn in (_source.find_source, _source.stubs_for, _source.exec_source, _judge)
+        inspect.getsource(fn)
+        for fn in (_source.find_source, _source.stubs_for, _source.stubbed, _source.exec_source, _judge, _judge_bytes)
     )
     how = (
         f"calls {native.source.get('module') or native.source.get('package')}'s {native.function} directly"
@@ -457,9 +504,17 @@ def _import_impl(spec: str) -> Any:
     return obj() if isinstance(obj, type) else obj
 
 
+def _poison_allocator(device: str, nbytes: int) -> None:
+    """Fill memory the allocator will hand out next with 0xA5 and free it, so a peer's
+    ``torch.empty`` buffer shows what it never wrote (CUDA's caching allocator reuses the block)."""
+    if nbytes > 0:
+        block = torch.full((2 * nbytes,), 0xA5, dtype=torch.uint8, device=device)
+        del block
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--impl", help="module:Class of a sparse_mla_forward implementation to run instead")
+    parser.add_argument("--impl", help="module:Class of an implementation to run instead (same capability)")
     parser.add_argument("--device", help="device to run on (default: the recorded one)")
     opts = parser.parse_args()
     data = torch.load(os.path.join(HERE, "inputs.pt"), map_location="cpu", weights_only=True)
@@ -467,24 +522,30 @@ def main() -> int:
     if device.startswith("cuda") and not torch.cuda.is_available():
         print(f"recorded on {device}; no CUDA device here: use --device cpu if the implementation runs there")
         return 2
+    if not device.startswith("cuda"):
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels on a CPU run interpreted
+    capability = data.get("capability", "sparse_mla_forward")
+    wanted = "a TypeError or ValueError" + (f" naming {data['expect_error']!r}" if data["expect_error"] else "")
     native = data.get("native") if not opts.impl else None
     try:
         target = _peer_module(native["source"]) if native is not None else _import_impl(opts.impl or data["impl"])
     except Exception as exc:  # noqa: BLE001 - not the answer under test: the environment
         print(f"cannot run: the implementation does not load ({type(exc).__name__}: {exc})")
         return 2
+    if "expected_split" in data:
+        _poison_allocator(device, data["expected_split"].numel() * data["expected_split"].element_size())
     try:
         if native is not None:
-            module = target
-            args = [getattr(module, a["__module_call__"])()[a["index"]] if isinstance(a, dict) and
+            args = [getattr(target, a["__module_call__"])()[a["index"]] if isinstance(a, dict) and
                     "__module_call__" in a else a for a in _to(native["args"], device)]  # fmt: skip
-            result = getattr(module, native["function"])(*args, **_to(native["kwargs"], device))
+            with stubbed(stubs_for(native["source"].get("stubs"))):
+                result = getattr(target, native["function"])(*args, **_to(native["kwargs"], device))
             output, lse = (result[0] if isinstance(result, (tuple, list)) else result), None
         else:
-            impl = target
             devs = data.get("devices") or {}
             args = _to(data["args"], device, devs.get("args"), data["device"])
-            result = impl.sparse_mla_forward(*args, **_to(data["kwargs"], device, devs.get("kwargs"), data["device"]))
+            kwargs = _to(data["kwargs"], device, devs.get("kwargs"), data["device"])
+            result = getattr(target, capability)(*args, **kwargs)
             if isinstance(result, (tuple, list)):
                 output, lse = result[0], (result[1] if len(result) > 1 else None)
             elif hasattr(result, "output"):
@@ -494,16 +555,24 @@ def main() -> int:
     except Exception as exc:  # the answer under test, or an environment problem
         text = f"{type(exc).__name__}: {exc}"
         if data["expect_error"] is not None:
-            word = re.search(r"\\b" + re.escape(data["expect_error"]) + r"\\b", str(exc)) is not None
+            pattern = r"\\b" + re.escape(data["expect_error"]) + r"\\b"
+            word = not data["expect_error"] or bool(re.search(pattern, str(exc)))
             named = exc.__class__.__name__ in ("TypeError", "ValueError") and word
-            print(("OK: " if named else "DISCREPANCY: ") + f"raised {text}; expected a TypeError or ValueError "
-                  f"naming {data['expect_error']!r}")  # fmt: skip
+            print(("OK: " if named else "DISCREPANCY: ") + f"raised {text}; expected {wanted}")
             return 0 if named else 1
         print(f"DISCREPANCY: raised {text}; the call must succeed")
         return 1
     if data["expect_error"] is not None:
-        print(f"DISCREPANCY: no error raised; expected a TypeError or ValueError naming {data['expect_error']!r}")
+        print(f"DISCREPANCY: no error raised; expected {wanted}")
         return 1
+    if "expected_split" in data:
+        lines = _judge_bytes(data["expected_split"], output, "split")
+        if lines:
+            print("DISCREPANCY (expected = the bundled torch split from empty buffers):")
+            print("\\n".join("  " + line for line in lines))
+            return 1
+        print("OK: the split's bytes equal the bundled torch split's")
+        return 0
     lines = _judge(data["expected_output"], data["output_bound"], output, "output")
     if lse is not None and "expected_lse_natural" in data:
         got = lse.double()

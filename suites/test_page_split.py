@@ -387,7 +387,8 @@ def test_refuses_a_pool_it_cannot_split(make, kwargs, sparse_mla_impl, split_buf
     """A non-uint8 pool or a page size that is not a multiple of 64 has no 64-token split: it must
     raise (TypeError or ValueError) rather than return misaddressed pages."""
     with pytest.raises((TypeError, ValueError)):
-        sparse_mla_impl.page_split(make(sparse_mla_device), registry=split_buffer_registry, **kwargs)
+        sparse_mla_impl.bad_call("", make(sparse_mla_device), capability="page_split", registry=split_buffer_registry,
+                                 **kwargs)  # fmt: skip
 
 
 # --- CUDA: offsets past 2**31 bytes, no host sync ----------------------------------------------------

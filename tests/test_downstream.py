@@ -164,7 +164,10 @@ def test_entry_points_are_listed_lazily_and_hook_names_win(
     result.stdout.fnmatch_lines(["*IMPL conftest-wins*"])
     result = pytester.runpytest("-p", "sparse_mla", "--sparse-mla-impl", "nosuch")
     result.stderr.fnmatch_lines(
-        ["*expected one of chunked, flaggems, flashinfer, *reference, *triton*", "*an entry-point name (group *: chunked"]
+        [
+            "*expected one of chunked, flaggems, flashinfer, *reference, *triton*",
+            "*an entry-point name (group *: chunked",
+        ]
     )
 
 

@@ -98,7 +98,8 @@ def test_unknown_name_is_a_usage_error_listing_every_form(pytester: pytest.Pytes
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(
         [
-            "*--sparse-mla-impl='nosuch': unknown implementation; expected one of flaggems, flashinfer, *reference, *triton*",
+            "*--sparse-mla-impl='nosuch': unknown implementation; "
+            "expected one of flaggems, flashinfer, *reference, *triton*",
             "*a built-in name: flaggems, flashinfer, *reference, *triton*",
             "*an entry-point name (group 'pytest_sparse_mla.implementations'*",
             "*pytest_sparse_mla_implementations(config) hook*",
@@ -156,7 +157,10 @@ def test_hook_registers_a_named_implementation(pytester: pytest.Pytester) -> Non
     result.stdout.fnmatch_lines(["*IMPL-NAME downstream*"])
     result = pytester.runpytest("-p", "sparse_mla", "--sparse-mla-impl", "nosuch")
     result.stderr.fnmatch_lines(
-        ["*expected one of as-string, flaggems, flashinfer, *mine, reference, *", "*initial conftest.py: as-string, mine"]
+        [
+            "*expected one of as-string, flaggems, flashinfer, *mine, reference, *",
+            "*initial conftest.py: as-string, mine",
+        ]
     )
 
 

@@ -107,3 +107,25 @@ def test_a_peer_script_calls_the_peer_without_pytest_or_this_package(tmp_path):
         assert "DISCREPANCY" in got.stdout
         ref = _script(script, "--impl", REFERENCE)
         assert ref.returncode == 0, ref.stdout + ref.stderr
+
+
+def test_page_split_scripts_call_sglangs_split_and_start_from_poisoned_memory(tmp_path):
+    from pytest_sparse_mla.implementations import BUILTINS
+
+    reason = BUILTINS["sglang-torch"](None).skip_reason("page_split", "cpu")
+    if reason is not None:
+        pytest.skip(reason)
+    run, out = _suite(
+        tmp_path, "sglang-torch",
+        "suites/test_page_split.py::test_refuses_a_pool_it_cannot_split[page-96]",
+        "suites/test_split_buffers.py::test_grown_destination_is_zero_where_no_split_wrote",
+    )  # fmt: skip
+    assert run.returncode == 1, run.stdout[-3000:]
+    scripts = [Path(p) for line in (out / "index.jsonl").read_text().splitlines() for p in json.loads(line)["scripts"]]
+    assert len(scripts) >= 2
+    for script in scripts:
+        assert "_split_kv_pages_to_64 directly" in script.read_text()
+        got = _script(script, isolated=True)
+        assert got.returncode == 1 and "DISCREPANCY" in got.stdout, got.stdout + got.stderr
+        ref = _script(script, "--impl", REFERENCE)
+        assert ref.returncode == 0, ref.stdout + ref.stderr

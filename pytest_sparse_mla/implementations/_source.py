@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["exec_source", "find_source", "stubs_for"]
+__all__ = ["exec_source", "find_source", "stubbed", "stubs_for"]
 
 
 def find_source(package: str, path: str) -> Any:
@@ -38,7 +38,8 @@ def stubs_for(kind: Any) -> dict[str, dict[str, Any]]:
     and vLLM's two constants ``LOG2E``, ``LOGE2`` (``vllm/triton_utils/__init__.py``). ``"sglang"``:
     the three ``sglang.srt`` names ``flash_mla_sm120.py`` reads (``environ.envs`` with
     ``SGLANG_SM120_FLASHMLA_BACKEND.get() == "torch"``, ``utils.is_hip() == False``,
-    ``runtime_context.get_resources``, which raises: the page split binds its own). ``None``: none.
+    ``runtime_context.get_resources`` with an empty ``buffers`` dict: the adapter binds the
+    caller's registry instead). ``None``: none.
 
     Raises:
         ValueError: another ``kind``.
@@ -50,8 +51,10 @@ def stubs_for(kind: Any) -> dict[str, dict[str, Any]]:
         return {}
     if kind == "sglang":
 
+        resources = types.SimpleNamespace(buffers={})  # the split's persistent buffers (a fresh dict)
+
         def get_resources() -> Any:
-            raise RuntimeError("SGLang's get_resources() stand-in: no buffer registry bound")
+            return resources
 
         backend = types.SimpleNamespace(get=lambda: "torch")
         return {
@@ -76,6 +79,33 @@ def stubs_for(kind: Any) -> dict[str, dict[str, Any]]:
             "vllm.triton_utils": {"LOG2E": math.log2(math.e), "LOGE2": math.log(2.0), "tl": tl, "triton": triton},
         }
     raise ValueError(f"stubs_for({kind!r}): expected None, 'flaggems', 'vllm' or 'sglang'")
+
+
+def stubbed(stubs: dict[str, dict[str, Any]]) -> Any:
+    """Context manager: ``stubs`` (module name -> attributes) in ``sys.modules`` for its duration,
+    under names not already imported; the entries it added are removed on exit. For a peer function
+    that imports a stubbed name when it runs (SGLang's split reads ``get_resources`` then)."""
+    import contextlib
+    import sys
+    import types
+
+    @contextlib.contextmanager
+    def manager() -> Any:
+        added = []
+        for key, attrs in stubs.items():
+            if key not in sys.modules:
+                stub = types.ModuleType(key)
+                stub.__dict__.update(attrs)
+                stub.__path__ = []  # a package, so dotted stubs below it resolve
+                sys.modules[key] = stub
+                added.append(key)
+        try:
+            yield
+        finally:
+            for key in added:
+                sys.modules.pop(key, None)
+
+    return manager()
 
 
 def exec_source(name: str, path: Any, stubs: dict[str, dict[str, Any]]) -> Any:

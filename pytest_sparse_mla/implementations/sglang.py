@@ -527,8 +527,11 @@ class _SglangBase:
                 )
         buffers = _RegistryBuffers(default_registry() if registry is None else registry)
         split = load_module("flash_mla_sm120")._split_kv_pages_to_64
+        source = {"kind": "file", "package": "sglang", "path": SGLANG_FILES["flash_mla_sm120"], "stubs": "sglang"}
         with _sglang_stubs(buffers):
-            return split(kv_cache, int(src_pbs), touched_indices=touched_indices)
+            return call_peer(
+                source, "_split_kv_pages_to_64", split, (kv_cache, int(src_pbs)), {"touched_indices": touched_indices}
+            )
 
     @staticmethod
     def _may_sync(kv_cache: Any) -> bool:
