@@ -8,11 +8,13 @@ implementation under test becomes, when it is itself wrong, one folder
 * ``inputs.pt`` (``torch.save``; loads with ``weights_only=True``): the call's tensors and
   arguments, exactly as the kernel received them (views keep their storage, strides and offset),
   the float64 oracle's output and LSE for that call, and the elementwise bounds the suite applied
-  (``tolerances.output_bound``, ``tolerances.lse_bound``);
+  (``tolerances.output_bound``, ``tolerances.lse_bound``); for a page split, the bytes of the bundled
+  torch split from empty buffers (the script fills the memory the allocator hands out next with
+  ``0xA5`` first, so a buffer the peer never wrote shows);
 * ``repro.py``: a script that needs only torch and the implementation. Where a built-in peer
   adapter made the call, it calls the peer's own function with the arguments the adapter passed it
   (``flash_mla.flash_mla_with_kvcache``, FlagGems' and vLLM's source files, FlashInfer's
-  references), never this package; otherwise it imports the implementation by its import string
+  references, SGLang's decode and page split), never this package; otherwise it imports the implementation by its import string
   and calls ``sparse_mla_forward(q, kv_cache, indices, **kwargs)``. ``--impl module:Class`` runs
   another implementation on the same inputs (``pytest_sparse_mla.implementations:ReferenceImplementation``
   is the bundled reference). It prints expected vs got at the worst element and exits 1 while the

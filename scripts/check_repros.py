@@ -10,9 +10,8 @@ as written (a script that calls a peer directly runs with ``pytest`` and ``pytes
 made unimportable, proving it needs neither) and with ``--impl`` the bundled reference. A
 reproducer holds when the first run exits 1 (the discrepancy is there) and the second exits 0.
 Then each test id listed in ``<xfail-dir>/<impl>.txt`` without a reproducer that holds is listed
-(page splits get none: their grow-only buffers and history are not one call). Exit 1 when a
-script does not hold (or, with ``--every-line``, a listed test has none); the JSON has one record
-per script.
+(a test whose failure is only a relation between calls has none). Exit 1 when a script does not
+hold (or, with ``--every-line``, a listed test has none); the JSON has one record per script.
 """
 
 from __future__ import annotations
@@ -66,7 +65,7 @@ def main() -> int:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--xfail-dir", type=Path, default=Path("pytest_sparse_mla/xfail"))
     parser.add_argument("--every-line", action="store_true",
-                        help="also fail when an xfail line has no holding script (page-split lines have none)")
+                        help="also fail when an xfail line has no holding script")
     opts = parser.parse_args()
     scripts = sorted(opts.root.glob("repro-*/**/repro.py"))
     with ThreadPoolExecutor(opts.jobs) as pool:

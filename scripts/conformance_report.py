@@ -350,7 +350,7 @@ def markdown(doc: dict[str, Any]) -> str:
             out.append(f"| `{name}` | {row['scripts']} | {row['hold']} | {row['native']} |")
         missing = rep["summary"].get("xfail_lines_without_a_holding_script") or {}
         if missing:
-            out += ["", "xfail lines without a holding script (page-split state, or a relation between calls):", ""]
+            out += ["", "xfail lines without a holding script (a relation between calls, or not run here):", ""]
             for name, ids in missing.items():
                 out += [f"* `{name}`: " + ", ".join(f"`{i.split('::', 1)[-1]}`" for i in ids)]
     out += ["", "## Failures not listed in an xfail file", ""]
@@ -501,9 +501,6 @@ def discrepancies_markdown(doc: dict[str, Any], results: Path, notes: dict[str, 
                 out.append(f"* reproducers that hold: {len(held)} ({native} call the peer directly): {shown}")
             elif not ids:
                 out.append("* reproducers: none (no test lists it: a convention the suites never ask about)")
-            elif all("page_split" in i or "split_buffers" in i for i in ids):
-                out.append("* reproducers: none (a page split, not a judged attention call: its grow-only buffers "
-                           "and their history are not one call; run the listed tests themselves)")
             else:
                 out.append("* reproducers: none held")
             tracked = upstream.get(name + "/" + d["key"], "none found (searched 2026-12-01)")
