@@ -14,8 +14,9 @@ implementation under test becomes, when it is itself wrong, one folder
 * ``repro.py``: a script that needs only torch and the implementation. Where a built-in peer
   adapter made the call, it calls the peer's own function with the arguments the adapter passed it
   (``flash_mla.flash_mla_with_kvcache``, FlagGems' and vLLM's source files, FlashInfer's
-  references, SGLang's decode and page split), never this package; otherwise it imports the implementation by its import string
-  and calls ``sparse_mla_forward(q, kv_cache, indices, **kwargs)``. ``--impl module:Class`` runs
+  references, SGLang's decode and page split), never this package; otherwise it imports the
+  implementation by its import string and calls ``sparse_mla_forward(q, kv_cache, indices,
+  **kwargs)`` (or ``page_split``). ``--impl module:Class`` runs
   another implementation on the same inputs (``pytest_sparse_mla.implementations:ReferenceImplementation``
   is the bundled reference). It prints expected vs got at the worst element and exits 1 while the
   discrepancy exists, 0 once the result lies within the bound (2: it could not run).
