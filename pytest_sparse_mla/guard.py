@@ -175,7 +175,10 @@ class GuardedImplementation:
         self._name = str(getattr(impl, "name", None) or type(impl).__name__)
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.unguarded, name)
+        attr = getattr(self.unguarded, name)  # what the implementation lacks stays missing
+        if name == "page_split":
+            return lambda *args, **kwargs: self._recorded_split(attr, *args, **kwargs)
+        return attr
 
     def sparse_mla_forward(self, *args: Any, **kwargs: Any) -> ForwardResult:
         """The implementation's ``sparse_mla_forward`` inside its envelope (module docstring)."""
@@ -206,12 +209,14 @@ class GuardedImplementation:
             repro.set_result(rec, result.output, result.lse)
         return result
 
-    def page_split(self, *args: Any, **kwargs: Any) -> Any:
-        """The implementation's ``page_split``, recorded for ``--sparse-mla-repro-dir``."""
+    @staticmethod
+    def _recorded_split(split: Any, *args: Any, **kwargs: Any) -> Any:
+        """The implementation's ``page_split`` (reached as ``.page_split`` when it has one), recorded
+        for ``--sparse-mla-repro-dir``."""
         from pytest_sparse_mla import repro
 
         with repro.judged_call(args, kwargs, capability="page_split") as rec:
-            out = self.unguarded.page_split(*args, **kwargs)
+            out = split(*args, **kwargs)
             repro.set_result(rec, out, None)
         return out
 
