@@ -62,7 +62,10 @@ __all__ = [
     "PackedFormat",
     "DSV4",
     "DSV3_2",
+    "DSV4_1_SWA",
+    "DSV4_1_INDEXED",
     "FORMATS",
+    "E2M1_VALUES",
     "FORMS",
     "E4M3_MAX",
     "CacheLayout",
@@ -83,7 +86,11 @@ E4M3_MAX = 448.0
 Form = Literal["2d", "3d", "hnd", "nhd"]
 FORMS: tuple[str, ...] = ("2d", "3d", "hnd", "nhd")
 StrideSpec = Literal["tight", "padded"] | int
-ScaleRule = Literal["flashmla", "sglang"]
+ScaleRule = Literal["flashmla", "sglang", "dsv4_1"]
+
+#: The magnitudes of the E2M1 (FP4) codes 0..7; bit 3 is the sign (OCP Microscaling Formats (MX)
+#: v1.0, section 5.3.3; flashinfer-python 0.7.2.post1 ``compressed_reference.py`` decoder table).
+E2M1_VALUES: tuple[float, ...] = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
 @dataclass(frozen=True)
@@ -91,14 +98,18 @@ class PackedFormat:
     """Byte geometry of one packed FP8 KV-cache format (all sizes in bytes unless named ``d_*``).
 
     Attributes:
-        name: ``"dsv4"`` or ``"dsv3_2"``.
-        bytes_per_token: 584 (DSV4) or 656 (DSV3.2).
+        name: ``"dsv4"``, ``"dsv3_2"``, ``"dsv4_1_swa"`` or ``"dsv4_1_indexed"``.
+        bytes_per_token: 584 (DSV4), 656 (DSV3.2), 528 (V4.1 SWA), 288 (V4.1 indexed).
         d_qk: query/key width: 512 (DSV4: 448 NoPE + 64 RoPE) or 576 (DSV3.2: 512 + 64).
         d_v: value width, 512 for both (DSV4: the whole latent row; DSV3.2: the NoPE part).
         d_nope: FP8-quantized elements per token: 448 or 512.
         d_rope: BF16 elements per token: 64.
-        group_size: NoPE elements per scale: 64 (UE8M0, DSV4) or 128 (fp32, DSV3.2).
-        layout: ``"footer"`` (scales after all token data of a page) or ``"inline"``.
+        group_size: elements per scale: 64 (UE8M0, DSV4), 128 (fp32, DSV3.2), 32 (UE8M0, V4.1 SWA),
+            16 (E4M3, V4.1 indexed).
+        layout: ``"footer"`` (scales after all token data of a page) or ``"inline"`` (one record
+            per token: codes, scales, RoPE).
+        code: ``"e4m3"`` (one FP8 byte per value) or ``"e2m1"`` (FP4, two values per byte).
+        scale_kind: ``"ue8m0"`` (a biased power-of-two exponent byte), ``"fp32"`` or ``"e4m3"``.
         pad_row_alignment: the padded page stride is rounded up to a multiple of this (DSV4: 576,
             FlashMLA's TMA row; DSV3.2: not used, one extra row is added instead).
     """
@@ -111,38 +122,57 @@ class PackedFormat:
     d_rope: int
     group_size: int
     layout: str
+    code: str = "e4m3"
+    scale_kind: str = "ue8m0"
 
     @property
     def num_scales(self) -> int:
-        """Scales per token: 7 (DSV4) or 4 (DSV3.2)."""
+        """Scales per token: 7 (DSV4), 4 (DSV3.2), 16 (V4.1 SWA), 32 (V4.1 indexed)."""
         return self.d_nope // self.group_size
 
     @property
+    def code_bytes_per_token(self) -> int:
+        """Bytes of quantized codes per token: ``d_nope`` E4M3 bytes, or ``d_nope / 2`` for E2M1
+        (two 4-bit codes per byte)."""
+        return self.d_nope // 2 if self.code == "e2m1" else self.d_nope
+
+    @property
     def data_bytes_per_token(self) -> int:
-        """Token data bytes (codes + RoPE): 576 for DSV4; 656 (the whole row) for DSV3.2."""
+        """Token data bytes (codes + RoPE): 576 for DSV4; the whole record for inline formats."""
         if self.layout == "footer":
             return self.d_nope + 2 * self.d_rope
         return self.bytes_per_token
 
     @property
     def bf16_exact(self) -> bool:
-        """Whether every dequantized value is exactly a BF16 number: DSV4 (E4M3 codes, 4
-        significant bits, times UE8M0 power-of-two scales; BF16 RoPE) yes, except products below
-        BF16's smallest subnormal step 2**-133 (scale bytes 0-2, scales under 2**-124, which no
-        packer rule writes); DSV3.2 no (its fp32 scales may be any float)."""
-        return self.layout == "footer"
+        """Whether every dequantized value is exactly a BF16 number: DSV4 and V4.1 SWA (E4M3 codes,
+        4 significant bits, times UE8M0 power-of-two scales; BF16 RoPE) and V4.1 indexed (E2M1
+        values, at most 2 significant bits, times E4M3 scales, 4 bits) yes, except products below
+        BF16's smallest subnormal step 2**-133 (which no packer rule writes); DSV3.2 no (its fp32
+        scales may be any float)."""
+        return self.scale_kind != "fp32"
 
     @property
     def scale_bytes_per_token(self) -> int:
-        """Scale bytes per token: 8 for DSV4 (7 UE8M0 + 1 pad), 16 for DSV3.2 (4 fp32)."""
+        """Scale bytes per token: 8 for DSV4 (7 UE8M0 + 1 pad), 16 for DSV3.2 (4 fp32), 16 for V4.1
+        SWA (16 UE8M0), 32 for V4.1 indexed (32 E4M3)."""
         if self.layout == "footer":
             return self.bytes_per_token - self.data_bytes_per_token
-        return 4 * self.num_scales
+        return (4 if self.scale_kind == "fp32" else 1) * self.num_scales
 
 
 DSV4 = PackedFormat("dsv4", 584, 512, 512, 448, 64, 64, "footer")
-DSV3_2 = PackedFormat("dsv3_2", 656, 576, 512, 512, 64, 128, "inline")
-FORMATS: dict[str, PackedFormat] = {DSV4.name: DSV4, DSV3_2.name: DSV3_2}
+DSV3_2 = PackedFormat("dsv3_2", 656, 576, 512, 512, 64, 128, "inline", scale_kind="fp32")
+#: DeepSeek-V4.1 SWA record: 512 E4M3 codes, then 16 UE8M0 scales (groups of 32).
+DSV4_1_SWA = PackedFormat("dsv4_1_swa", 528, 512, 512, 512, 0, 32, "inline")
+#: DeepSeek-V4.1 indexed record: 512 E2M1 codes, two per byte (low nibble first), then 32 E4M3
+#: scales (groups of 16).
+DSV4_1_INDEXED = PackedFormat(
+    "dsv4_1_indexed", 288, 512, 512, 512, 0, 16, "inline", code="e2m1", scale_kind="e4m3"
+)
+FORMATS: dict[str, PackedFormat] = {
+    f.name: f for f in (DSV4, DSV3_2, DSV4_1_SWA, DSV4_1_INDEXED)
+}
 
 
 def get_format(fmt: PackedFormat | str) -> PackedFormat:
@@ -171,7 +201,9 @@ def page_stride_bytes(fmt: PackedFormat | str, page_block_size: int, stride: Str
     """Page stride in bytes for ``stride`` = ``"tight"``, ``"padded"`` or an explicit byte count.
 
     DSV4 padded: ``ceil(ps*584/576)*576`` (1,728 / 37,440 / 74,880 / 149,760 bytes for ps 2 / 64 /
-    128 / 256). DSV3.2 padded: ``(ps+1)*656``. Sources in the module docstring.
+    128 / 256). DSV3.2 padded: ``(ps+1)*656``. V4.1 records: padded is tight, ``ps * 528`` /
+    ``ps * 288`` (flashinfer-python 0.7.2.post1 ``pack_deepseek_v41_cache_reference``: pages are
+    ``page_size * record_bytes``). Sources in the module docstring.
 
     Raises:
         ValueError: an explicit stride smaller than ``ps*bytes_per_token`` or not a multiple of 16,
@@ -192,7 +224,9 @@ def page_stride_bytes(fmt: PackedFormat | str, page_block_size: int, stride: Str
         if f.layout == "footer":
             row = f.data_bytes_per_token
             return -(-logical // row) * row
-        return (ps + 1) * f.bytes_per_token
+        if f.scale_kind == "fp32":
+            return (ps + 1) * f.bytes_per_token
+        return logical  # V4.1 pages are page_size * record bytes, nothing more
     if isinstance(stride, bool) or not isinstance(stride, int):
         raise ValueError(f"page_stride={stride!r}: expected 'tight', 'padded' or a byte count")
     if stride < logical or stride % 16:
@@ -426,7 +460,9 @@ def scale_exponents(amax: torch.Tensor, rule: ScaleRule = "flashmla") -> torch.T
     Args:
         amax: fp32 tensor of non-negative group maxima ``max |x|``.
         rule: ``"flashmla"``: ``e = ceil(log2(max(amax/448, 1e-4)))`` (smallest ``e`` is -13, UE8M0
-            byte 114); ``"sglang"``: ``e = ceil(log2(max(amax, 1e-8)/448))``. Sources in the module
+            byte 114); ``"sglang"``: ``e = ceil(log2(max(amax, 1e-8)/448))``; ``"dsv4_1"`` (the V4.1
+            SWA record): ``e = ceil(log2(max(amax, 1e-4)/448))`` (flashinfer-python 0.7.2.post1
+            ``compressed_reference.py`` ``pack_deepseek_v41_cache_reference``). Sources in the module
             docstring. ``amax/448`` and the floors are evaluated in fp32, as the writers do.
 
     Returns:
@@ -442,8 +478,10 @@ def scale_exponents(amax: torch.Tensor, rule: ScaleRule = "flashmla") -> torch.T
         x = torch.clamp(a / E4M3_MAX, min=1e-4)
     elif rule == "sglang":
         x = torch.clamp(a, min=1e-8) / E4M3_MAX
+    elif rule == "dsv4_1":
+        x = torch.clamp(a, min=1e-4) / E4M3_MAX
     else:
-        raise ValueError(f"scale_rule={rule!r}: expected 'flashmla' or 'sglang'")
+        raise ValueError(f"scale_rule={rule!r}: expected 'flashmla', 'sglang' or 'dsv4_1'")
     return _pow2_exponent_ceil(x)
 
 
@@ -495,24 +533,83 @@ def _quantize_groups(
     return codes.reshape(shape), exponents
 
 
+#: The midpoints between neighbouring E2M1 magnitudes, and whether a value exactly on one rounds up:
+#: ties go to the even code, so a midpoint above an odd code (0.75, 1.75, 3.5) rounds up.
+_E2M1_MIDPOINTS: tuple[tuple[float, bool], ...] = (
+    (0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False),
+)  # fmt: skip
+
+
+def _e2m1_codes(x: torch.Tensor) -> torch.Tensor:
+    """E2M1 (FP4) codes of fp32 ``x`` (uint8 0..15: bit 3 the sign, bits 0-2 the index into
+    :data:`E2M1_VALUES`): round to nearest, ties to the even code, magnitudes above 6 saturate to 6,
+    the sign of a zero is kept (-0.0 is code 8). The index is the number of midpoints the magnitude
+    passes (every midpoint is an exact fp32 number, so the comparisons are exact)."""
+    magnitude = x.abs()
+    index = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
+    for midpoint, tie_up in _E2M1_MIDPOINTS:
+        index += (magnitude >= midpoint if tie_up else magnitude > midpoint).to(torch.uint8)
+    return index | (torch.signbit(x).to(torch.uint8) << 3)
+
+
+def _quantize_e2m1(values: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``[..., n]`` fp32 values to packed E2M1 bytes ``[..., n/2]`` (low nibble = even
+    element) and E4M3 group scales (bytes ``[..., n/group_size]``).
+
+    The scale of a group is the E4M3 rounding (to nearest even) of ``min(max(amax, 6 * 2**-9) / 6,
+    448)`` and the codes are those of ``x / scale`` (a true division), as flashinfer-python
+    0.7.2.post1 ``pack_deepseek_v41_cache_reference`` writes them (its comment: DeepSeek-V4.1's
+    ``fp4_quant_kernel`` divides).
+    """
+    shape = values.shape
+    groups = values.reshape(*shape[:-1], shape[-1] // group_size, group_size)
+    amax = groups.abs().amax(dim=-1)
+    scale = (torch.clamp(amax, min=6.0 * 2.0**-9) / 6.0).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
+    codes = _e2m1_codes(groups / scale.to(torch.float32).unsqueeze(-1)).reshape(*shape[:-1], shape[-1] // 2, 2)
+    return codes[..., 0] | (codes[..., 1] << 4), scale.view(torch.uint8)
+
+
+def _default_rule(f: PackedFormat, rule: ScaleRule | None) -> ScaleRule | None:
+    """The scale rule for ``f``: ``rule`` if given, else the format's writer rule (``"flashmla"``
+    for DSV4 and DSV3.2, ``"dsv4_1"`` for the V4.1 SWA record); the V4.1 indexed record's E4M3
+    scales follow their one rule (``None``).
+
+    Raises:
+        ValueError: a rule for the indexed record other than ``None`` / ``"dsv4_1"``.
+    """
+    if f.code == "e2m1":
+        if rule not in (None, "dsv4_1"):
+            raise ValueError(
+                f"scale_rule={rule!r} with fmt={f.name!r}: its E4M3 group scales follow one rule "
+                "(min(max(amax, 6*2**-9)/6, 448) rounded to E4M3); expected scale_rule=None"
+            )
+        return None
+    if rule is None:
+        return "dsv4_1" if f.name.startswith("dsv4_1") else "flashmla"
+    return rule
+
+
 def quantize_pack(
     source: torch.Tensor,
     fmt: PackedFormat | str = DSV4,
     *,
     page_stride: StrideSpec = "tight",
     form: str = "nhd",
-    scale_rule: ScaleRule = "flashmla",
+    scale_rule: ScaleRule | None = None,
     pad_fill: int = 0,
 ) -> torch.Tensor:
-    """Quantize BF16 latent rows and pack them into a paged FP8 cache.
+    """Quantize BF16 latent rows and pack them into a paged FP8 (or FP4) cache.
 
     Args:
-        source: ``[num_pages, page_block_size, d_qk]`` BF16 (d_qk 512 for DSV4, 576 for DSV3.2),
-            finite, on any device; the cache is built on the same device.
-        fmt: ``DSV4`` / ``"dsv4"`` or ``DSV3_2`` / ``"dsv3_2"``.
+        source: ``[num_pages, page_block_size, d_qk]`` BF16 (d_qk 512 for DSV4 and V4.1, 576 for
+            DSV3.2), finite, on any device; the cache is built on the same device.
+        fmt: a format of :data:`FORMATS` (``"dsv4"``, ``"dsv3_2"``, ``"dsv4_1_swa"``,
+            ``"dsv4_1_indexed"``) or a :class:`PackedFormat`.
         page_stride: ``"tight"``, ``"padded"`` or an explicit byte count (see :func:`page_stride_bytes`).
         form: tensor form of the result: ``"2d"``, ``"3d"``, ``"hnd"`` or ``"nhd"``.
-        scale_rule: ``"flashmla"`` (default) or ``"sglang"``; see :func:`scale_exponents`.
+        scale_rule: ``"flashmla"``, ``"sglang"`` or ``"dsv4_1"`` (see :func:`scale_exponents`);
+            ``None`` (default): the format's writer rule (``"flashmla"`` for DSV4 and DSV3.2,
+            ``"dsv4_1"`` for V4.1 SWA; the V4.1 indexed record takes only ``None``).
         pad_fill: byte written to the DSV4 scale pad byte and to page padding (0 like FlashInfer's
             and SGLang's writers; tests use other values to prove nothing reads them).
 
@@ -525,13 +622,23 @@ def quantize_pack(
             magnitude (they would dequantize to inf), bad stride, form or scale rule.
     """
     f = get_format(fmt)
+    rule = _default_rule(f, scale_rule)
     _check_source(source, f)
     num_pages, ps, _ = (int(v) for v in source.shape)
     stride = page_stride_bytes(f, ps, page_stride)
     buffer = allocate_pages(num_pages, stride, device=source.device, fill=pad_fill)
     x = source.to(torch.float32)
-    codes, exponents = _quantize_groups(x[..., : f.d_nope], f.group_size, scale_rule)
-    rope = source[..., f.d_nope :].contiguous().view(torch.uint8)  # [P, ps, 128]
+    if f.code == "e2m1":
+        packed, scale_bytes = _quantize_e2m1(x, f.group_size)
+        buffer[:, : ps * f.bytes_per_token] = torch.cat([packed, scale_bytes], dim=-1).reshape(num_pages, -1)
+        return as_form(buffer, f, ps, form)
+    assert rule is not None
+    codes, exponents = _quantize_groups(x[..., : f.d_nope], f.group_size, rule)
+    rope = source[..., f.d_nope :].contiguous().view(torch.uint8)  # [P, ps, 2 * d_rope]
+    if f.scale_kind == "ue8m0" and f.layout == "inline":
+        rows = torch.cat([codes, (exponents + 127).to(torch.uint8), rope], dim=-1).reshape(num_pages, -1)
+        buffer[:, : rows.shape[1]] = rows
+        return as_form(buffer, f, ps, form)
     if f.layout == "footer":
         data = torch.cat([codes, rope], dim=-1).reshape(num_pages, ps * f.data_bytes_per_token)
         scales = torch.full(
@@ -555,10 +662,12 @@ class PackedFields:
     """Raw fields of every token of a packed cache (see :func:`unpack_fields`).
 
     Attributes:
-        codes: ``[P, ps, d_nope]`` uint8 E4M3 code bytes.
+        codes: ``[P, ps, d_nope]`` uint8: E4M3 code bytes, or one E2M1 code (0..15) per value for
+            the V4.1 indexed record (the packed nibbles, low nibble first, unpacked).
         scale_bytes: DSV4: ``[P, ps, 8]`` uint8 footer records (7 UE8M0 bytes + pad);
-            DSV3.2: ``[P, ps, 16]`` uint8 (4 little-endian fp32 scales).
-        rope: ``[P, ps, 64]`` BF16 RoPE values.
+            DSV3.2: ``[P, ps, 16]`` uint8 (4 little-endian fp32 scales); V4.1 SWA: ``[P, ps, 16]``
+            UE8M0 bytes; V4.1 indexed: ``[P, ps, 32]`` E4M3 bytes.
+        rope: ``[P, ps, 64]`` BF16 RoPE values (``[P, ps, 0]`` for V4.1: its RoPE values are codes).
     """
 
     codes: torch.Tensor
@@ -590,9 +699,12 @@ def unpack_fields(
         rope_bytes = data[..., f.d_nope :]
     else:
         rows = pages.reshape(p, ps, layout.token_stride)[..., : f.bytes_per_token]
-        codes = rows[..., : f.d_nope]
-        scale_bytes = rows[..., f.d_nope : f.d_nope + f.scale_bytes_per_token]
-        rope_bytes = rows[..., f.d_nope + f.scale_bytes_per_token :]
+        code_end = f.code_bytes_per_token
+        codes = rows[..., :code_end]
+        scale_bytes = rows[..., code_end : code_end + f.scale_bytes_per_token]
+        rope_bytes = rows[..., code_end + f.scale_bytes_per_token :]
+        if f.code == "e2m1":
+            codes = torch.stack([codes & 0x0F, codes >> 4], dim=-1).reshape(p, ps, f.d_nope)
     rope = rope_bytes.contiguous().view(torch.bfloat16)
     return PackedFields(codes.contiguous(), scale_bytes.contiguous(), rope)
 
@@ -607,7 +719,10 @@ def unpack_dequantize(
     """Dequantize a packed cache to ``[num_pages, page_block_size, d_qk]`` latent rows.
 
     NoPE element ``i`` of a token is ``e4m3(code[i]) * 2**(byte[i // 64] - 127)`` for DSV4 (the
-    pad byte is never read) and ``e4m3(code[i]) * scale[i // 128]`` for DSV3.2; RoPE values are the
+    pad byte is never read), ``e4m3(code[i]) * scale[i // 128]`` for DSV3.2, ``e4m3(code[i]) *
+    2**(byte[i // 32] - 127)`` for the V4.1 SWA record and ``e2m1(code[i]) *
+    e4m3(scale[i // 16])`` for the V4.1 indexed record (flashinfer-python 0.7.2.post1
+    ``compressed_reference.py`` ``unpack_deepseek_v41_cache_reference``); RoPE values are the
     stored BF16 bits (FlashInfer ``tests/attention/sparse_mla_test_utils.py``
     ``_dequantize_kv_footer``; FlashMLA ``tests/quant.py`` ``dequantize_k_cache``). The products
     are exact in fp32 and BF16.
@@ -626,11 +741,18 @@ def unpack_dequantize(
         raise TypeError(f"dtype={dtype!r}: expected a floating torch.dtype (torch.float32, torch.bfloat16, ...)")
     fields = unpack_fields(cache, f, page_block_size=page_block_size)
     p, ps, _ = fields.codes.shape
-    values = fields.codes.view(torch.float8_e4m3fn).to(torch.float32)
+    if f.code == "e2m1":
+        table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=fields.codes.device)
+        magnitude = table[(fields.codes & 7).long()]
+        values = torch.where((fields.codes & 8) != 0, -magnitude, magnitude)
+    else:
+        values = fields.codes.view(torch.float8_e4m3fn).to(torch.float32)
     groups = values.reshape(p, ps, f.num_scales, f.group_size)
-    if f.layout == "footer":
+    if f.scale_kind == "ue8m0":
         exponents = fields.scale_bytes[..., : f.num_scales].to(torch.int32) - 127
         scale = torch.ldexp(torch.ones_like(exponents, dtype=torch.float32), exponents)
+    elif f.scale_kind == "e4m3":
+        scale = fields.scale_bytes.view(torch.float8_e4m3fn).to(torch.float32)
     else:
         scale = fields.scale_bytes.view(torch.float32)
     nope = (groups * scale.unsqueeze(-1)).reshape(p, ps, f.d_nope)
