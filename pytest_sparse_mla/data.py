@@ -119,7 +119,7 @@ def make_packed_cache(
     page_stride: formats.StrideSpec = "padded",
     form: str = "nhd",
     distribution: str = "flashinfer",
-    scale_rule: formats.ScaleRule = "flashmla",
+    scale_rule: formats.ScaleRule | None = None,
     device: torch.device | str = "cpu",
 ) -> PackedKVCache:
     """Draw latent rows and pack them (see :func:`formats.quantize_pack` for the arguments).

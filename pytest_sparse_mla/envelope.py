@@ -119,7 +119,10 @@ class Envelope:
     declaration names only what the kernel restricts.
 
     Attributes:
-        formats: packed cache formats taken: ``"dsv4"`` (584 B/token), ``"dsv3_2"`` (656 B/token).
+        formats: packed cache formats taken: ``"dsv4"`` (584 B/token), ``"dsv3_2"`` (656 B/token),
+            ``"dsv4_1"`` (DeepSeek-V4.1: 528 B SWA records in the main cache, 288 B indexed FP4
+            records in the extra cache; ``formats.CALL_FORMATS``). The default leaves V4.1 out: a
+            kernel that reads its records declares it.
         num_heads: head counts taken, or ``None`` for any ``H >= 1``.
         topk, extra_topk: main / extra index-row widths (:class:`Widths`).
         extra_cache_formats: formats for which an ``extra_kv_cache`` is taken (``()``: none).
@@ -168,7 +171,7 @@ class Envelope:
     notes: tuple[str, ...] = field(default=())
 
     def __post_init__(self) -> None:
-        known = {"dsv4", "dsv3_2"}
+        known = {"dsv4", "dsv3_2", "dsv4_1"}
         for name in ("formats", "extra_cache_formats", "topk_length_formats", "sink_formats"):
             value = getattr(self, name)
             if not isinstance(value, tuple) or not set(value) <= known:
@@ -298,5 +301,8 @@ class Envelope:
         return out
 
 
-#: The envelope of an implementation that declares none: every call.
+#: The envelope of an implementation that declares none: every call in the DSV4 and DSV3.2 formats.
 UNIVERSAL = Envelope()
+
+#: Every attention call format this project knows (``formats.CALL_FORMATS``).
+ALL_FORMATS: tuple[str, ...] = ("dsv4", "dsv3_2", "dsv4_1")

@@ -112,10 +112,14 @@ def packed_kv_cache_factory(
     """Factory for packed FP8 KV caches with their BF16 source and dequantized values.
 
     Call it as ``packed_kv_cache_factory(fmt="dsv4", num_pages=4, page_block_size=64,
-    page_stride="padded", form="nhd", distribution="flashinfer", scale_rule="flashmla",
+    page_stride="padded", form="nhd", distribution="flashinfer", scale_rule=None,
     seed=None, device=None)``:
 
-    * ``fmt``: ``"dsv4"`` (584 B/token, footer scales) or ``"dsv3_2"`` (656 B/token, inline);
+    * ``fmt``: ``"dsv4"`` (584 B/token, footer scales), ``"dsv3_2"`` (656 B/token, inline), or a
+      DeepSeek-V4.1 record: ``"dsv4_1_swa"`` (528 B/token: 512 E4M3 + 16 UE8M0) or
+      ``"dsv4_1_indexed"`` (288 B/token: 512 E2M1 + 32 E4M3);
+    * ``scale_rule``: ``None`` (the format's writer rule), ``"flashmla"``, ``"sglang"`` or
+      ``"dsv4_1"`` (``formats.scale_exponents``);
     * ``page_block_size``: tokens per page (DeepSeek-V4 pools: 256 SWA, 64 C4, 2 C128);
     * ``page_stride``: ``"tight"`` (``ps*B``), ``"padded"`` (FlashMLA/SGLang: 37,440 B at ps=64)
       or a byte count (a multiple of 16, ``>= ps*B``);

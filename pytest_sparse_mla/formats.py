@@ -65,6 +65,9 @@ __all__ = [
     "DSV4_1_SWA",
     "DSV4_1_INDEXED",
     "FORMATS",
+    "CALL_FORMATS",
+    "cache_formats",
+    "call_format_name",
     "E2M1_VALUES",
     "FORMS",
     "E4M3_MAX",
@@ -175,18 +178,57 @@ FORMATS: dict[str, PackedFormat] = {
 }
 
 
+#: The ``fmt`` of an attention call names the record format of its main cache and of its extra
+#: cache: one format for both, or ``"dsv4_1"``: DeepSeek-V4.1's SWA records in the main cache and
+#: its indexed records in the extra cache (flashinfer-python 0.7.2.post1 ``compressed_reference.py``
+#: ``compressed_sparse_mla_reference(..., cache_format="deepseek_v41")``).
+CALL_FORMATS: dict[str, tuple[PackedFormat, PackedFormat]] = {
+    **{name: (f, f) for name, f in FORMATS.items()},
+    "dsv4_1": (DSV4_1_SWA, DSV4_1_INDEXED),
+}
+
+
 def get_format(fmt: PackedFormat | str) -> PackedFormat:
-    """Resolve ``"dsv4"`` / ``"dsv3_2"`` (or a :class:`PackedFormat`) to a format.
+    """Resolve a format name (or a :class:`PackedFormat`) to a format; an attention call format
+    (:data:`CALL_FORMATS`, e.g. ``"dsv4_1"``) resolves to the format of its main cache.
 
     Raises:
         ValueError: unknown name.
     """
     if isinstance(fmt, PackedFormat):
         return fmt
-    try:
+    if fmt in FORMATS:
         return FORMATS[fmt]
-    except KeyError:
-        raise ValueError(f"fmt={fmt!r}: expected one of {sorted(FORMATS)}") from None
+    if fmt in CALL_FORMATS:
+        return CALL_FORMATS[fmt][0]
+    raise ValueError(f"fmt={fmt!r}: expected one of {sorted(CALL_FORMATS)}")
+
+
+def call_format_name(fmt: PackedFormat | str) -> str:
+    """The :data:`CALL_FORMATS` name of an attention call's ``fmt`` (``"dsv4"``, ``"dsv3_2"``,
+    ``"dsv4_1"``, or a record format used for both caches).
+
+    Raises:
+        ValueError: unknown name.
+    """
+    if isinstance(fmt, PackedFormat):
+        return fmt.name
+    cache_formats(fmt)  # validates
+    return fmt
+
+
+def cache_formats(fmt: PackedFormat | str) -> tuple[PackedFormat, PackedFormat]:
+    """``(main cache format, extra cache format)`` of an attention call's ``fmt``
+    (:data:`CALL_FORMATS`; a :class:`PackedFormat` is both).
+
+    Raises:
+        ValueError: unknown name.
+    """
+    if isinstance(fmt, PackedFormat):
+        return fmt, fmt
+    if fmt in CALL_FORMATS:
+        return CALL_FORMATS[fmt]
+    raise ValueError(f"fmt={fmt!r}: expected one of {sorted(CALL_FORMATS)}")
 
 
 def _check_page_block_size(page_block_size: object, name: str = "page_block_size") -> int:

@@ -139,10 +139,12 @@ def call_reason(env: Envelope, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
     try:
         from pytest_sparse_mla import formats
 
-        fmt = formats.get_format(fmt).name
+        record_formats = formats.cache_formats(fmt)
+        fmt = formats.call_format_name(fmt)
         for i, (cache, ps) in enumerate((("kv_cache", "page_block_size"), ("extra_kv_cache", "extra_page_block_size"))):
             if call.get(cache) is not None:
-                page_sizes[i] = formats.parse_cache(call[cache], fmt, page_block_size=call.get(ps)).page_block_size
+                layout = formats.parse_cache(call[cache], record_formats[i], page_block_size=call.get(ps))
+                page_sizes[i] = layout.page_block_size
     except (TypeError, ValueError):
         return None
     return env.call_reason(

@@ -118,13 +118,13 @@ def _lse(convention: str, scale: float) -> object:
     [_lse("flashinfer", 1.0), _lse("flashinfer", math.log(2.0)), _lse("flashinfer", 0.5), _lse("flashmla", 1.0)],
 )
 @pytest.mark.parametrize("with_sink", [False, True], ids=["no-sink", "sink"])
-@pytest.mark.parametrize("fmt", ["dsv4", "dsv3_2"])
+@pytest.mark.parametrize("fmt", ["dsv4", "dsv3_2", "dsv4_1"])
 def test_lse_conventions(
     fmt, lse_convention, lse_scale, with_sink, sparse_mla_impl, sparse_mla_tolerances, sparse_mla_inputs,
     sparse_mla_envelope,
 ):  # fmt: skip
     _lse_or_not_applicable(sparse_mla_envelope, lse_convention)
-    dual = DUAL_C4 if fmt == "dsv4" else {}
+    dual = {} if fmt == "dsv3_2" else DUAL_C4
     case = AttentionCase("lse-conventions", 8, 16, 128, with_sink=with_sink, sink_kind="large", query="peaked",
                          fmt=fmt, requires=("sink", "format") if with_sink else ("format",), **dual)  # fmt: skip
     inputs = sparse_mla_inputs(case)
@@ -140,7 +140,7 @@ def test_lse_conventions(
 @pytest.mark.sparse_mla_error_class("empty-rows")
 @pytest.mark.parametrize("sink", ["no-sink", "sink", "minus-inf-sink"])
 @pytest.mark.parametrize("how", ["all-minus-one", "topk_length-0", "negative-lengths"])
-@pytest.mark.parametrize("fmt", ["dsv4", "dsv3_2"])
+@pytest.mark.parametrize("fmt", ["dsv4", "dsv3_2", "dsv4_1"])
 def test_empty_rows_give_zero_output_and_sentinel_lse(
     fmt, how, sink, sparse_mla_impl, sparse_mla_tolerances, sparse_mla_inputs, sparse_mla_envelope, sparse_mla_device
 ):
@@ -150,7 +150,7 @@ def test_empty_rows_give_zero_output_and_sentinel_lse(
                     f"(topk_length_formats={env.topk_length_formats})")  # fmt: skip
     if how == "negative-lengths" and env.topk_length_range != "clamped":
         pytest.skip("not applicable to this envelope: negative topk_length (topk_length_range='row')")
-    dual = {"topk_extra": 128, "extra_page_block_size": 2, "extra_num_pages": 128} if fmt == "dsv4" else {}
+    dual = {} if fmt == "dsv3_2" else {"topk_extra": 128, "extra_page_block_size": 2, "extra_num_pages": 128}
     case = AttentionCase("empty", 4, 8, 128, with_sink=sink != "no-sink", fmt=fmt,
                          requires=("sink", "format") if sink != "no-sink" else ("format",), **dual)  # fmt: skip
     inputs = sparse_mla_inputs(case)

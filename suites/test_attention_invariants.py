@@ -56,7 +56,7 @@ pytestmark = pytest.mark.sparse_mla_needs("sparse_mla_forward")
 
 DUAL_C4 = {"topk_extra": 128, "extra_page_block_size": 64, "extra_num_pages": 8}
 DUAL_C128 = {"topk_extra": 128, "extra_page_block_size": 2, "extra_num_pages": 128}
-FORMATS = ["dsv4", "dsv3_2"]
+FORMATS = ["dsv4", "dsv3_2", "dsv4_1"]
 
 
 def _pad(indices: torch.Tensor, width: int, value: int = -1) -> torch.Tensor:
@@ -65,7 +65,7 @@ def _pad(indices: torch.Tensor, width: int, value: int = -1) -> torch.Tensor:
 
 
 def _dual(fmt: str, spec: dict[str, int] = DUAL_C4) -> dict[str, int]:
-    return spec if fmt == "dsv4" else {}
+    return {} if fmt == "dsv3_2" else spec  # DSV3.2 deployments have no extra cache
 
 
 def _case(name: str, fmt: str, num_tokens: int, num_heads: int, topk: int, **kw: object) -> AttentionCase:
@@ -269,10 +269,12 @@ def test_zero_sink_equals_a_zero_row_candidate(
 def _token_bytes(fmt: formats.PackedFormat, ps: int, t: int) -> list[tuple[int, int]]:
     """Byte ranges of token ``t`` within its page that a reader uses, by hand: DSV4 footer layout
     ``[t*576, t*576 + 576)`` (codes + RoPE) and ``[ps*576 + t*8, ps*576 + t*8 + 7)`` (7 UE8M0 scales;
-    byte 7 of the record is padding nobody reads); DSV3.2 inline ``[t*656, t*656 + 656)``."""
+    byte 7 of the record is padding nobody reads); inline records ``[t*B, t*B + B)`` with ``B`` 656
+    (DSV3.2), 528 (V4.1 SWA) or 288 (V4.1 indexed)."""
     if fmt.layout == "footer":
         return [(t * 576, t * 576 + 576), (ps * 576 + t * 8, ps * 576 + t * 8 + 7)]
-    return [(t * 656, t * 656 + 656)]
+    record = {"dsv3_2": 656, "dsv4_1_swa": 528, "dsv4_1_indexed": 288}[fmt.name]
+    return [(t * record, t * record + record)]
 
 
 def _poison(cache: data.PackedKVCache, keep: torch.Tensor, byte: int) -> torch.Tensor:

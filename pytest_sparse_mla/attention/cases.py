@@ -313,7 +313,7 @@ def make_inputs(
         raise ValueError(f"query={case.query!r}: expected one of {QUERIES}")
     if case.sink_kind not in SINK_KINDS:
         raise ValueError(f"sink_kind={case.sink_kind!r}: expected one of {SINK_KINDS}")
-    f = formats.get_format(case.fmt)
+    f, ef = formats.cache_formats(case.fmt)
     cache = _cache(
         generator, f, num_pages=case.num_pages, page_block_size=case.page_block_size,
         page_stride=case.page_stride, form=case.form, distribution=case.distribution, value_scale=1.0,
@@ -329,7 +329,7 @@ def make_inputs(
     extra = extra_indices = extra_lengths = None
     if case.dual:
         extra = _cache(
-            generator, f, num_pages=case.extra_num_pages, page_block_size=case.extra_page_block_size,
+            generator, ef, num_pages=case.extra_num_pages, page_block_size=case.extra_page_block_size,
             page_stride=case.extra_page_stride if case.extra_page_stride is not None else case.page_stride,
             form=case.form, distribution=case.distribution, value_scale=case.extra_value_scale,
             layer=case.extra_layer, num_layers=case.extra_num_layers, device=device,
@@ -370,8 +370,9 @@ def make_inputs(
 
 
 def _named_format(kw: dict[str, Any]) -> dict[str, Any]:
-    """A case written for DSV3.2 exists for that format: it requires it (``fit_case`` never moves it)."""
-    if kw.get("fmt") == "dsv3_2":
+    """A case written for DSV3.2 or DeepSeek-V4.1 exists for that format: it requires it
+    (``fit_case`` never moves it)."""
+    if kw.get("fmt") in ("dsv3_2", "dsv4_1"):
         kw["requires"] = (*kw.get("requires", ()), "format")
     return kw
 
@@ -498,6 +499,18 @@ CONFORMANCE_CASES: tuple[AttentionCase, ...] = (
     _cf("peaked-dsv32-dual-c4", 8, 16, 128, query="peaked", fmt="dsv3_2", requires=("extra",), **_C4),
     # valid lanes past 512 in one row (DSV3.2 serves topk 2048; DSpark rows are 192 wide)
     _cf("wide-row-k1024", 2, 16, 1024, query="peaked", masked_fraction=0.25, num_pages=32),
+    # DeepSeek-V4.1: SWA records (E4M3, UE8M0 per 32) in the main cache, indexed FP4 records (E2M1,
+    # E4M3 per 16) in the extra cache, as flashinfer-python 0.7.2.post1's reference pairs them
+    _cf("v41-peaked-dual-c4", 8, 16, 128, query="peaked", fmt="dsv4_1", **_C4),
+    _cf("v41-peaked-dual-c128-large-sink", 8, 16, 128, query="peaked", fmt="dsv4_1", sink_kind="large", **_C128,
+        requires=("sink",)),
+    _cf("v41-swa-only", 8, 16, 128, query="peaked", fmt="dsv4_1"),
+    _cf("v41-extra-x64", 8, 16, 128, query="peaked", fmt="dsv4_1", extra_value_scale=64.0, **_C4,
+        requires=("extra",)),
+    _cf("v41-trunc-len100", 8, 16, 192, query="peaked", fmt="dsv4_1", topk_length=100, extra_topk_length=50,
+        masked_fraction=0.0, **_C4, requires=("topk_length",)),
+    _cf("v41-h64-peaked-T65", 65, 64, 128, query="peaked", fmt="dsv4_1", sink_kind="large", **_C4,
+        requires=("tokens",)),
 )  # fmt: skip
 
 

@@ -207,7 +207,7 @@ def oracle_forward(
     """
     del grid_release, chunk_tokens
     lse_convention, lse_scale = check_lse_convention(lse_convention, lse_scale)
-    f = formats.get_format(fmt)
+    f, ef = formats.cache_formats(fmt)
     if (extra_kv_cache is None) != (extra_indices is None):
         raise ValueError("extra_kv_cache and extra_indices must be provided together")
     device = q.device
@@ -217,8 +217,8 @@ def oracle_forward(
     tables = [main]
     if extra_kv_cache is not None:
         extra = formats.unpack_dequantize(
-            extra_kv_cache, f, page_block_size=extra_page_block_size, dtype=torch.float64
-        ).reshape(-1, f.d_qk)
+            extra_kv_cache, ef, page_block_size=extra_page_block_size, dtype=torch.float64
+        ).reshape(-1, ef.d_qk)
         tables.append(extra)
     table = torch.cat(tables).to(device)
     if indices.dim() == 3:

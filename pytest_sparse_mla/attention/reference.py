@@ -333,7 +333,7 @@ def sparse_mla_forward(
         Whatever ``dispatch.enforce_grid`` raises for a release that cannot run the shape.
         ValueError: ``check_indices=True`` while the current CUDA stream is capturing a graph.
     """
-    f = formats.get_format(fmt)
+    f, ef = formats.cache_formats(fmt)
     if not isinstance(q, torch.Tensor):
         raise TypeError(f"q: expected a torch.Tensor, got {type(q).__name__}")
     if q.dtype != torch.bfloat16:
@@ -372,7 +372,7 @@ def sparse_mla_forward(
     extra_layout = None
     if extra_kv_cache is not None:
         extra_layout = formats.parse_cache(
-            extra_kv_cache, f, page_block_size=extra_page_block_size, name="extra_kv_cache"
+            extra_kv_cache, ef, page_block_size=extra_page_block_size, name="extra_kv_cache"
         )
         _check_same_device(extra_kv_cache, "extra_kv_cache", q)
         extra_indices = _check_index_tensor(extra_indices, "extra_indices", num_tokens, q)
@@ -403,6 +403,10 @@ def sparse_mla_forward(
             extra_page_block_size=extra_layout.page_block_size if extra_layout is not None else 0,
         )
 
+    if f not in (formats.DSV4, formats.DSV3_2) and backend is None:
+        backend = "torch"  # the Triton kernel reads the DSV4 and DSV3.2 layouts only
+    if f not in (formats.DSV4, formats.DSV3_2) and backend == "triton":
+        raise ValueError(f"backend='triton' with fmt={fmt!r}: the Triton forward reads DSV4 and DSV3.2 caches only")
     backend = resolve_backend(backend, q.device)
     route = route_for(num_tokens)
     device = q.device
@@ -437,7 +441,7 @@ def sparse_mla_forward(
         )  # fmt: skip
     else:
         table, rows, valid, zero_row = _prepare_candidates(
-            f, kv_cache, indices, topk_length, page_block_size, layout,
+            (f, ef), kv_cache, indices, topk_length, page_block_size, layout,
             extra_kv_cache, extra_indices, extra_topk_length, extra_page_block_size, extra_layout,
             out_of_range,
         )  # fmt: skip
@@ -472,7 +476,7 @@ def _check_out_of_range(
 
 
 def _prepare_candidates(
-    f: formats.PackedFormat,
+    fmts: tuple[formats.PackedFormat, formats.PackedFormat],
     kv_cache: torch.Tensor,
     indices: torch.Tensor,
     topk_length: torch.Tensor | None,
@@ -493,6 +497,7 @@ def _prepare_candidates(
     :data:`LANE_TILE` plus the extra row padded likewise. Lanes past their cache are invalid
     and counted per token into ``out_of_range`` (``[T]`` int32, zeros on entry).
     """
+    f, ef = fmts
     device = indices.device
     num_main = layout.num_tokens
     num_extra = extra_layout.num_tokens if extra_layout is not None else 0
@@ -501,8 +506,8 @@ def _prepare_candidates(
     table[:num_main] = formats.unpack_dequantize(kv_cache, f, page_block_size=page_block_size).view(num_main, f.d_qk)
     if extra_kv_cache is not None:
         table[num_main:zero_row] = formats.unpack_dequantize(
-            extra_kv_cache, f, page_block_size=extra_page_block_size
-        ).view(num_extra, f.d_qk)
+            extra_kv_cache, ef, page_block_size=extra_page_block_size
+        ).view(num_extra, ef.d_qk)
     table[zero_row] = 0.0
 
     rows, valid, bad = _candidate_lanes(indices, topk_length, num_main, 0, zero_row)

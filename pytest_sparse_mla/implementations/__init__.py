@@ -113,7 +113,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from pytest_sparse_mla import capabilities, options
-from pytest_sparse_mla.envelope import INVARIANCE_CLAIMS, Envelope
+from pytest_sparse_mla.envelope import ALL_FORMATS, INVARIANCE_CLAIMS, Envelope
 
 __all__ = [
     "CAPABILITIES",
@@ -150,7 +150,13 @@ class ReferenceImplementation:
     compute_mode = "exact"
     split_backend = "torch"
     #: Every call, and every invariance bit for bit (a fixed-order fp32 pipeline per token and head).
-    envelope = Envelope(bitwise_invariance=frozenset(INVARIANCE_CLAIMS))
+    envelope = Envelope(
+        formats=ALL_FORMATS,
+        extra_cache_formats=ALL_FORMATS,
+        topk_length_formats=ALL_FORMATS,
+        sink_formats=ALL_FORMATS,
+        bitwise_invariance=frozenset(INVARIANCE_CLAIMS),
+    )
 
     def __init__(self, grid_release: str | None = None) -> None:
         self.grid_release = grid_release

@@ -240,7 +240,7 @@ def shape_reason(
     idx_shape = tuple(getattr(indices, "shape", ()))
     extra_shape = tuple(getattr(extra_indices, "shape", ())) if extra_indices is not None else None
     reason = envelope.call_reason(
-        fmt=f.name,
+        fmt=formats.call_format_name(fmt),
         num_tokens=num_tokens,
         num_heads=int(shape[1]) if len(shape) > 1 else 0,
         topk=int(idx_shape[-1]) if idx_shape else 0,
@@ -332,8 +332,12 @@ def open_forward(
         )
     num_tokens = int(q.shape[0])
 
+    from pytest_sparse_mla import formats
+
+    main_fmt, extra_fmt = formats.cache_formats(fmt)
+
     def rows(cache: Any, pbs: int | None, ind: Any, length: Any, names: tuple[str, str, str]) -> tuple[Any, Any, Any]:
-        view, layout = nhd_view(cache, fmt, pbs, names[0])
+        view, layout = nhd_view(cache, main_fmt if names[0] == "kv_cache" else extra_fmt, pbs, names[0])
         idx = index_rows(ind, names[1], num_tokens)
         if length is not None and tuple(getattr(length, "shape", ())) != (num_tokens,):
             return view, layout, idx  # a malformed length: the peer's own check answers for it
