@@ -45,6 +45,7 @@ from pytest_sparse_mla import formats
 from pytest_sparse_mla.attention import sparse_mla_forward as reference_forward
 from pytest_sparse_mla.attention.conventions import check_lse_convention, route_for
 from pytest_sparse_mla.attention.reference import SparseMlaOutput
+from pytest_sparse_mla.envelope import ALL_FORMATS, Envelope
 
 __all__ = ["CATALOGUE", "Entry", "TileKernel", "wrong_kernels", "approximate_kernels"]
 
@@ -860,7 +861,7 @@ class TileKernel:
         **ignored: Any,
     ) -> SparseMlaOutput:
         """The protocol's ``sparse_mla_forward`` (arguments as the bundled reference's)."""
-        f = formats.get_format(fmt)
+        f, ef = formats.cache_formats(fmt)
         if not isinstance(q, torch.Tensor) or q.dtype != torch.bfloat16:
             raise TypeError(f"q: expected a BF16 torch.Tensor, got {getattr(q, 'dtype', type(q).__name__)}")
         if q.dim() != 3 or q.shape[2] != f.d_qk:
@@ -883,7 +884,9 @@ class TileKernel:
             _check_vector(attn_sink, "attn_sink", torch.float32, num_heads, q)
         extra_idx = None
         if extra_kv_cache is not None:
-            extra = formats.parse_cache(extra_kv_cache, f, page_block_size=extra_page_block_size, name="extra_kv_cache")
+            extra = formats.parse_cache(
+                extra_kv_cache, ef, page_block_size=extra_page_block_size, name="extra_kv_cache"
+            )
             if extra_kv_cache.device != q.device:
                 raise ValueError(f"extra_kv_cache is on {extra_kv_cache.device}, q on {q.device}")
             extra_idx = _check_index_rows(extra_indices, "extra_indices", num_tokens, q)
@@ -896,7 +899,7 @@ class TileKernel:
 
         tables = [self.dequantize(kv_cache, f, main.page_block_size)]
         if extra_kv_cache is not None:
-            tables.append(self.dequantize(extra_kv_cache, f, extra.page_block_size))
+            tables.append(self.dequantize(extra_kv_cache, ef, extra.page_block_size))
         zero_row = sum(t.shape[0] for t in tables)
         table = torch.cat([*tables, torch.zeros((1, f.d_qk), device=q.device)])
         if self.bf16_keys or self.fp8:
@@ -1151,6 +1154,120 @@ class sm_scale_nope_only(TileKernel):
         per_dim = super().score_scale(f, scale, device)
         per_dim[f.d_nope :] = 1.0
         return per_dim
+
+
+# =================================================================================================
+# Wrong DeepSeek-V4.1 readers (the tile kernel over V4.1 records, one decoding bug each)
+# =================================================================================================
+
+#: The envelope of a kernel that reads every format, DeepSeek-V4.1's records included.
+EVERY_FORMAT = Envelope(
+    formats=ALL_FORMATS, extra_cache_formats=ALL_FORMATS, topk_length_formats=ALL_FORMATS, sink_formats=ALL_FORMATS
+)
+
+
+def _v41_fields(cache: torch.Tensor, f: formats.PackedFormat, page_block_size: int | None) -> formats.PackedFields:
+    return formats.unpack_fields(cache, f, page_block_size=page_block_size)
+
+
+class _V41Reader(TileKernel):
+    """The tile kernel with a V4.1 record decoder of its own (``decode``); other formats as usual."""
+
+    envelope = EVERY_FORMAT
+
+    def dequantize(self, cache, f, page_block_size):
+        if not f.name.startswith("dsv4_1"):
+            return super().dequantize(cache, f, page_block_size)
+        fields = _v41_fields(cache, f, page_block_size)
+        rows = fields.codes.reshape(-1, f.d_nope)
+        return self.decode(f, rows, fields.scale_bytes.reshape(rows.shape[0], -1))
+
+    def decode(self, f: formats.PackedFormat, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """``[tokens, 512]`` fp32 from per-value codes and per-group scale bytes (the right way)."""
+        return self.values(f, codes) * self.scales(f, scales).repeat_interleave(f.group_size, dim=1)
+
+    def values(self, f: formats.PackedFormat, codes: torch.Tensor) -> torch.Tensor:
+        if f.code == "e2m1":
+            table = torch.tensor(formats.E2M1_VALUES, device=codes.device)
+            return torch.where((codes & 8) != 0, -table[(codes & 7).long()], table[(codes & 7).long()])
+        return codes.view(torch.float8_e4m3fn).to(torch.float32)
+
+    def scales(self, f: formats.PackedFormat, scales: torch.Tensor) -> torch.Tensor:
+        if f.scale_kind == "e4m3":
+            return scales.view(torch.float8_e4m3fn).to(torch.float32)
+        return torch.ldexp(torch.ones_like(scales, dtype=torch.float32), scales.to(torch.int32) - 127)
+
+
+@wrong(
+    "V4.1 indexed record: the FP4 scale group read as 32 values (scale i // 32) instead of 16",
+    "flashinfer-python 0.7.2.post1 compressed_reference.py: indexed records scale groups of 16, SWA of 32",
+)
+class v41_fp4_group_32(_V41Reader):
+    def decode(self, f, codes, scales):
+        if f.code != "e2m1":
+            return super().decode(f, codes, scales)
+        return self.values(f, codes) * self.scales(f, scales).repeat_interleave(32, dim=1)[:, : f.d_nope]
+
+
+@wrong(
+    "V4.1 indexed record: the two FP4 codes of a byte taken high nibble first",
+    "compressed_reference.py packs payload = codes[0::2] | codes[1::2] << 4 (low nibble = even element)",
+)
+class v41_fp4_nibbles_swapped(_V41Reader):
+    def values(self, f, codes):
+        if f.code == "e2m1":
+            codes = codes.reshape(codes.shape[0], -1, 2).flip(-1).reshape(codes.shape)
+        return super().values(f, codes)
+
+
+@wrong(
+    "V4.1 indexed record: the FP4 sign bit (bit 3) ignored, every value taken as its magnitude",
+    "OCP MX v1.0 E2M1: sign in bit 3",
+)
+class v41_fp4_sign_dropped(_V41Reader):
+    def values(self, f, codes):
+        return super().values(f, codes & 7 if f.code == "e2m1" else codes)
+
+
+@wrong(
+    "V4.1 indexed record: its E4M3 group scales read as UE8M0 exponent bytes (2**(byte - 127))",
+    "the SWA record's scales are UE8M0, the indexed record's E4M3 (compressed_reference.py)",
+)
+class v41_fp4_scale_as_ue8m0(_V41Reader):
+    def scales(self, f, scales):
+        return torch.ldexp(torch.ones_like(scales, dtype=torch.float32), scales.to(torch.int32) - 127)
+
+
+@wrong(
+    "V4.1 indexed record: FP4 codes read as integers 0..7 (value = code) instead of E2M1 values",
+    "E2M1 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 (OCP MX v1.0)",
+)
+class v41_fp4_codes_as_int(_V41Reader):
+    def values(self, f, codes):
+        if f.code != "e2m1":
+            return super().values(f, codes)
+        magnitude = (codes & 7).to(torch.float32)
+        return torch.where((codes & 8) != 0, -magnitude, magnitude)
+
+
+@wrong(
+    "V4.1 SWA record: the UE8M0 scale group read as 64 values (scale i // 64, DSV4's group) instead of 32",
+    "DSV4 footers scale 64 values per byte; the V4.1 SWA record 32 (compressed_reference.py)",
+)
+class v41_swa_group_64(_V41Reader):
+    def decode(self, f, codes, scales):
+        if f.code == "e2m1":
+            return super().decode(f, codes, scales)
+        return self.values(f, codes) * self.scales(f, scales).repeat_interleave(64, dim=1)[:, : f.d_nope]
+
+
+OUTSIDE_FLASHMLA.update(
+    {
+        name: "its bug lives in DeepSeek-V4.1 records, a format FlashMLA's envelope does not take"
+        for name in ("v41_fp4_group_32", "v41_fp4_nibbles_swapped", "v41_fp4_sign_dropped",
+                     "v41_fp4_scale_as_ue8m0", "v41_fp4_codes_as_int", "v41_swa_group_64")
+    }
+)  # fmt: skip
 
 
 # =================================================================================================

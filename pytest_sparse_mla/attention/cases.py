@@ -450,6 +450,10 @@ _C128 = {"topk_extra": 128, "extra_page_block_size": 2, "extra_num_pages": 128}
 CONFORMANCE_CASES: tuple[AttentionCase, ...] = (
     # queries aligned with chosen candidates in each cache: wrong scale / wrong row moves the softmax
     _cf("peaked-dual-c4", 8, 16, 128, query="peaked", **_C4),
+    # DeepSeek-V4.1: SWA records (E4M3, UE8M0 per 32) in the main cache, indexed FP4 records (E2M1,
+    # E4M3 per 16) in the extra cache, as flashinfer-python 0.7.2.post1's reference pairs them
+    # (early in the list: the wrong-kernel gate runs cases round-robin and stops at the first failure)
+    _cf("v41-peaked-dual-c4", 8, 16, 128, query="peaked", fmt="dsv4_1", **_C4),
     _cf("peaked-dual-c128-large-sink", 8, 16, 128, query="peaked", sink_kind="large", **_C128, requires=('sink',)),
     _cf("peaked-dsv32", 8, 16, 128, query="peaked", fmt="dsv3_2", sink_kind="large", requires=('sink',)),
     _cf("dominant-key", 8, 16, 128, query="peaked", peak=30.0, **_C4),
@@ -499,9 +503,7 @@ CONFORMANCE_CASES: tuple[AttentionCase, ...] = (
     _cf("peaked-dsv32-dual-c4", 8, 16, 128, query="peaked", fmt="dsv3_2", requires=("extra",), **_C4),
     # valid lanes past 512 in one row (DSV3.2 serves topk 2048; DSpark rows are 192 wide)
     _cf("wide-row-k1024", 2, 16, 1024, query="peaked", masked_fraction=0.25, num_pages=32),
-    # DeepSeek-V4.1: SWA records (E4M3, UE8M0 per 32) in the main cache, indexed FP4 records (E2M1,
-    # E4M3 per 16) in the extra cache, as flashinfer-python 0.7.2.post1's reference pairs them
-    _cf("v41-peaked-dual-c4", 8, 16, 128, query="peaked", fmt="dsv4_1", **_C4),
+    # more DeepSeek-V4.1 calls (records, sink, lengths, prefill)
     _cf("v41-peaked-dual-c128-large-sink", 8, 16, 128, query="peaked", fmt="dsv4_1", sink_kind="large", **_C128,
         requires=("sink",)),
     _cf("v41-swa-only", 8, 16, 128, query="peaked", fmt="dsv4_1"),
