@@ -82,6 +82,7 @@ __all__ = [
     "quantize_pack",
     "unpack_dequantize",
     "unpack_fields",
+    "check_scales",
     "flat_token_index",
 ]
 
@@ -749,6 +750,38 @@ def unpack_fields(
             codes = torch.stack([codes & 0x0F, codes >> 4], dim=-1).reshape(p, ps, f.d_nope)
     rope = rope_bytes.contiguous().view(torch.bfloat16)
     return PackedFields(codes.contiguous(), scale_bytes.contiguous(), rope)
+
+
+def check_scales(cache: torch.Tensor, fmt: PackedFormat | str = DSV4, *, page_block_size: int | None = None) -> None:
+    """Refuse a cache holding a record whose scale is not a finite positive number: a UE8M0 byte
+    0xFF (2**128, infinite in fp32), an E4M3 scale byte 0x7F / 0xFF (NaN) or a negative one, an
+    fp32 scale that is NaN, infinite or not positive. :func:`quantize_pack` never writes one; a
+    reader that meets one decodes garbage (:func:`unpack_dequantize` decodes it as it is).
+
+    Raises:
+        TypeError, ValueError: as :func:`parse_cache`.
+        ValueError: the first bad record, by page, slot and scale group, with its byte(s).
+    """
+    f = get_format(fmt)
+    fields = unpack_fields(cache, f, page_block_size=page_block_size)
+    raw = fields.scale_bytes[..., : f.num_scales * (4 if f.scale_kind == "fp32" else 1)]
+    if f.scale_kind == "ue8m0":
+        bad = raw == 0xFF
+    elif f.scale_kind == "e4m3":
+        value = raw.view(torch.float8_e4m3fn).to(torch.float32)
+        bad = ~torch.isfinite(value) | (value < 0)
+    else:
+        value = raw.contiguous().view(torch.float32)
+        bad = ~torch.isfinite(value) | (value <= 0)
+    if bool(bad.any()):
+        page, slot, group = (int(v) for v in bad.nonzero()[0])
+        width = 4 if f.scale_kind == "fp32" else 1
+        shown = raw[page, slot, group * width : group * width + width].tolist()
+        raise ValueError(
+            f"{f.name} cache: page {page}, slot {slot}, scale group {group} holds byte(s) "
+            f"{[hex(b) for b in shown]}, not a finite positive {f.scale_kind} scale "
+            f"({int(bad.sum())} bad scale(s) in all)"
+        )
 
 
 def unpack_dequantize(

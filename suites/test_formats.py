@@ -321,19 +321,24 @@ def test_largest_nope_values_and_rope_values_survive(fmt, rule, sparse_mla_impl,
     assert float(values[0, 1, f.d_nope]) == 248.0 * 2.0**120
 
 
-@pytest.mark.parametrize("rule", ["flashmla", "sglang"])
+@pytest.mark.parametrize("rule", ["flashmla", "sglang", None], ids=["flashmla", "sglang", "writer-rule"])
 @pytest.mark.parametrize(
     ("fmt", "page_block_size", "stride", "form"),
-    [("dsv4", 64, "padded", "nhd"), ("dsv4", 2, "tight", "3d"), ("dsv3_2", 64, "padded", "nhd")],
-    ids=["dsv4-ps64-padded-nhd", "dsv4-ps2-tight-3d", "dsv3_2-ps64-padded-nhd"],
-)
+    [("dsv4", 64, "padded", "nhd"), ("dsv4", 2, "tight", "3d"), ("dsv3_2", 64, "padded", "nhd"),
+     ("dsv4_1_swa", 64, "tight", "nhd"), ("dsv4_1_indexed", 64, "tight", "2d")],
+    ids=["dsv4-ps64-padded-nhd", "dsv4-ps2-tight-3d", "dsv3_2-ps64-padded-nhd", "dsv4_1_swa-ps64-tight-nhd",
+         "dsv4_1_indexed-ps64-tight-2d"],
+)  # fmt: skip
 def test_pack_is_byte_identical_to_the_specified_packer(
     fmt, page_block_size, stride, form, rule, sparse_mla_impl, sparse_mla_generator, sparse_mla_device
 ):
     """Whole caches on distributions whose group maxima cross the ``1e-4`` floor ("wide": 2**-24
     to 2**8) equal ``formats.quantize_pack``, the packer the hand-computed bytes above specify
-    (the round-trip bound allows either neighbour on an E4M3 tie; this pins round-to-nearest-even)."""
+    (the round-trip bound allows either neighbour on an E4M3 tie; this pins round-to-nearest-even).
+    ``None``: the format's own writer rule (the only one the V4.1 indexed record has)."""
     f = formats.get_format(fmt)
+    if f.code == "e2m1" and rule is not None:
+        pytest.skip(f"not applicable: {fmt} has one scale rule (its E4M3 scales), asked with scale_rule=None")
     source = data.latent((3, page_block_size, f.d_qk), sparse_mla_generator, distribution="wide")
     got = sparse_mla_impl.pack(source.to(sparse_mla_device), fmt, page_stride=stride, form=form, scale_rule=rule)
     want = formats.quantize_pack(source, fmt, page_stride=stride, form=form, scale_rule=rule)
@@ -342,3 +347,79 @@ def test_pack_is_byte_identical_to_the_specified_packer(
     logical = page_block_size * f.bytes_per_token  # the page's bytes before its padding
     differ = (_raw_pages(got)[:, :logical] != _raw_pages(want)[:, :logical]).nonzero()
     assert differ.numel() == 0, f"{differ.shape[0]} bytes differ, first at [page, byte] {differ[0].tolist()}"
+
+
+# --- DeepSeek-V4.1 records: hand-computed bytes ------------------------------------------------------
+
+
+def _swa_row() -> tuple[torch.Tensor, list[int]]:
+    """One SWA token: group g (32 values) = [448, 1, -2, 0.5, 0, ...] * 2**(g - 8), the last group
+    all zeros. Scale: 2**ceil(log2(max(amax, 1e-4) / 448)) = 2**(g - 8), UE8M0 byte 119 + g; the
+    zero group: max(0, 1e-4) / 448 = 2.23e-7 lies in (2**-23, 2**-22], byte 127 - 22 = 105. Codes:
+    448 -> 0x7E, 1 -> 0x38, -2 -> 0xC0, 0.5 -> 0x30, 0 -> 0x00 (E4M3, bias 7)."""
+    values, codes, scales = [], [], []
+    for g in range(16):
+        group = [0.0] * 32
+        if g < 15:
+            group[:4] = [448.0, 1.0, -2.0, 0.5]
+            codes += [0x7E, 0x38, 0xC0, 0x30] + [0] * 28
+            scales.append(119 + g)
+        else:
+            codes += [0] * 32
+            scales.append(105)
+        values += [v * 2.0 ** (g - 8) for v in group]
+    return torch.tensor(values, dtype=torch.bfloat16), codes + scales
+
+
+#: One indexed group of 16 in units of its scale: ties (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0) go to
+#: the even code, -0.25 rounds to -0 (code 8: the sign is kept), 5.5 and 6 to 6, 0.4 (BF16
+#: 0.40039) to 0.5, 2.9 (BF16 2.90625) to 3.
+_GROUP = [6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -0.75, -6.0, 5.5, -0.0, 0.4, 2.9, 1.0]
+_CODES = [7, 0, 2, 2, 4, 4, 6, 6, 8, 10, 15, 7, 8, 1, 5, 2]
+
+
+def _e4m3_byte_of_power_of_two(k: int) -> int:
+    """E4M3 byte of 2**k: normal (k >= -6) exponent field k + 7, mantissa 0; subnormal 2**k =
+    2**(k + 9) * 2**-9, mantissa 2**(k + 9)."""
+    return (k + 7) << 3 if k >= -6 else 1 << (k + 9)
+
+
+def _indexed_row() -> tuple[torch.Tensor, list[int]]:
+    """One indexed token: group g = _GROUP * 2**k with k = (g % 16) - 8, so amax = 6 * 2**k and the
+    scale is E4M3(6 * 2**k / 6) = 2**k exactly (subnormal for k < -6). Codes pair up low nibble
+    first: (7, 0) -> 0x07, (2, 2) -> 0x22, ..."""
+    values, packed, scales = [], [], []
+    nibbles = [lo | hi << 4 for lo, hi in zip(_CODES[0::2], _CODES[1::2], strict=True)]
+    for g in range(32):
+        k = g % 16 - 8
+        values += [v * 2.0**k for v in _GROUP]
+        packed += nibbles
+        scales.append(_e4m3_byte_of_power_of_two(k))
+    return torch.tensor(values, dtype=torch.bfloat16), packed + scales
+
+
+@pytest.mark.parametrize(
+    "fmt, row", [("dsv4_1_swa", _swa_row), ("dsv4_1_indexed", _indexed_row)], ids=["swa", "indexed"]
+)
+def test_dsv4_1_known_rows_land_on_hand_computed_bytes(fmt, row, sparse_mla_impl, sparse_mla_device) -> None:
+    """Records of flashinfer-python 0.7.2.post1 ``pack_deepseek_v41_cache_reference``: SWA 512 E4M3
+    codes + 16 UE8M0 scales (one per 32, ``2**ceil(log2(max(amax, 1e-4) / 448))``); indexed 512 E2M1
+    codes two per byte, low nibble first (round to nearest, ties to even, sign of zero kept) + 32 E4M3
+    scales (one per 16, ``e4m3(min(max(amax, 6 * 2**-9) / 6, 448))``)."""
+    values, expected = row()
+    source = torch.stack([values, -values]).reshape(1, 2, 512)  # a second token: every sign flipped
+    packed = sparse_mla_impl.pack(source.to(sparse_mla_device), fmt, form="2d").cpu()
+    f = formats.get_format(fmt)
+    got = packed[0, : f.bytes_per_token].tolist()
+    assert got == expected
+    assert packed.shape == (1, 2 * f.bytes_per_token)
+    decoded = formats.unpack_dequantize(packed, fmt)[0]  # the decoder the attention suites trust
+    if fmt == "dsv4_1_swa":
+        torch.testing.assert_close(decoded[0], values.float(), rtol=0, atol=0)  # every value is an E4M3 code
+    else:
+        table = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+        want = torch.tensor(
+            [(-1.0 if c & 8 else 1.0) * table[c & 7] * 2.0 ** (g % 16 - 8) for g in range(32) for c in _CODES]
+        )
+        assert torch.equal(decoded[0], want)
+    assert torch.equal(torch.signbit(decoded[1][values != 0]), ~torch.signbit(decoded[0][values != 0]))

@@ -73,7 +73,7 @@ class PackCase:
     num_pages: int
     seed: int
     distribution: str = "flashinfer"
-    scale_rule: str = "flashmla"
+    scale_rule: str | None = "flashmla"
 
     def __str__(self) -> str:
         return self.name
@@ -87,6 +87,9 @@ PACK_CASES = [
     # Group maxima across the 1e-4 scale floor and many exponents, SGLang's writer rule.
     PackCase("dsv4-ps64-wide-sglang", "dsv4", 64, 2, seed=604, distribution="wide", scale_rule="sglang"),
     PackCase("dsv3_2-ps64", "dsv3_2", 64, 2, seed=605),
+    # DeepSeek-V4.1 records (their writer rule: scale_rule=None), wide maxima across the floors.
+    PackCase("dsv4_1_swa-ps64-wide", "dsv4_1_swa", 64, 2, seed=606, distribution="wide", scale_rule=None),
+    PackCase("dsv4_1_indexed-ps64-wide", "dsv4_1_indexed", 64, 2, seed=607, distribution="wide", scale_rule=None),
 ]
 
 
@@ -179,6 +182,8 @@ class AttentionCase:
             keeps the first, a middle and the last row so a golden stays a few tens of KiB.
         distribution: of q and the latent rows (``data.DISTRIBUTIONS``). FlashInfer's gives scores
             of about 0.01 and a near-uniform softmax; ``"wide"`` gives peaked ones.
+        fmt: the call format (``"dsv4"``, or ``"dsv4_1"``: V4.1 SWA records in the main cache,
+            indexed FP4 records in the extra cache).
     """
 
     name: str
@@ -194,6 +199,7 @@ class AttentionCase:
     extra_pages: int = 0
     frozen_tokens: tuple[int, ...] | None = None
     distribution: str = "flashinfer"
+    fmt: str = "dsv4"
 
     def __str__(self) -> str:
         return self.name
@@ -217,6 +223,9 @@ ATTENTION_CASES = [
     AttentionCase("decode-c4-flash-tp1-sink", 1, FLASH_TP1, seed=808, sink=True,
                   extra_topk=deployments.C4_TOPK, extra_pages=8),
     AttentionCase("decode-swa-pro-tp1-topk-length", 1, PRO_TP1, seed=809, sink=False, topk_length=(101,)),
+    # DeepSeek-V4.1: SWA records in the main cache, indexed FP4 records in the C4 extra cache
+    AttentionCase("decode-v41-c4-flash-tp8-sink", 2, FLASH_TP8, seed=810, sink=True,
+                  extra_topk=deployments.C4_TOPK, extra_pages=4, fmt="dsv4_1"),
 ]  # fmt: skip
 
 #: Keyword arguments of ``sparse_mla_forward`` with one row per query token.
@@ -227,8 +236,9 @@ def attention_inputs(case: AttentionCase, device: torch.device | str) -> dict:
     """Keyword arguments of ``sparse_mla_forward`` / ``oracle_forward`` for ``case`` on ``device``
     (everything drawn on the CPU from ``case.seed``, in a fixed order)."""
     generator = torch.Generator().manual_seed(case.seed)
+    main_fmt, extra_fmt = formats.cache_formats(case.fmt)
     main = data.make_packed_cache(
-        generator, num_pages=case.main_pages, page_block_size=deployments.SPLIT_PAGE,
+        generator, fmt=main_fmt, num_pages=case.main_pages, page_block_size=deployments.SPLIT_PAGE,
         page_stride="padded", distribution=case.distribution, device=device,
     )  # fmt: skip
     q_shape = (case.num_tokens, case.num_heads, 512)
@@ -242,7 +252,7 @@ def attention_inputs(case: AttentionCase, device: torch.device | str) -> dict:
         kwargs["topk_length"] = torch.tensor(case.topk_length, dtype=torch.int32, device=device)
     if case.extra_topk:
         extra = data.make_packed_cache(
-            generator, num_pages=case.extra_pages, page_block_size=case.extra_page_block_size,
+            generator, fmt=extra_fmt, num_pages=case.extra_pages, page_block_size=case.extra_page_block_size,
             page_stride="padded", distribution=case.distribution, device=device,
         )  # fmt: skip
         kwargs["extra_kv_cache"] = extra.packed
@@ -251,6 +261,8 @@ def attention_inputs(case: AttentionCase, device: torch.device | str) -> dict:
         )
     if case.sink:
         kwargs["attn_sink"] = data.attn_sink(case.num_heads, generator, device=device)
+    if case.fmt != "dsv4":
+        kwargs["fmt"] = case.fmt
     return kwargs
 
 
@@ -277,7 +289,7 @@ def test_attention_golden(
 
     env = sparse_mla_envelope
     outside = env.call_reason(
-        fmt="dsv4", num_tokens=case.num_tokens, num_heads=case.num_heads, topk=case.topk,
+        fmt=case.fmt, num_tokens=case.num_tokens, num_heads=case.num_heads, topk=case.topk,
         extra_topk=case.extra_topk or None, page_block_size=deployments.SPLIT_PAGE,
         extra_page_block_size=case.extra_page_block_size if case.extra_topk else None,
         has_topk_length=case.topk_length is not None, has_sink=case.sink,

@@ -1320,6 +1320,32 @@ class pack_scale_bias_128:
 
 
 @wrong(
+    "V4.1 indexed pack rounds E2M1 ties away from zero (0.25 -> 0.5, 1.25 -> 1.5, 5 -> 6) instead of to the "
+    "even code",
+    "flashinfer-python 0.7.2.post1 pack_deepseek_v41_cache_reference: RN-even E2M1 (its docstring)",
+)
+class pack_e2m1_ties_away:
+    compute_mode = "bf16"
+
+    def pack(self, source, fmt="dsv4", **kw):
+        packed = _pack(source, fmt, **kw)
+        f = formats.get_format(fmt)
+        if f.code != "e2m1":
+            return packed
+        pages, layout = _page_bytes(packed, f)
+        ps = layout.page_block_size
+        rows = pages.unflatten(1, (ps, layout.token_stride))
+        scales = rows[..., f.code_bytes_per_token : f.code_bytes_per_token + f.num_scales].contiguous()
+        scale = scales.view(torch.float8_e4m3fn).to(torch.float32).repeat_interleave(f.group_size, dim=-1)
+        x = source.to(packed.device).float() / scale
+        midpoints = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], device=x.device)
+        index = (x.abs().unsqueeze(-1) >= midpoints).sum(dim=-1).to(torch.uint8)  # every tie goes up
+        codes = index | (torch.signbit(x).to(torch.uint8) << 3)
+        rows[..., : f.code_bytes_per_token] = codes[..., 0::2] | (codes[..., 1::2] << 4)
+        return packed
+
+
+@wrong(
     "DSV4 pack writes inline 584-byte records (token t's 576 data bytes, then its 8 scale bytes) "
     "instead of the page footer",
     "flashinfer kv_cache_traits.cuh DSV4 footer; formats docstring: "
