@@ -1,6 +1,7 @@
-"""Packed FP8 paged KV-cache formats: byte geometry, quantize + pack, unpack + dequantize, tensor forms.
+"""Packed FP8 (and FP4) paged KV-cache formats: byte geometry, quantize + pack, unpack + dequantize,
+tensor forms.
 
-Two formats (sources: deepseek-ai/FlashMLA ``tests/quant.py``; flashinfer-python 0.7.4
+Four record formats (sources: deepseek-ai/FlashMLA ``tests/quant.py``; flashinfer-python 0.7.4
 ``include/flashinfer/attention/sparse_mla_sm120/model/kv_cache_traits.cuh``; sgl-project/sglang
 ``python/sglang/srt/mem_cache/deepseek_v4_memory_pool.py``):
 
@@ -21,6 +22,21 @@ of that view is *not* token ``t``'s record.
 **DSV3.2**, 656 bytes/token, *inline* layout: each token's record is contiguous: 512 E4M3 NoPE codes,
 4 little-endian fp32 power-of-two scales (groups of 128), 64 BF16 RoPE values
 (deepseek-ai/FlashMLA README and ``flash_mla/flash_mla_interface.py`` docstring).
+
+**DeepSeek-V4.1 records** (flashinfer-python 0.7.2.post1 ``flashinfer/experimental/b12x/attention/
+_shared/mla/compressed_reference.py``, ``pack_deepseek_v41_cache_reference``; pages are ``ps *
+record`` bytes with records in token order, inline like DSV3.2):
+
+* ``dsv4_1_swa``, 528 bytes/token: 512 E4M3 codes (NoPE and RoPE alike), then 16 UE8M0 scale bytes,
+  one per group of 32 values, ``s = 2**ceil(log2(max(amax, 1e-4) / 448))`` (``scale_rule="dsv4_1"``);
+* ``dsv4_1_indexed``, 288 bytes/token: 512 E2M1 (FP4) codes packed two per byte, the even element
+  in the low nibble (256 bytes; round to nearest, ties to even, signed zero kept, magnitudes above
+  6 saturate), then 32 E4M3 scale bytes, one per group of 16, ``s = e4m3(min(max(amax, 6 *
+  2**-9) / 6, 448))``, codes of ``x / s``.
+
+An attention call's ``fmt="dsv4_1"`` (:data:`CALL_FORMATS`) reads SWA records in the main cache and
+indexed records in the extra cache, as FlashInfer's reference (``cache_format="deepseek_v41"``)
+pairs them.
 
 Scale rule (writer side): per token and NoPE group, ``s = 2**ceil(log2(max(amax/448, 1e-4)))``
 (``scale_rule="flashmla"``: deepseek-ai/FlashMLA ``tests/quant.py``; FlashInfer
