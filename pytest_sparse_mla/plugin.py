@@ -132,11 +132,13 @@ class _ControllerHooks:
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    """Forget the session's golden root (pytester nests sessions in one process)."""
+    """Forget the session's golden root and stop recording calls (pytester nests sessions in one
+    process)."""
     if options.is_active(config):
-        from pytest_sparse_mla import snapshot_plugin
+        from pytest_sparse_mla import repro, snapshot_plugin
 
         snapshot_plugin.unconfigure(config)
+        repro.enable(False)
 
 
 def pytest_report_header(config: pytest.Config) -> list[str] | None:
@@ -227,10 +229,10 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     shipped suite test collected by an xdist worker of a session that does not use the plugin.
     With ``--sparse-mla-repro-dir``, start recording the test's calls."""
     opts = item.config.stash.get(options.OPTIONS_KEY, None)
-    if opts is not None and opts.repro_dir is not None:
+    if opts is not None:  # an active session: record this test's calls only with a repro dir
         from pytest_sparse_mla import repro
 
-        repro.enable(True)
+        repro.enable(opts.repro_dir is not None)
         repro.begin_test()
     if item.stash.get(_NEEDS_PLUGIN_KEY, False):
         pytest.fail(NEEDS_PLUGIN, pytrace=False)
