@@ -42,6 +42,7 @@ __all__ = [
     "load_source_module",
     "call_peer",
     "check_folded_lengths",
+    "source_skip_reason",
 ]
 
 
@@ -461,3 +462,34 @@ def check_folded_lengths(q: Any, topk_length: Any, extra_topk_length: Any, has_e
     for name, value in (("topk_length", topk_length), ("extra_topk_length", extra_topk_length)):
         if value is not None:
             _check_vector(value, name, torch.int32, int(q.shape[0]), "one length per token", q)
+
+
+def source_skip_reason(
+    adapter: str,
+    capability: str,
+    device: str,
+    *,
+    missing: str | None,
+    devices: tuple[str, ...],
+    load: Callable[[], Any],
+    needs_triton: bool = True,
+) -> str | None:
+    """Why a peer executed from its source files cannot run ``capability`` on ``device``: its source
+    is missing (``missing``: the text saying what to install), Triton is not installed, the device is
+    not one it runs on, or executing the source fails (``load``). ``None`` for another capability.
+    """
+    import importlib.util
+
+    if capability != "sparse_mla_forward":
+        return None
+    if missing is not None:
+        return f"{adapter} adapter: {missing}"
+    if needs_triton and importlib.util.find_spec("triton") is None:
+        return f"{adapter} adapter: the peer's kernels need Triton, which is not installed"
+    if device not in devices:
+        return f"{adapter} adapter: runs on {'/'.join(devices)}, not on {device}"
+    try:
+        load()
+    except Exception as exc:  # noqa: BLE001 - any failure of the peer's source is a skip reason
+        return f"{adapter} adapter: executing the peer's source failed ({type(exc).__name__}: {exc})"
+    return None

@@ -25,14 +25,16 @@ in fp32 as written.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 import types
 from pathlib import Path
 from typing import Any
 
-from pytest_sparse_mla.envelope import Envelope, Widths
-from pytest_sparse_mla.implementations.flashmla import PREFILL_ROW_MULTIPLE, TOPK_TILE, FlashMlaImplementation
+from pytest_sparse_mla.implementations._peer import source_skip_reason
+from pytest_sparse_mla.implementations.flashmla import ENVELOPE as FLASHMLA_ENVELOPE
+from pytest_sparse_mla.implementations.flashmla import PREFILL_ROW_MULTIPLE, FlashMlaImplementation
 
 __all__ = ["FlagGemsImplementation", "ENVELOPE", "flaggems_module", "flaggems_source"]
 
@@ -47,20 +49,12 @@ PEER = (
     "(Triton sparse BF16 prefill)"
 )
 
-#: FlashMLA's interface, as FlagGems asserts it (``flash_mla_with_kvcache``: h_q 64 or 128, topk
-#: % 64, V32 without extra cache or topk_length; ``flash_mla_sparse_fwd``: h_q 64 or 128).
-ENVELOPE = Envelope(
-    formats=("dsv4", "dsv3_2"),
-    num_heads=(64, 128),
-    topk=Widths(multiple=TOPK_TILE),
-    extra_topk=Widths(multiple=TOPK_TILE),
-    extra_cache_formats=("dsv4",),
-    topk_length_formats=("dsv4",),
-    topk_length_range="row",
-    min_tokens=1,
+#: FlashMLA's envelope (FlagGems asserts the same: ``flash_mla_with_kvcache``: h_q 64 or 128, topk
+#: % 64, V32 without extra cache or topk_length; ``flash_mla_sparse_fwd``: h_q 64 or 128), except
+#: that every negative index masks its lane.
+ENVELOPE = dataclasses.replace(
+    FLASHMLA_ENVELOPE,
     masked_indices="negative",
-    index_past_cache="refused",
-    lse_conventions=("flashinfer", "flashmla"),
     notes=(
         "num_tokens <= 64: flash_mla_with_kvcache (FlagGems' Triton decode), one batch entry per token; "
         "d_qk 512 = DSV4 584 B cache (_sparse_decode_model1_kernel), 576 = DSV3.2 656 B cache "
@@ -148,18 +142,8 @@ class FlagGemsImplementation(FlashMlaImplementation):
 
     def skip_reason(self, capability: str, device: str) -> str | None:
         """Why FlagGems cannot run here: its source is not on ``sys.path``, Triton is missing, or not CUDA."""
-        import importlib.util
-
-        if capability != "sparse_mla_forward":
-            return None
-        if flaggems_source() is None:
-            return f"flaggems adapter: flag_gems with {', '.join(_FILES)} is not on sys.path ({_HINT})"
-        if importlib.util.find_spec("triton") is None:
-            return "flaggems adapter: FlagGems' kernels need Triton, which is not installed"
-        if device != "cuda":
-            return f"flaggems adapter: FlagGems' kernels need CUDA tensors; the suites run on {device}"
-        try:
-            self.module()
-        except Exception as exc:  # noqa: BLE001 - any failure of the peer's source is a skip reason
-            return f"flaggems adapter: executing FlagGems' source failed ({type(exc).__name__}: {exc})"
-        return None
+        missing = f"flag_gems with {', '.join(_FILES)} is not on sys.path ({_HINT})"
+        return source_skip_reason(
+            self.name, capability, device, missing=None if flaggems_source() else missing, devices=self.devices,
+            load=self.module,
+        )  # fmt: skip

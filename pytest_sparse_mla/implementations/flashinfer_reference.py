@@ -38,7 +38,14 @@ from pathlib import Path
 from typing import Any
 
 from pytest_sparse_mla.envelope import Envelope
-from pytest_sparse_mla.implementations._peer import PeerResult, call_peer, lse_to_convention, open_forward, shape_reason
+from pytest_sparse_mla.implementations._peer import (
+    PeerResult,
+    call_peer,
+    lse_to_convention,
+    open_forward,
+    shape_reason,
+    source_skip_reason,
+)
 
 __all__ = ["FlashInferReferenceImplementation", "ENVELOPE", "references", "flashinfer_source"]
 
@@ -144,17 +151,11 @@ class FlashInferReferenceImplementation:
 
     def skip_reason(self, capability: str, device: str) -> str | None:
         """Why the references cannot run here: the wheel is not installed, or a device they do not run on."""
-        if capability != "sparse_mla_forward":
-            return None
-        if flashinfer_source() is None:
-            return f"flashinfer-reference adapter: flashinfer-python's references are not installed ({_HINT})"
-        if device not in DEVICES:
-            return f"flashinfer-reference adapter: runs on {'/'.join(DEVICES)}, not on {device}"
-        try:
-            references()
-        except Exception as exc:  # noqa: BLE001 - any failure of the peer's source is a skip reason
-            return f"flashinfer-reference adapter: executing the references failed ({type(exc).__name__}: {exc})"
-        return None
+        missing = f"flashinfer-python's references are not installed ({_HINT})"
+        return source_skip_reason(
+            self.name, capability, device, missing=None if flashinfer_source() else missing, devices=DEVICES,
+            load=references, needs_triton=False,
+        )  # fmt: skip
 
     def unsupported_reason(self, capability: str, *args: Any, **kwargs: Any) -> str | None:
         """Why the references cannot take this call (same arguments as the call), or ``None``."""

@@ -41,6 +41,7 @@ from pytest_sparse_mla.implementations._peer import (
     lse_to_convention,
     open_forward,
     shape_reason,
+    source_skip_reason,
     virtual_table,
 )
 
@@ -118,21 +119,8 @@ class VllmTritonImplementation:
 
     def skip_reason(self, capability: str, device: str) -> str | None:
         """Why vLLM's kernel cannot run here: its source is not on ``sys.path``, no Triton, or not CUDA."""
-        import importlib.util
-
-        if capability != "sparse_mla_forward":
-            return None
-        if vllm_source() is None:
-            return f"vllm-triton adapter: vllm/{_FILE} is not on sys.path ({_HINT})"
-        if importlib.util.find_spec("triton") is None:
-            return "vllm-triton adapter: the kernel needs Triton, which is not installed"
-        if device != "cuda":
-            return f"vllm-triton adapter: the Triton kernel needs CUDA tensors; the suites run on {device}"
-        try:
-            vllm_module()
-        except Exception as exc:  # noqa: BLE001 - any failure of the peer's source is a skip reason
-            return f"vllm-triton adapter: executing vLLM's source failed ({type(exc).__name__}: {exc})"
-        return None
+        missing = None if vllm_source() is not None else f"vllm/{_FILE} is not on sys.path ({_HINT})"
+        return source_skip_reason(self.name, capability, device, missing=missing, devices=DEVICES, load=vllm_module)
 
     def unsupported_reason(self, capability: str, *args: Any, **kwargs: Any) -> str | None:
         """Why the kernel cannot take this call (same arguments as the call), or ``None`` (no host sync)."""
