@@ -241,12 +241,23 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         pytest.fail(f"--sparse-mla-require-gpu: {mark.kwargs['reason']}", pytrace=False)
 
 
-def pytest_sessionfinish(session: pytest.Session) -> None:
-    """Worker: send the device it saw to the controller. Controller: write the JSON run report."""
+@pytest.hookimpl(wrapper=True)
+def pytest_sessionfinish(session: pytest.Session) -> Any:
+    """Worker: send the device it saw to the controller. Controller: write the JSON run report.
+
+    Then, after every other plugin's ``pytest_sessionfinish``: an exit status of 3 made by adding
+    syrupy's unused-snapshot status (1) to an interrupted run's (2, e.g. ``-x`` under xdist) is the
+    interrupted status again, and an unused-snapshot 1 on top of failed tests stays 1: pytest's 3
+    means an internal error, which a stopped run is not."""
     if options.is_active(session.config):
         from pytest_sparse_mla import xdist_gpu
 
         xdist_gpu.finish(session.config)
+    result = yield
+    if options.is_active(session.config) and int(session.exitstatus) == 3:
+        interrupted = bool(session.shouldstop or session.shouldfail)
+        session.exitstatus = pytest.ExitCode.INTERRUPTED if interrupted else pytest.ExitCode.TESTS_FAILED
+    return result
 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
