@@ -126,16 +126,24 @@ def _suites_dirs() -> tuple[Path, ...]:
 
 
 def names_shipped_suites(config: pytest.Config) -> bool:
-    """Whether a command-line argument names the shipped suites or a path inside them (a file, a
-    test id; ``--pyargs pytest_sparse_mla.suites...``), read before collection."""
+    """Whether a command-line argument names the shipped suites, a path inside them (a file, a test
+    id; ``--pyargs pytest_sparse_mla.suites...``) or a directory holding them that pytest will
+    recurse into (not ``--ignore``-d), read before collection."""
     dirs = _suites_dirs()
     pyargs = bool(getattr(config.option, "pyargs", False))
+    base = Path(config.invocation_params.dir)
+    ignored = [(base / p).resolve() for p in (config.getoption("ignore", None) or [])]
+    reachable = [d for d in dirs if not any(d == i or d.is_relative_to(i) for i in ignored)]
     for arg in config.args:
         target = str(arg).split("::", 1)[0]
         if pyargs and (target == "pytest_sparse_mla.suites" or target.startswith("pytest_sparse_mla.suites.")):
             return True
-        path = (Path(config.invocation_params.dir) / target).resolve()
-        if path.exists() and any(path == d or path.is_relative_to(d) for d in dirs):
+        path = (base / target).resolve()
+        if not path.exists():
+            continue
+        if any(path == d or path.is_relative_to(d) for d in dirs):
+            return True
+        if path.is_dir() and "::" not in str(arg) and any(d.is_relative_to(path) for d in reachable):
             return True
     return False
 

@@ -193,3 +193,32 @@ def test_collecting_the_shipped_suites_without_the_plugin_says_how_to_load_it(py
     assert under_xdist.ret == pytest.ExitCode.USAGE_ERROR, under_xdist.stdout.str()[-2000:]
     under_xdist.stderr.fnmatch_lines([needs])  # once, before any worker starts
     assert under_xdist.stdout.str().count("suites need the plugin") == 0
+
+
+def test_a_folder_holding_the_shipped_suites_under_xdist_without_the_plugin_is_one_usage_error(
+    pytester: pytest.Pytester,
+) -> None:
+    """Collected through a parent folder (``pytest -n 2 <folder holding suites/>``), the suites would
+    fail test by test in every worker: the usage error comes once, before the workers start; a
+    folder that ``--ignore``s them is left alone."""
+    from pytest_sparse_mla.selection import _suites_dirs
+
+    parent = _suites_dirs()[0].parent
+    empty_ini = pytester.makeini("[pytest]\n")
+    args = (str(parent), "-c", str(empty_ini), "-n", "2", "-p", "no:cacheprovider", "-k", "known_vector")
+    result = pytester.runpytest_subprocess(*args)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR, result.stdout.str()[-2000:]
+    result.stderr.fnmatch_lines(["*the pytest-sparse-mla suites need the plugin, which is opt-in: run with -p *"])
+    assert result.stdout.str().count("suites need the plugin") == 0
+    from pytest_sparse_mla import selection
+
+    class _Config:  # what names_shipped_suites reads, with the suites --ignore-d
+        args = [str(parent)]
+        option = type("O", (), {"pyargs": False})()
+        invocation_params = type("I", (), {"dir": str(parent)})()
+
+        @staticmethod
+        def getoption(name, default=None):
+            return [str(d) for d in _suites_dirs()] if name == "ignore" else default
+
+    assert not selection.names_shipped_suites(_Config())  # type: ignore[arg-type]
