@@ -302,7 +302,8 @@ def _output_causes(a: Any, e: Any, row_err: Any, row_bound: Any, num_tokens: int
                 causes.append(
                     "the output is off by a per-head constant factor ("
                     + ", ".join(f"head {h}: x{v:.4g}" for h, v in off[:6])
-                    + "): a sink or normaliser applied wrongly?"
+                    + "): a sink or normaliser applied wrongly, or a scale applied to one cache's candidates "
+                    "(the invariance tests that move candidates between the caches tell which)?"
                 )
         tokens = bad.any(dim=1).nonzero().flatten().tolist()
         heads = heads_bad.nonzero().flatten().tolist()

@@ -180,8 +180,14 @@ def test_empty_rows_give_zero_output_and_sentinel_lse(
     if convention == "flashinfer" and sink != "no-sink":  # the sink alone: log2(exp(sink)) * lse_scale
         expected = (inputs.attn_sink.double() * LOG2E * scale).expand(rows, -1)
         finite = torch.isfinite(expected)
-        assert bool((torch.isneginf(res.lse[empty]) == ~finite).all()), f"-inf sink -> -inf LSE: {res.lse[empty]}"
-        torch.testing.assert_close(res.lse[empty][finite].double(), expected[finite], atol=1e-6, rtol=1e-6)
+        assert bool((torch.isneginf(res.lse[empty]) == ~finite).all()), (
+            "an empty row's LSE is the sink's alone: -inf exactly where the sink is -inf "
+            f"({int((~finite).sum())} of {finite.numel()} here), finite elsewhere; got {res.lse[empty]}"
+        )
+        torch.testing.assert_close(
+            res.lse[empty][finite].double(), expected[finite], atol=1e-6, rtol=1e-6,
+            msg=lambda m: f"an empty row's LSE with a finite sink is sink * log2(e) * lse_scale ({scale}): {m}",
+        )  # fmt: skip
     elif convention == "flashinfer":
         assert bool(torch.isneginf(res.lse[empty]).all()), f"an empty row's LSE must be -inf: {res.lse[empty]}"
     # The non-empty rows are still right.

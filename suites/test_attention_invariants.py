@@ -389,8 +389,10 @@ def test_dual_cache_equals_one_cache_over_the_concatenated_table(
         inputs.q, joined, _pad(row, width - row.shape[1]), sm_scale=inputs.sm_scale, attn_sink=inputs.attn_sink,
         **({"lse_convention": inputs.lse_convention} if inputs.lse_convention else {}),
     )  # fmt: skip
-    sparse_mla_tolerances.check_invariant(single, dual, oracle=inputs.run(oracle_forward),
-                                          what="dual cache vs one concatenated cache", bitwise=False)  # fmt: skip
+    what = ("dual cache vs one concatenated cache (the same candidates in one cache: a difference is the extra "
+            "cache's own treatment, e.g. its sm_scale, dequantization or page addressing)")  # fmt: skip
+    sparse_mla_tolerances.check_invariant(single, dual, oracle=inputs.run(oracle_forward), what=what,
+                                          bitwise=False)  # fmt: skip
 
 
 @pytest.mark.sparse_mla_error_class("main-extra-symmetry")
@@ -423,7 +425,8 @@ def test_moving_candidates_between_the_caches_changes_nothing(
     moved = sparse_mla_impl.sparse_mla_forward(
         inputs.q, inputs.cache.packed, main_idx, **inputs.kwargs(extra_kv_cache=same, extra_indices=extra_idx)
     )
-    what = f"candidates moved to the extra cache ({split})"
+    what = (f"candidates moved to the extra cache ({split}; only their cache changed: a difference is the "
+            "extra cache's own treatment, e.g. its sm_scale, dequantization or page addressing)")  # fmt: skip
     oracle = inputs.run(oracle_forward)
     sparse_mla_tolerances.check_invariant(moved, reference, oracle=oracle, what=what, bitwise=False)
 
