@@ -130,7 +130,7 @@ def make_packed_cache(
     Raises:
         TypeError, ValueError: as :func:`latent` and :func:`formats.quantize_pack`.
     """
-    f = formats.get_format(fmt)
+    f = formats.record_format(fmt)
     if num_pages < 1:
         raise ValueError(f"num_pages={num_pages}: expected at least one page")
     source = latent((num_pages, page_block_size, f.d_qk), generator, distribution=distribution)

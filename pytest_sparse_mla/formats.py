@@ -84,6 +84,7 @@ __all__ = [
     "CALL_FORMATS",
     "cache_formats",
     "call_format_name",
+    "record_format",
     "E2M1_VALUES",
     "FORMS",
     "E4M3_MAX",
@@ -234,6 +235,22 @@ def call_format_name(fmt: PackedFormat | str) -> str:
     return fmt
 
 
+def record_format(fmt: PackedFormat | str, name: str = "fmt") -> PackedFormat:
+    """The record format of one cache: a :data:`FORMATS` name or a :class:`PackedFormat`.
+
+    Raises:
+        ValueError: an attention call format naming two record formats (``"dsv4_1"``: say which
+            cache, ``"dsv4_1_swa"`` or ``"dsv4_1_indexed"``), or an unknown name.
+    """
+    if isinstance(fmt, str) and fmt not in FORMATS and fmt in CALL_FORMATS:
+        main, extra = CALL_FORMATS[fmt]
+        raise ValueError(
+            f"{name}={fmt!r} is an attention call format (main cache {main.name!r}, extra cache {extra.name!r}); "
+            f"one cache has one record format: expected {main.name!r} or {extra.name!r}"
+        )
+    return get_format(fmt)
+
+
 def cache_formats(fmt: PackedFormat | str) -> tuple[PackedFormat, PackedFormat]:
     """``(main cache format, extra cache format)`` of an attention call's ``fmt``
     (:data:`CALL_FORMATS`; a :class:`PackedFormat` is both).
@@ -268,7 +285,7 @@ def page_stride_bytes(fmt: PackedFormat | str, page_block_size: int, stride: Str
         ValueError: an explicit stride smaller than ``ps*bytes_per_token`` or not a multiple of 16,
             or an unknown stride name.
     """
-    f = get_format(fmt)
+    f = record_format(fmt)
     ps = _check_page_block_size(page_block_size)
     logical = ps * f.bytes_per_token
     if stride == "tight":
@@ -353,7 +370,7 @@ def parse_cache(
             pointer not 16-byte aligned; 4-D without a singleton head axis; zero pages or tokens;
             ``page_block_size`` disagreeing with the shape.
     """
-    f = get_format(fmt)
+    f = record_format(fmt)
     bpt = f.bytes_per_token
     if not isinstance(cache, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(cache).__name__}")
@@ -384,8 +401,10 @@ def parse_cache(
         token_stride = bpt
     else:
         if cache.shape[-1] != bpt:
+            other = [g.name for g in FORMATS.values() if g.bytes_per_token == cache.shape[-1]]
+            hint = f" (a {other[0]} cache? pass fmt={other[0]!r}, or 'dsv4_1' for a V4.1 call)" if other else ""
             raise ValueError(
-                f"{name}.shape[-1]={cache.shape[-1]}: expected {bpt} bytes per {f.name} token"
+                f"{name}.shape[-1]={cache.shape[-1]}: expected {bpt} bytes per {f.name} token{hint}"
             )
         if cache.dim() == 3:
             ps, token_axis, form = int(cache.shape[1]), 1, "3d"
@@ -668,7 +687,7 @@ def quantize_pack(
         form: tensor form of the result: ``"2d"``, ``"3d"``, ``"hnd"`` or ``"nhd"``.
         scale_rule: ``"flashmla"``, ``"sglang"`` or ``"dsv4_1"`` (see :func:`scale_exponents`);
             ``None`` (default): the format's writer rule (``"flashmla"`` for DSV4 and DSV3.2,
-            ``"dsv4_1"`` for V4.1 SWA; the V4.1 indexed record takes only ``None``).
+            ``"dsv4_1"`` for V4.1 SWA; the V4.1 indexed record takes ``None`` or ``"dsv4_1"``, its own).
         pad_fill: byte written to the DSV4 scale pad byte and to page padding (0 like FlashInfer's
             and SGLang's writers; tests use other values to prove nothing reads them).
 
@@ -680,7 +699,7 @@ def quantize_pack(
         ValueError: wrong shape, non-finite values, NoPE values ``>=`` :data:`NOPE_OVERFLOW` in
             magnitude (they would dequantize to inf), bad stride, form or scale rule.
     """
-    f = get_format(fmt)
+    f = record_format(fmt)
     rule = _default_rule(f, scale_rule)
     _check_source(source, f)
     num_pages, ps, _ = (int(v) for v in source.shape)
@@ -745,7 +764,7 @@ def unpack_fields(
     Raises:
         TypeError, ValueError: as :func:`parse_cache`.
     """
-    f = get_format(fmt)
+    f = record_format(fmt)
     layout = parse_cache(cache, f, page_block_size=page_block_size)
     pages = page_bytes_view(cache, layout)
     p, ps = layout.num_pages, layout.page_block_size
@@ -778,7 +797,7 @@ def check_scales(cache: torch.Tensor, fmt: PackedFormat | str = DSV4, *, page_bl
         TypeError, ValueError: as :func:`parse_cache`.
         ValueError: the first bad record, by page, slot and scale group, with its byte(s).
     """
-    f = get_format(fmt)
+    f = record_format(fmt)
     fields = unpack_fields(cache, f, page_block_size=page_block_size)
     raw = fields.scale_bytes[..., : f.num_scales * (4 if f.scale_kind == "fp32" else 1)]
     if f.scale_kind == "ue8m0":
@@ -827,7 +846,7 @@ def unpack_dequantize(
     Raises:
         TypeError, ValueError: as :func:`parse_cache`.
     """
-    f = get_format(fmt)
+    f = record_format(fmt)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype={dtype!r}: expected a floating torch.dtype (torch.float32, torch.bfloat16, ...)")
     fields = unpack_fields(cache, f, page_block_size=page_block_size)

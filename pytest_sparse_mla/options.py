@@ -357,10 +357,12 @@ def _repro_dir(config: pytest.Config) -> Path | None:
     if not value:
         return None
     path = Path(value).resolve()
-    if path.exists() and not path.is_dir():
+    blocking = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
         raise pytest.UsageError(
-            f"--sparse-mla-repro-dir={value!r}: {path} exists and is not a directory; expected a directory "
-            "(created with its parents when a reproducer is written)"
+            f"--sparse-mla-repro-dir={value!r}: {blocking} exists and is not a directory; expected a directory "
+            "(created with its parents when a reproducer is written; use a fresh one per run: a run adds to "
+            "its index.jsonl)"
         )
     return path
 

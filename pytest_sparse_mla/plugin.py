@@ -220,7 +220,13 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> 
                 model = tol.model if tol is not None else fallback
                 outcome = "xfailed" if hasattr(report, "wasxfail") else "failed"
                 spec = opts.impl if ":" in opts.impl else None  # an import string names the object itself
-                repro.write_reproducers(opts.repro_dir, item.nodeid, impl.unguarded, model, outcome, impl_spec=spec)
+                written = repro.write_reproducers(
+                    opts.repro_dir, item.nodeid, impl.unguarded, model, outcome, impl_spec=spec
+                )
+                if written:
+                    report.sections.append(
+                        ("sparse-mla reproducers", "\n".join(f"python {p / 'repro.py'}" for p in written))
+                    )
     return report
 
 

@@ -333,6 +333,20 @@ def _verdict(rec: RecordedCall, expect: dict[str, Any] | None) -> list[str]:
     return lines
 
 
+def _import_root(spec: str) -> str | None:
+    """The ``sys.path`` entry the module of ``spec`` (``module:attribute``) was imported from, or ``None``."""
+    import sys
+
+    module = sys.modules.get(spec.partition(":")[0])
+    file = getattr(module, "__file__", None)
+    if not file:
+        return None
+    root = Path(file).resolve().parent
+    for _ in range(spec.partition(":")[0].count(".")):  # package.module: up to the top package's parent
+        root = root.parent
+    return str(root)
+
+
 def _impl_string(impl: Any) -> str:
     cls = type(impl)
     return f"{cls.__module__}:{cls.__qualname__}"
@@ -381,6 +395,7 @@ def write_reproducers(
         data: dict[str, Any] = {
             "nodeid": nodeid,
             "impl": impl_spec or _impl_string(impl),
+            "impl_path": _import_root(impl_spec or _impl_string(impl)),
             "impl_name": str(getattr(impl, "name", "")),
             "device": str(rec.args[0].device) if rec.args and hasattr(rec.args[0], "device") else "cpu",
             "args": rec.args,
@@ -499,9 +514,18 @@ def _peer_module(source: dict) -> Any:
     return exec_source("_repro_" + source["package"], path, stubs_for(source.get("stubs")))
 
 
-def _import_impl(spec: str) -> Any:
+def _import_impl(spec: str, where: str | None = None) -> Any:
     module, _, attr = spec.partition(":")
-    obj = importlib.import_module(module)
+    try:
+        obj = importlib.import_module(module)
+    except ImportError:
+        if not where or not os.path.isdir(where) or where in sys.path:
+            raise ImportError(
+                f"cannot import {module!r}: put the directory that holds it on PYTHONPATH"
+                + (f" (it was found in {where} when recorded)" if where else "")
+            ) from None
+        sys.path.insert(0, where)  # where the module was found when the call was recorded
+        obj = importlib.import_module(module)
     for part in attr.split(".") if attr else ():
         obj = getattr(obj, part)
     return obj() if isinstance(obj, type) else obj
@@ -523,7 +547,8 @@ def main() -> int:
     data = torch.load(os.path.join(HERE, "inputs.pt"), map_location="cpu", weights_only=True)
     device = opts.device or data["device"]
     if device.startswith("cuda") and not torch.cuda.is_available():
-        print(f"recorded on {device}; no CUDA device here: use --device cpu if the implementation runs there")
+        how = "asked for" if opts.device else "recorded on"
+        print(f"{how} {device}; no CUDA device here: use --device cpu if the implementation runs there")
         return 2
     if not device.startswith("cuda"):
         os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels on a CPU run interpreted
@@ -531,7 +556,10 @@ def main() -> int:
     wanted = "a TypeError or ValueError" + (f" naming {data['expect_error']!r}" if data["expect_error"] else "")
     native = data.get("native") if not opts.impl else None
     try:
-        target = _peer_module(native["source"]) if native is not None else _import_impl(opts.impl or data["impl"])
+        if native is not None:
+            target = _peer_module(native["source"])
+        else:
+            target = _import_impl(opts.impl or data["impl"], None if opts.impl else data.get("impl_path"))
     except Exception as exc:  # noqa: BLE001 - not the answer under test: the environment
         print(f"cannot run: the implementation does not load ({type(exc).__name__}: {exc})")
         return 2

@@ -4,11 +4,12 @@ reference, and check the xfail files against them.
 
     python scripts/check_repros.py ROOT [--jobs 8] [--json out.json] [--xfail-dir pytest_sparse_mla/xfail]
 
-``ROOT`` holds one repro directory per implementation, named ``repro-<impl>`` (as
-``scripts/device_conformance.sh`` writes them with ``REPRO=1``). Each ``repro.py`` runs twice:
-as written (a script that calls a peer directly runs with ``pytest`` and ``pytest_sparse_mla``
-made unimportable, proving it needs neither) and with ``--impl`` the bundled reference. A
-reproducer holds when the first run exits 1 (the discrepancy is there) and the second exits 0.
+``ROOT`` is one ``--sparse-mla-repro-dir``, or holds one per implementation named ``repro-<impl>``
+(as ``scripts/device_conformance.sh`` writes them with ``REPRO=1``); no script found is a failure.
+Each ``repro.py`` runs twice: as written (a script that calls a peer directly runs with
+``pytest`` and ``pytest_sparse_mla`` made unimportable, proving it needs neither) and with
+``--impl`` the bundled reference. A reproducer holds when the first run exits 1 (the discrepancy
+is there) and the second exits 0.
 Then each test id listed in ``<xfail-dir>/<impl>.txt`` without a reproducer that holds is listed
 (a test whose failure is only a relation between calls has none). Exit 1 when a script does not
 hold (or, with ``--every-line``, a listed test has none); the JSON has one record per script.
@@ -57,6 +58,26 @@ def _xfail_ids(path: Path) -> list[str]:
     return ids
 
 
+def _impl_folders(root: Path) -> list[tuple[str, Path]]:
+    """``(implementation, folder)`` pairs: ``root`` itself when it is one ``--sparse-mla-repro-dir``
+    (it holds ``index.jsonl``), else its ``repro-<impl>`` folders."""
+    if (root / "index.jsonl").exists():
+        first = (root / "index.jsonl").read_text(encoding="utf-8").splitlines()[:1]
+        return [(json.loads(first[0]).get("impl") or root.name if first else root.name, root)]
+    return [(d.name[len("repro-"):], d) for d in sorted(root.glob("repro-*")) if d.is_dir()]
+
+
+def _index(folder: Path) -> dict[str, dict[str, str]]:
+    """script path -> its ``index.jsonl`` entry (node id, outcome)."""
+    out: dict[str, dict[str, str]] = {}
+    index = folder / "index.jsonl"
+    for line in index.read_text(encoding="utf-8").splitlines() if index.exists() else []:
+        entry = json.loads(line)
+        for script in entry["scripts"]:
+            out[str(Path(script))] = entry
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("root", type=Path)
@@ -67,24 +88,22 @@ def main() -> int:
     parser.add_argument("--every-line", action="store_true",
                         help="also fail when an xfail line has no holding script")
     opts = parser.parse_args()
-    scripts = sorted(opts.root.glob("repro-*/**/repro.py"))
+    folders = _impl_folders(opts.root)
+    jobs = [(impl, script) for impl, folder in folders for script in sorted(folder.glob("**/repro.py"))]
+    if not jobs:
+        print(f"no repro.py under {opts.root}: expected a --sparse-mla-repro-dir, or repro-<impl> folders of them")
+        return 1
     with ThreadPoolExecutor(opts.jobs) as pool:
-        records = list(pool.map(lambda s: check(s, opts.timeout), scripts))
+        records = list(pool.map(lambda job: check(job[1], opts.timeout), jobs))
     by_impl: dict[str, dict[str, list[dict[str, object]]]] = {}
-    for rec in records:
-        impl_dir = next(p for p in Path(str(rec["script"])).parents if p.name.startswith("repro-"))
-        index = impl_dir / "index.jsonl"
-        impl = impl_dir.name[len("repro-"):]
+    entries = {impl: _index(folder) for impl, folder in folders}
+    for (impl, _), rec in zip(jobs, records, strict=True):
         rec["impl"] = impl
-        for line in index.read_text(encoding="utf-8").splitlines() if index.exists() else []:
-            entry = json.loads(line)
-            if rec["script"] in [str(Path(p)) for p in entry["scripts"]]:
-                rec["nodeid"] = entry["nodeid"]
-                rec["outcome"] = entry["outcome"]
-        by_impl.setdefault(impl, {}).setdefault(str(rec.get("nodeid", "")), []).append(rec)
+        entry = entries[impl].get(str(rec["script"]), {})
+        rec["nodeid"], rec["outcome"] = entry.get("nodeid", ""), entry.get("outcome", "")
+        by_impl.setdefault(impl, {}).setdefault(str(rec["nodeid"]), []).append(rec)
     missing: dict[str, list[str]] = {}
-    for impl_dir in sorted(opts.root.glob("repro-*")):
-        impl = impl_dir.name[len("repro-"):]
+    for impl, _ in folders:
         xfail = opts.xfail_dir / f"{impl}.txt"
         if not xfail.exists():
             continue

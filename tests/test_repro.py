@@ -55,9 +55,15 @@ def test_a_wrong_kernel_gets_a_script_that_fails_on_it_and_passes_on_the_referen
     assert [e["outcome"] for e in index] == ["failed"]
     scripts = [Path(p) for p in index[0]["scripts"]]
     assert scripts, "a wrong result must give a script"
+    assert "sparse-mla reproducers" in run.stdout and str(scripts[0]) in run.stdout  # named in the report
     got = _script(scripts[0])
     assert got.returncode == 1, got.stdout + got.stderr
     assert "DISCREPANCY" in got.stdout and "expected" in got.stdout and "got" in got.stdout
+    # Without tests/ on PYTHONPATH the script still finds the kernel where it was recorded.
+    bare = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    moved = subprocess.run([sys.executable, str(scripts[0])], cwd=scripts[0].parent, env=bare,
+                           capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert moved.returncode == 1 and "DISCREPANCY" in moved.stdout, moved.stdout + moved.stderr
     ref = _script(scripts[0], "--impl", REFERENCE)
     assert ref.returncode == 0, ref.stdout + ref.stderr
     assert "OK" in ref.stdout
@@ -129,3 +135,14 @@ def test_page_split_scripts_call_sglangs_split_and_start_from_poisoned_memory(tm
         assert got.returncode == 1 and "DISCREPANCY" in got.stdout, got.stdout + got.stderr
         ref = _script(script, "--impl", REFERENCE)
         assert ref.returncode == 0, ref.stdout + ref.stderr
+
+
+def test_a_repro_dir_below_a_file_is_one_usage_error(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "sparse_mla", "--sparse-mla-repro-dir", str(blocker / "sub"),
+         "--co", "-q", "suites/test_formats.py"], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 4, run.stdout[-2000:] + run.stderr[-2000:]
+    assert f"{blocker} exists and is not a directory" in run.stderr and "INTERNALERROR" not in run.stdout
