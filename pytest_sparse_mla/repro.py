@@ -262,7 +262,6 @@ def _safe(name: str) -> str:
 def _expectation(rec: RecordedCall, profile: Any) -> dict[str, Any] | None:
     """The oracle's output, LSE and bounds for ``rec`` (a page split: the bundled torch split's
     bytes from empty buffers); ``None`` when the oracle refuses the call."""
-    import math
 
     import torch
 
@@ -292,19 +291,10 @@ def _expectation(rec: RecordedCall, profile: Any) -> dict[str, Any] | None:
         "lse_convention": oracle.lse_convention,
         "lse_scale": float(oracle.lse_scale),
     }
-    natural = oracle.lse.to(torch.float64)
-    if oracle.lse_convention != "flashmla":
-        natural = natural * (math.log(2.0) / oracle.lse_scale)
+    natural = tolerances._to_natural(oracle.lse, oracle.lse_convention, oracle.lse_scale)
     out["expected_lse_natural"] = natural
     out["lse_bound_natural"] = tolerances.lse_bound(natural, profile=profile, fmt=fmt, scales=oracle.scales)
     return out
-
-
-def _natural(lse: Any, convention: str, scale: float) -> Any:
-    import math
-
-    x = lse.double()
-    return x if convention == "flashmla" else x * (math.log(2.0) / scale)
 
 
 def _verdict(rec: RecordedCall, expect: dict[str, Any] | None) -> list[str]:
@@ -328,7 +318,9 @@ def _verdict(rec: RecordedCall, expect: dict[str, Any] | None) -> list[str]:
         return _judge_bytes(expect["expected_split"], rec.output, "split")
     lines = _judge(expect["expected_output"], expect["output_bound"], rec.output, "output")
     if rec.lse is not None:
-        got = _natural(rec.lse, expect["lse_convention"], expect["lse_scale"])
+        from pytest_sparse_mla.tolerances import _to_natural
+
+        got = _to_natural(rec.lse, expect["lse_convention"], expect["lse_scale"])
         lines += _judge(expect["expected_lse_natural"], expect["lse_bound_natural"], got, "lse (natural log)")
     return lines
 

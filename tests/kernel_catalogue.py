@@ -1166,10 +1166,6 @@ EVERY_FORMAT = Envelope(
 )
 
 
-def _v41_fields(cache: torch.Tensor, f: formats.PackedFormat, page_block_size: int | None) -> formats.PackedFields:
-    return formats.unpack_fields(cache, f, page_block_size=page_block_size)
-
-
 class _V41Reader(TileKernel):
     """The tile kernel with a V4.1 record decoder of its own (``decode``); other formats as usual."""
 
@@ -1178,7 +1174,7 @@ class _V41Reader(TileKernel):
     def dequantize(self, cache, f, page_block_size):
         if not f.name.startswith("dsv4_1"):
             return super().dequantize(cache, f, page_block_size)
-        fields = _v41_fields(cache, f, page_block_size)
+        fields = formats.unpack_fields(cache, f, page_block_size=page_block_size)
         rows = fields.codes.reshape(-1, f.d_nope)
         return self.decode(f, rows, fields.scale_bytes.reshape(rows.shape[0], -1))
 

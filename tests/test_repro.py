@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -19,11 +20,9 @@ ROOT = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
 REFERENCE = "pytest_sparse_mla.implementations:ReferenceImplementation"
 
-#: Runs a script with ``pytest_sparse_mla`` and ``pytest`` made unimportable.
-ISOLATED = (
-    "import runpy, sys; sys.modules['pytest_sparse_mla'] = None; sys.modules['pytest'] = None; "
-    "script = sys.argv[1]; sys.argv = sys.argv[1:]; runpy.run_path(script, run_name='__main__')"
-)
+#: Runs a script with ``pytest_sparse_mla`` and ``pytest`` made unimportable (the way
+#: ``scripts/check_repros.py`` runs the scripts that call a peer directly).
+ISOLATED = runpy.run_path(str(ROOT / "scripts" / "check_repros.py"))["ISOLATED"]
 
 
 def _env() -> dict[str, str]:

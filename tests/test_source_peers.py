@@ -68,13 +68,6 @@ def test_skip_reasons_say_what_to_install(name: str, monkeypatch: pytest.MonkeyP
     assert BUILTINS[name](None).skip_reason("pack", "cuda") is None
 
 
-def test_envelopes_are_declared() -> None:
-    assert flaggems.ENVELOPE.masked_indices == "negative" and flaggems.ENVELOPE.num_heads == (64, 128)
-    assert vllm_triton.ENVELOPE.attn_sink is False and vllm_triton.ENVELOPE.num_heads is None
-    env = flashinfer_reference.ENVELOPE
-    assert env.takes_sink("dsv4") and not env.takes_sink("dsv3_2") and not env.takes_extra("dsv3_2")
-
-
 # ------------------------------------------------------------------------------------------- FlagGems
 
 

@@ -39,7 +39,6 @@ __all__ = [
     "PeerCall",
     "open_forward",
     "virtual_table",
-    "load_source_module",
     "call_peer",
     "check_folded_lengths",
     "source_skip_reason",
@@ -409,13 +408,6 @@ def virtual_table(
     padded[:, : rows.shape[1]] = rows
     kv = torch.cat(tables, dim=0) if len(tables) > 1 else tables[0]
     return kv.unsqueeze(1), padded, length
-
-
-def load_source_module(name: str, path: Any, stubs: dict[str, dict[str, Any]]) -> Any:
-    """:func:`pytest_sparse_mla.implementations._source.exec_source` (kept here for the adapters)."""
-    from pytest_sparse_mla.implementations._source import exec_source
-
-    return exec_source(name, path, stubs)
 
 
 def call_peer(

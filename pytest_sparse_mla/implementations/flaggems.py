@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import re
 import types
 from pathlib import Path
 from typing import Any
@@ -86,23 +85,12 @@ def flaggems_source() -> Path | None:
     return None
 
 
-def _version(root: Path) -> str:
-    """``flag_gems/_version.py`` (written by setuptools-scm at install): version, else commit, else ``unknown``."""
-    path = root / "_version.py"
-    text = path.read_text(encoding="utf-8") if path.is_file() else ""
-    found = dict(re.findall(r"^(version|commit_id)\s*=\s*['\"]([^'\"]+)['\"]", text, flags=re.M))
-    if found.get("commit_id") and found.get("version", "source") == "source":
-        return f"source {found['commit_id'][:9]}"
-    return found.get("version") or "unknown"
-
-
 @functools.lru_cache(maxsize=1)
 def flaggems_module() -> Any:
     """FlagGems' two source files executed with ``has_triton_tle`` answering ``False``.
 
     Returns:
-        A namespace with ``get_mla_metadata``, ``flash_mla_with_kvcache``, ``flash_mla_sparse_fwd``,
-        ``__version__`` (``flag_gems/_version.py``) and ``__file__`` (the package directory).
+        A namespace with ``get_mla_metadata``, ``flash_mla_with_kvcache`` and ``flash_mla_sparse_fwd``.
 
     Raises:
         ImportError: FlagGems' source is not on ``sys.path``, or lacks the two files.
@@ -118,8 +106,6 @@ def flaggems_module() -> Any:
         get_mla_metadata=decode.get_mla_metadata,
         flash_mla_with_kvcache=decode.flash_mla_with_kvcache,
         flash_mla_sparse_fwd=prefill.flash_mla_sparse_fwd,
-        __version__=_version(root),
-        __file__=str(root),
     )
 
 

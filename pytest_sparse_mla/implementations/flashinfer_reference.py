@@ -88,16 +88,6 @@ def flashinfer_source() -> Path | None:
     return found[0].parent if all(found) else None  # type: ignore[union-attr]
 
 
-def flashinfer_version() -> str | None:
-    """The installed flashinfer-python version (package metadata), or ``None``."""
-    from importlib import metadata
-
-    try:
-        return metadata.version("flashinfer-python")
-    except metadata.PackageNotFoundError:
-        return None
-
-
 @functools.lru_cache(maxsize=1)
 def references() -> tuple[Any, Any]:
     """``(compressed_reference, reference)``: the two files executed as modules.

@@ -42,6 +42,7 @@ from pytest_sparse_mla.implementations._peer import (
     open_forward,
     shape_reason,
     source_skip_reason,
+    valid_lanes,
     virtual_table,
 )
 
@@ -181,7 +182,7 @@ class VllmTritonImplementation:
         check_folded_lengths(q, topk_length, extra_topk_length, call.extra is not None)
         kv, rows, length = virtual_table(call, kv_cache, topk_length, extra_topk_length, row_multiple=ROW_MULTIPLE)
         if length is not None:  # one prefix length per row: folded into the row
-            rows = torch.where(valid_lanes_of(rows, length), rows, torch.full_like(rows, -1))
+            rows = torch.where(valid_lanes(rows, length), rows, torch.full_like(rows, -1))
         d_qk = call.layout.fmt.d_qk
         out, _max_logits, lse = call_peer(
             SOURCE, "triton_bf16_mla_sparse_interface", vllm_module().triton_bf16_mla_sparse_interface,
@@ -196,10 +197,3 @@ class VllmTritonImplementation:
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"
 
-
-def valid_lanes_of(rows: Any, length: Any) -> Any:
-    """``[T, W]`` bool: lane ``j`` lies below ``clamp(length[t], 0)`` (the index test is the kernel's)."""
-    import torch
-
-    lanes = torch.arange(rows.shape[1], device=rows.device)
-    return lanes.unsqueeze(0) < length.to(rows.device).long().clamp(min=0).unsqueeze(1)
