@@ -22,7 +22,11 @@ The shapes are the public regressions of the grid (sgl-project/sglang #33134, #3
 flashinfer-ai/flashinfer #3828, PRs #3817, #3896, #4380): 8 local heads at TP8, DSpark's topk 192,
 topk 256, an extra cache of 128-token pages in dual-cache prefill, head counts outside
 {8, 16, 32, 64, 128}, more than 128 heads, a main page of 128 tokens in decode, a ragged topk in
-prefill, and DSV3.2 prefill, plus shapes every release serves.
+prefill, and DSV3.2 prefill, plus shapes every release serves; and DeepSeek-V4.1 calls (``fmt="dsv4_1"``:
+SWA records in the main cache, FP4 indexed records in the extra cache), which FlashInfer serves from
+0.7.1 (``ModelType::DSV4_1``; its prefill has no 128-head kernel). This package's V4.1 caches hold
+inline records, so they are judged as ``DSV4_1_INLINE`` where the release reads those (0.7.4) and as
+``DSV4_1`` before (``dispatch.inline_v41_model``); before 0.7.1 the V4.1 shapes skip.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import pytest
 import torch
 
 from pytest_sparse_mla import data, formats
-from pytest_sparse_mla.dispatch import SparseMlaConfig, supports
+from pytest_sparse_mla.dispatch import SparseMlaConfig, UnsupportedReleaseError, inline_v41_model, supports
 
 pytestmark = pytest.mark.sparse_mla_needs("sparse_mla_forward")
 
@@ -42,7 +46,8 @@ SM_SCALE = 512**-0.5
 
 @dataclass(frozen=True)
 class GridShape:
-    """One call shape (tokens, heads, index widths, page sizes) of the dispatch grid."""
+    """One call shape (tokens, heads, index widths, page sizes) of the dispatch grid; ``model``
+    ``"DSV4_1"`` is a ``fmt="dsv4_1"`` call (inline V4.1 records)."""
 
     name: str
     model: str
@@ -53,9 +58,16 @@ class GridShape:
     topk_extra: int = 0
     extra_page_block_size: int = 0
 
-    def config(self) -> SparseMlaConfig:
+    def config(self, release: str) -> SparseMlaConfig:
+        """The shape as ``release`` sees it; skips a V4.1 shape on a release without V4.1 formats."""
+        model = self.model
+        if model == "DSV4_1":
+            try:
+                model = inline_v41_model(release)[0]
+            except UnsupportedReleaseError as exc:
+                pytest.skip(str(exc))
         return SparseMlaConfig(
-            self.model, self.num_tokens, self.num_heads, self.topk, self.page_block_size,
+            model, self.num_tokens, self.num_heads, self.topk, self.page_block_size,
             self.topk_extra, self.extra_page_block_size,
         )  # fmt: skip
 
@@ -87,6 +99,12 @@ SHAPES = [
     GridShape("dsv32-decode-h16-topk128", "DSV3_2", 2, 16, 128),
     GridShape("decode-h8-topk128", "DSV4", 2, 8, 128),
     GridShape("c4-prefill-h16-extra-page64", "DSV4", 65, 16, 128, topk_extra=512, extra_page_block_size=64),
+    # DeepSeek-V4.1 (from 0.7.1): decode at the indexer's topk 512 with an FP4 extra cache; prefill has
+    # single-group kernels for 8-64 heads only, so 128 heads is rejected in prefill and served in decode.
+    GridShape("v41-decode-h128-topk512-fp4-extra", "DSV4_1", 4, 128, 512, topk_extra=512, extra_page_block_size=64),
+    GridShape("v41-prefill-h128", "DSV4_1", 65, 128, 512),
+    GridShape("v41-prefill-h16-fp4-extra", "DSV4_1", 65, 16, 128, topk_extra=512, extra_page_block_size=2),
+    GridShape("v41-prefill-topk100", "DSV4_1", 65, 16, 100),
 ]  # fmt: skip
 
 
@@ -106,11 +124,12 @@ def declared_release(sparse_mla_impl) -> str:  # type: ignore[no-untyped-def]
 def _inputs(shape: GridShape, generator: torch.Generator, device: torch.device) -> dict:
     """Keyword arguments of ``sparse_mla_forward`` for ``shape``: random queries and rows, half of
     each index row valid (FlashInfer's test draw), caches with enough tokens for every lane."""
-    fmt = "dsv4" if shape.model == "DSV4" else "dsv3_2"
-    f = formats.get_format(fmt)
+    fmt = {"DSV4": "dsv4", "DSV3_2": "dsv3_2", "DSV4_1": "dsv4_1"}[shape.model]
+    main_fmt, extra_fmt = formats.cache_formats(fmt)
+    f = main_fmt
     pages = -(-shape.topk // shape.page_block_size) + 1
     main = data.make_packed_cache(
-        generator, fmt=fmt, num_pages=pages, page_block_size=shape.page_block_size, device=device
+        generator, fmt=main_fmt, num_pages=pages, page_block_size=shape.page_block_size, device=device
     )
     q = data.latent((shape.num_tokens, shape.num_heads, f.d_qk), generator, device=device)
     kwargs: dict = {
@@ -123,7 +142,7 @@ def _inputs(shape: GridShape, generator: torch.Generator, device: torch.device) 
     if shape.topk_extra:
         extra_pages = -(-shape.topk_extra // shape.extra_page_block_size) + 1
         extra = data.make_packed_cache(
-            generator, num_pages=extra_pages, page_block_size=shape.extra_page_block_size, device=device
+            generator, fmt=extra_fmt, num_pages=extra_pages, page_block_size=shape.extra_page_block_size, device=device
         )
         kwargs["extra_kv_cache"] = extra.packed
         kwargs["extra_indices"] = data.sparse_indices(
@@ -136,9 +155,10 @@ def _inputs(shape: GridShape, generator: torch.Generator, device: torch.device) 
 def test_declared_release_errors_and_runs_like_the_release(
     shape: GridShape, declared_release: str, sparse_mla_impl, sparse_mla_generator, sparse_mla_device
 ) -> None:  # type: ignore[no-untyped-def]
-    verdict = supports(shape.config(), declared_release)
+    config = shape.config(declared_release)
+    verdict = supports(config, declared_release)
     inputs = _inputs(shape, sparse_mla_generator, sparse_mla_device)
-    where = f"flashinfer-python {declared_release} on {shape.config().describe()}"
+    where = f"flashinfer-python {declared_release} on {config.describe()}"
     if not verdict.supported:
         assert verdict.error_type is not None and verdict.error_message is not None
         base = RuntimeError if issubclass(verdict.error_type, RuntimeError) else ValueError

@@ -687,19 +687,26 @@ class ClaimsOldRelease(ReferenceImplementation):
 
 
 def test_suite_holds_the_reference_to_the_release_it_enforces(pytester: pytest.Pytester) -> None:
-    """0.7.0 rejects shapes both in C++ (RuntimeError) and in Python (ValueError), serves 11 and the empty batch."""
+    """0.7.0 rejects shapes both in C++ (RuntimeError) and in Python (ValueError), serves 11 and the empty
+    batch, and has no DeepSeek-V4.1 format (its 4 shapes skip); 0.7.4 serves two V4.1 shapes and rejects two
+    (128-head and ragged-topk prefill)."""
     result = pytester.runpytest_subprocess(
         "-p", "sparse_mla", str(SUITE), "--sparse-mla-grid", "flashinfer==0.7.0",
         "--sparse-mla-device", "cpu", "-p", "no:cacheprovider", "-q",
     )  # fmt: skip
-    result.assert_outcomes(passed=17)
+    result.assert_outcomes(passed=17, skipped=4)
+    result = pytester.runpytest_subprocess(
+        "-p", "sparse_mla", str(SUITE), "--sparse-mla-grid", "flashinfer==0.7.4",
+        "--sparse-mla-device", "cpu", "-p", "no:cacheprovider", "-q", "-k", "v41",
+    )  # fmt: skip
+    result.assert_outcomes(passed=4)
 
 
 def test_suite_skips_an_implementation_without_a_release(pytester: pytest.Pytester) -> None:
     result = pytester.runpytest_subprocess(
         "-p", "sparse_mla", str(SUITE), "--sparse-mla-device", "cpu", "-p", "no:cacheprovider", "-rs",
     )  # fmt: skip
-    result.assert_outcomes(skipped=17)
+    result.assert_outcomes(skipped=21)
     result.stdout.fnmatch_lines(["*declares no flashinfer_release*"])
 
 

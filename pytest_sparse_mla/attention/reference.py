@@ -62,6 +62,7 @@ a replay to see indices past a cache (the capture skips the host check).
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -298,7 +299,10 @@ def sparse_mla_forward(
         lse_scale: positive factor on the final FlashInfer LSE (``math.log(2)`` = natural log).
         grid_release: a FlashInfer release (``"0.6.17"``): before computing, the call is checked
             against that release's SM120 dispatch grid by ``pytest_sparse_mla.dispatch.enforce_grid``,
-            which raises the release's exact error for a shape it cannot run.
+            which raises the release's exact error for a shape it cannot run (a DeepSeek-V4.1 call
+            is judged as FlashInfer's ``DSV4_1_INLINE`` from 0.7.4, as ``DSV4_1`` in 0.7.1-0.7.2.post1
+            with a ``FooterRecordsWarning`` where a page holds more than one token: those releases read
+            footer pages, not the inline records this package writes).
         chunk_tokens: tokens per chunk of ``backend="torch"`` (memory bound); default
             :func:`default_chunk_tokens`. ``backend="triton"`` keeps no per-token state in memory
             and ignores it.
@@ -331,6 +335,8 @@ def sparse_mla_forward(
             prefix; a non-finite ``sm_scale``; bad ``lse_convention``/``lse_scale``/``chunk_tokens``;
             an unknown ``backend`` or ``"triton"`` where it cannot run (:func:`resolve_backend`).
         Whatever ``dispatch.enforce_grid`` raises for a release that cannot run the shape.
+        ValueError: ``grid_release`` with a main cache of V4.1 indexed (FP4) records, which no
+            FlashInfer release reads as the main cache.
         ValueError: ``check_indices=True`` while the current CUDA stream is capturing a graph.
     """
     f, ef = formats.cache_formats(fmt)
@@ -390,11 +396,23 @@ def sparse_mla_forward(
     # FlashInfer returns before any dispatch when q.shape[0] == 0 (flashinfer/mla/_sparse_mla_sm120/
     # _api.py custom op), so an empty batch never meets the grid.
     if grid_release is not None and num_tokens > 0:
-        from pytest_sparse_mla.dispatch import enforce_grid
+        from pytest_sparse_mla.dispatch import FooterRecordsWarning, enforce_grid, inline_v41_model
 
+        if f is formats.DSV4_1_INDEXED:
+            raise ValueError(
+                f"grid_release={grid_release!r} with fmt={fmt!r}: FlashInfer reads DeepSeek-V4.1 FP4 "
+                "indexed records only in the extra cache (extra_kv_fp4=True); expected a main cache of "
+                "SWA records (fmt='dsv4_1' or 'dsv4_1_swa')"
+            )
+        model = f.name
+        if f is formats.DSV4_1_SWA:
+            model, footer_note = inline_v41_model(grid_release)
+            pages = [layout.page_block_size] + ([extra_layout.page_block_size] if extra_layout else [])
+            if footer_note is not None and max(pages) > 1:
+                warnings.warn(FooterRecordsWarning(footer_note), stacklevel=2)
         grid = enforce_grid(
             grid_release,
-            model=f.name,
+            model=model,
             num_tokens=num_tokens,
             num_heads=num_heads,
             topk=int(indices.shape[1]),

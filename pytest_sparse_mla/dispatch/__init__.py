@@ -19,6 +19,7 @@ coverage; console script ``sparse-mla-deployments`` and ``--sparse-mla-deploymen
 """
 
 from pytest_sparse_mla.dispatch.errors import (
+    FooterRecordsWarning,
     IgnoredExtraCacheWarning,
     InternalError,
     SparseMlaGridError,
@@ -35,6 +36,7 @@ from pytest_sparse_mla.dispatch.grid import (
     check_known_release,
     enforce_grid,
     families,
+    inline_v41_model,
     parse_release,
     release_family,
     supports,
@@ -45,6 +47,7 @@ __all__ = [
     "ROUTES",
     "GridFamily",
     "IgnoredExtraCacheWarning",
+    "FooterRecordsWarning",
     "InternalError",
     "SparseMlaConfig",
     "SparseMlaGridError",
@@ -54,6 +57,7 @@ __all__ = [
     "Verdict",
     "check_known_release",
     "enforce_grid",
+    "inline_v41_model",
     "families",
     "parse_release",
     "release_family",

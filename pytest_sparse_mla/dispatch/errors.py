@@ -52,6 +52,7 @@ __all__ = [
     "UnsupportedReleaseError",
     "UncheckedPageSizeWarning",
     "IgnoredExtraCacheWarning",
+    "FooterRecordsWarning",
     "ERROR_TEMPLATES",
     "MISMATCH_FALLBACK",
     "tvm_check_failed",
@@ -118,6 +119,14 @@ class IgnoredExtraCacheWarning(UserWarning):
     """0.6.14-0.6.18 accept a DSV3.2 decode call with an extra cache and run the DSV3.2 decode
     kernel, which takes no extra cache: the extra cache is silently dropped (flashinfer
     ``mla/_sparse_mla_sm120.py`` lines 360-365 in 0.6.17, 369-374 in 0.6.18; rejected from 0.7.0)."""
+
+
+class FooterRecordsWarning(UserWarning):
+    """The bundled reference, under a grid of 0.7.1-0.7.2.post1, ran a DeepSeek-V4.1 call whose caches
+    hold inline records (codes then scales per token); those releases read V4.1 pages in footer
+    layout only (flashinfer ``include/flashinfer/attention/sparse_mla_sm120/model/dsv41_layout.cuh``:
+    every token's codes, then every token's scales), so they would misread such a cache unless every
+    page holds one token. 0.7.4 reads inline records (``kv_scale_format="ue8m0_g32_inline"``)."""
 
 
 #: The unsupported-configuration texts per release family: family -> ((path, upstream type, text)).

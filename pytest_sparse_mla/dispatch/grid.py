@@ -22,6 +22,16 @@ that flow changed between releases:
     As the planner, but main and extra page sizes are runtime values (any positive), the C++
     prefill text is gone, and ``num_heads > 128`` fails the C++ metadata check first.
 
+DeepSeek-V4.1, from 0.7.1. A main cache of 528-byte SWA records, an extra cache of the same records
+or of 288-byte FP4 indexed records (``extra_kv_fp4=True``; the routes do not depend on it). Decode as
+DSV4; prefill is the single-group kernel only (variant 1, heads 8/16/32/64, ``topk % 64 == 0``, FP8),
+single or dual cache. Two models: ``DSV4_1`` (0.7.1+, ``kv_scale_format="ue8m0_g32"``) reads footer
+pages (every token's codes, then every token's scales); ``DSV4_1_INLINE`` (0.7.4+,
+``"ue8m0_g32_inline"``) reads records of codes then scales in token order, the layout this package
+and FlashInfer's reference encoder write. Both take the same routes. :func:`inline_v41_model` says
+which one judges a cache of inline records on a release. A model before its first release makes
+:func:`supports` raise ``UnsupportedReleaseError``.
+
 DeepSeek-V3.2 with an extra cache. DSV3.2 has no dual-cache kernel in any release, but 0.6.14-0.6.18
 do not reject the extra cache on the DSV3.2 decode route: a decode-sized call whose (heads, topk) is
 in the DSV3.2 decode table, on 64-token pages, runs the DSV3.2 decode kernel with the extra cache,
@@ -73,6 +83,7 @@ __all__ = [
     "release_family",
     "supports",
     "enforce_grid",
+    "inline_v41_model",
 ]
 
 #: route names a supported verdict carries.
@@ -89,10 +100,13 @@ class _Model:
     d_qk: int
 
 
-#: model key -> how FlashInfer names it (``ModelType`` DSV3_2=0, DSV4=1; model_type.h).
+#: model key -> how FlashInfer names it (``ModelType`` DSV3_2=0, DSV4=1, DSV4_1=5, DSV4_1_INLINE=6;
+#: model_type.h).
 MODELS: dict[str, _Model] = {
     "DSV4": _Model(cpp="DSV4", family="dsv4", model_type=1, d_qk=512),
     "DSV3_2": _Model(cpp="DSV3_2", family="dsv3_2", model_type=0, d_qk=576),
+    "DSV4_1": _Model(cpp="DSV4_1", family="dsv4_1", model_type=5, d_qk=512),
+    "DSV4_1_INLINE": _Model(cpp="DSV4_1_INLINE", family="dsv4_1_inline", model_type=6, d_qk=512),
 }
 
 
@@ -102,8 +116,9 @@ def _normalize_model(model: object) -> str:
         if key in MODELS:
             return key
     raise ValueError(
-        f"model={model!r}: expected 'DSV4' (DeepSeek-V4, d_qk=512) or 'DSV3_2' "
-        "(DeepSeek-V3.2, d_qk=576)"
+        f"model={model!r}: expected 'DSV4' (DeepSeek-V4, d_qk=512), 'DSV3_2' "
+        "(DeepSeek-V3.2, d_qk=576), 'DSV4_1' or 'DSV4_1_INLINE' (DeepSeek-V4.1 footer pages or "
+        "inline records, d_qk=512)"
     )
 
 
@@ -120,8 +135,10 @@ class SparseMlaConfig:
     """One SM120 sparse-MLA call shape, as FlashInfer's dispatch sees it.
 
     Attributes:
-        model: ``"DSV4"`` (d_qk 512, 584 B/token) or ``"DSV3_2"`` (d_qk 576, 656 B/token);
-            ``"dsv4"``, ``"DSV3.2"`` and ``"dsv3_2"`` are accepted and normalised.
+        model: ``"DSV4"`` (d_qk 512, 584 B/token), ``"DSV3_2"`` (d_qk 576, 656 B/token),
+            ``"DSV4_1"`` or ``"DSV4_1_INLINE"`` (d_qk 512, 528 B/token SWA main cache in footer
+            pages or inline records; extra cache 528 B or 288 B FP4); ``"dsv4"``, ``"DSV3.2"``,
+            ``"dsv3_2"``, ``"DSV4.1"`` are accepted and normalised.
         num_tokens: flattened query rows ``T`` (decode is ``T <= 64``), >= 1.
         num_heads: query heads ``H`` on this rank, >= 1.
         topk: primary (SWA) index width, ``indices.shape[-1]``, >= 1. Routing uses this.
@@ -167,7 +184,7 @@ class SparseMlaConfig:
 
     @property
     def d_qk(self) -> int:
-        """Query/key head dim of the model (512 DSV4, 576 DSV3_2)."""
+        """Query/key head dim of the model (512 DSV4 and DeepSeek-V4.1, 576 DSV3_2)."""
         return MODELS[self.model].d_qk
 
     def describe(self) -> str:
@@ -604,6 +621,16 @@ def _unchecked_page_note(cfg: SparseMlaConfig, fam: GridFamily) -> str:
 
 def _evaluate(cfg: SparseMlaConfig, fam: GridFamily, release: str) -> Verdict:
     model = MODELS[cfg.model]
+    _check_model_release(cfg.model, release)
+    alias = grid_data()["model_aliases"].get(cfg.model)
+    if alias is not None:  # the same routes: judge under the alias, keep the model's own name in the text
+        verdict = _evaluate(replace(cfg, model=alias), fam, release)
+        message = verdict.error_message
+        if message is not None:
+            message = message.replace(
+                f"model_type={MODELS[alias].family},", f"model_type={model.family},"
+            )
+        return replace(verdict, config=cfg, error_message=message)
     notes = _common_notes(cfg, fam, release)
 
     def ok(route: str, mode: str | None, *, unchecked: bool = False) -> Verdict:
@@ -748,6 +775,45 @@ def _evaluate(cfg: SparseMlaConfig, fam: GridFamily, release: str) -> Verdict:
     )
 
 
+def _check_model_release(model: str, release: str) -> None:
+    from packaging.version import Version
+
+    first = grid_data()["model_first_release"][model]
+    if Version(Version(release).public) < Version(first):
+        raise errors.UnsupportedReleaseError(
+            f"release={release!r}: flashinfer-python {release} has no {model} cache format "
+            f"(ModelType::{model} first ships in {first}: grids.json model_first_release_note)"
+        )
+
+
+def inline_v41_model(release: object) -> tuple[str, str | None]:
+    """The model that judges a DeepSeek-V4.1 call whose caches hold inline records (codes then
+    scales per token: this package's V4.1 formats, FlashInfer's ``pack_deepseek_v41_cache_reference``).
+
+    Returns:
+        ``("DSV4_1_INLINE", None)`` where the release reads inline records (0.7.4+), else
+        ``("DSV4_1", note)``: the release reads footer pages only, and ``note`` says that a cache
+        of inline records is misread unless every page holds one token (the two layouts are then
+        the same bytes).
+
+    Raises:
+        UnsupportedReleaseError: as :func:`parse_release`, or a release before 0.7.1.
+    """
+    text = _release_text(release if isinstance(release, str) else str(release))
+    _check_model_release("DSV4_1", text)
+    try:
+        _check_model_release("DSV4_1_INLINE", text)
+    except errors.UnsupportedReleaseError:
+        first = grid_data()["model_first_release"]["DSV4_1_INLINE"]
+        return "DSV4_1", (
+            f"flashinfer-python {text} reads DeepSeek-V4.1 pages in footer layout only (every token's "
+            "codes, then every token's scales): a cache of inline records (codes then scales per "
+            "token) is misread unless every page holds one token; inline records "
+            f"(kv_scale_format='ue8m0_g32_inline') are read from {first}"
+        )
+    return "DSV4_1_INLINE", None
+
+
 @functools.lru_cache(maxsize=8192)
 def _cached(cfg: SparseMlaConfig, release: str) -> Verdict:
     return _evaluate(cfg, _family_of(release), release)
@@ -767,7 +833,8 @@ def supports(config: SparseMlaConfig, flashinfer_version: object) -> Verdict:
     Raises:
         TypeError: ``config`` is not a :class:`SparseMlaConfig`.
         UnsupportedReleaseError: the version has no SM120 sparse-MLA grid
-            (see :func:`parse_release`).
+            (see :func:`parse_release`), or none for ``config.model`` (``DSV4_1`` before 0.7.1,
+            ``DSV4_1_INLINE`` before 0.7.4).
     """
     if not isinstance(config, SparseMlaConfig):
         raise TypeError(f"config={config!r}: expected a SparseMlaConfig")
@@ -806,7 +873,7 @@ def enforce_grid(
     Raises:
         InternalError: (a ``RuntimeError``) where the release fails a C++ ``TVM_FFI_ICHECK``.
         UnsupportedShapeError: (a ``ValueError``) where the release's Python dispatch raises.
-        UnsupportedReleaseError: ``release`` has no SM120 sparse-MLA grid.
+        UnsupportedReleaseError: ``release`` has no SM120 sparse-MLA grid, or none for ``model``.
         ValueError: the fields are not a valid :class:`SparseMlaConfig`.
 
     Warns:
