@@ -53,7 +53,7 @@ DEVICES = ("auto", "cpu", "cuda")
 HELP_GROUP = "sparse-mla"
 HELP_GROUP_TITLE = "sparse-mla: sparse MLA kernel regression suites (pytest-sparse-mla)"
 #: Names that load the plugin with ``-p`` (the entry-point name and the module).
-PLUGIN_NAMES = ("sparse_mla", "pytest_sparse_mla.plugin")
+PLUGIN_NAMES = ("sparse_mla", "pytest_sparse_mla.plugin", "sparse-mla")
 #: The forms ``--sparse-mla-impl`` accepts, in resolution order (``--help`` and miss errors).
 IMPL_FORMS = (
     "a built-in name (reference, triton, flashinfer)",
@@ -250,7 +250,7 @@ def _named_with_p(config: pytest.Config) -> str | None:
         if value in PLUGIN_NAMES:
             return f"-p {value}"
     env = os.environ.get("PYTEST_PLUGINS", "")
-    if any(part.strip() in PLUGIN_NAMES[1:] for part in env.split(",")):
+    if any(part.strip() == "pytest_sparse_mla.plugin" for part in env.split(",")):
         return "PYTEST_PLUGINS"
     return None
 

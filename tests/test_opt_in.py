@@ -134,6 +134,9 @@ def test_the_same_project_with_the_plugin_loaded_is_pinned_and_capped(
         ((), "", None),
         (("-p", "sparse_mla"), "", "-p sparse_mla"),
         (("--disable-plugin-autoload", "-p", "pytest_sparse_mla.plugin"), "", "-p pytest_sparse_mla.plugin"),
+        # the name pytest's plugins: header line shows (entry point sparse-mla -> pytest_sparse_mla.alias)
+        (("-p", "sparse-mla"), "", "-p sparse-mla"),
+        (("--disable-plugin-autoload", "-p", "sparse-mla"), "", "-p sparse-mla"),
         (("--sparse-mla-seed", "3"), "", "--sparse-mla-seed"),
         (("--sparse-mla-device", "auto"), "", "--sparse-mla-device"),  # given, even if the default
         ((), "addopts = -p sparse_mla\n", "-p sparse_mla"),
