@@ -123,10 +123,11 @@ def _flash_mla_direct(kwargs: dict):
     checks, no scheduling kernel after the first call); returns a forward with the adapter's result."""
     import flash_mla
 
+    from pytest_sparse_mla import formats
     from pytest_sparse_mla.implementations._peer import PeerResult, lse_to_convention, nhd_view
 
-    kv4, _ = nhd_view(kwargs["kv_cache"], "dsv4", None, "kv_cache")
-    extra4, _ = nhd_view(kwargs["extra_kv_cache"], "dsv4", None, "extra_kv_cache")
+    kv4 = nhd_view(kwargs["kv_cache"], formats.parse_cache(kwargs["kv_cache"], "dsv4"))
+    extra4 = nhd_view(kwargs["extra_kv_cache"], formats.parse_cache(kwargs["extra_kv_cache"], "dsv4"))
     sched, _ = flash_mla.get_mla_metadata()
     sink = kwargs["attn_sink"]
 

@@ -121,44 +121,25 @@ def result_of(res: Any, env: Envelope, name: str) -> ForwardResult:
 _POSITIONAL = ("q", "kv_cache", "indices")
 
 
-def _shape(value: Any) -> tuple[int, ...] | None:
-    shape = getattr(value, "shape", None)
-    return tuple(int(s) for s in shape) if shape is not None else None
-
-
 def call_reason(env: Envelope, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
-    """Why a well-formed call lies outside ``env``, or ``None`` (also for a malformed call)."""
-    call = dict(zip(_POSITIONAL, args[:3], strict=False))
-    call.update(kwargs)
-    q, indices = _shape(call.get("q")), _shape(call.get("indices"))
-    if q is None or indices is None or len(q) != 3 or len(indices) not in (2, 3):
-        return None
-    extra = _shape(call.get("extra_indices")) if call.get("extra_kv_cache") is not None else None
-    fmt = call.get("fmt", "dsv4")
-    page_sizes: list[int | None] = [None, None]
-    try:
-        from pytest_sparse_mla import formats
+    """Why a well-formed call lies outside ``env``, or ``None`` (also for a malformed call, which
+    the implementation under test is left to refuse).
 
-        record_formats = formats.cache_formats(fmt)
-        fmt = formats.call_format_name(fmt)
-        for i, (cache, ps) in enumerate((("kv_cache", "page_block_size"), ("extra_kv_cache", "extra_page_block_size"))):
-            if call.get(cache) is not None:
-                layout = formats.parse_cache(call[cache], record_formats[i], page_block_size=call.get(ps))
-                page_sizes[i] = layout.page_block_size
-    except (TypeError, ValueError):
+    The call is read as ``attention.call.SparseMlaCall.read`` reads it and held to the envelope
+    with its page sizes and its LSE convention (``SparseMlaCall.envelope_reason``).
+    """
+    from pytest_sparse_mla.attention.call import CALL_ARGUMENTS, SparseMlaCall
+
+    given = {**dict(zip(_POSITIONAL, args, strict=False)), **kwargs}
+    try:
+        call = SparseMlaCall.read(
+            *(given.get(name) for name in _POSITIONAL), **{k: v for k, v in given.items() if k in CALL_ARGUMENTS}
+        )
+    except (TypeError, ValueError, IndexError, AttributeError):
         return None
-    return env.call_reason(
-        fmt=fmt,
-        num_tokens=q[0],
-        num_heads=q[1],
-        topk=indices[-1],
-        extra_topk=extra[-1] if extra else None,
-        page_block_size=page_sizes[0],
-        extra_page_block_size=page_sizes[1],
-        has_topk_length=call.get("topk_length") is not None or call.get("extra_topk_length") is not None,
-        has_sink=call.get("attn_sink") is not None,
-        lse_convention=call.get("lse_convention"),
-    )
+    if call.q.dim() != 3:
+        return None
+    return call.envelope_reason(env, lse="lse_convention" in kwargs)
 
 
 class GuardedImplementation:

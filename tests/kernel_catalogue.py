@@ -43,7 +43,8 @@ import torch
 
 from pytest_sparse_mla import formats
 from pytest_sparse_mla.attention import sparse_mla_forward as reference_forward
-from pytest_sparse_mla.attention.conventions import check_lse_convention, route_for
+from pytest_sparse_mla.attention.call import CALL_ARGUMENTS, SparseMlaCall
+from pytest_sparse_mla.attention.conventions import route_for
 from pytest_sparse_mla.attention.reference import SparseMlaOutput
 from pytest_sparse_mla.envelope import ALL_FORMATS, Envelope
 
@@ -736,30 +737,6 @@ def _first_occurrences(indices: torch.Tensor, length: torch.Tensor | None) -> to
 # =================================================================================================
 
 
-def _check_index_rows(value: Any, name: str, num_tokens: int, q: torch.Tensor) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
-    if value.dtype != torch.int32:
-        raise TypeError(f"{name}.dtype={value.dtype}: expected torch.int32")
-    if value.device != q.device:
-        raise ValueError(f"{name} is on {value.device}, q on {q.device}")
-    rows = value[:, 0] if value.dim() == 3 and value.shape[1] == 1 else value
-    if rows.dim() != 2 or rows.shape[0] != num_tokens or rows.shape[1] < 1:
-        raise ValueError(f"{name}.shape={tuple(value.shape)}: expected [{num_tokens}, topk] or [{num_tokens}, 1, topk]")
-    return rows
-
-
-def _check_vector(value: Any, name: str, dtype: torch.dtype, length: int, q: torch.Tensor) -> None:
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
-    if value.dtype != dtype:
-        raise TypeError(f"{name}.dtype={value.dtype}: expected {dtype}")
-    if value.device != q.device:
-        raise ValueError(f"{name} is on {value.device}, q on {q.device}")
-    if value.dim() != 1 or value.shape[0] != length:
-        raise ValueError(f"{name}.shape={tuple(value.shape)}: expected [{length}]")
-
-
 def _e4m3(x: torch.Tensor) -> torch.Tensor:
     """Round fp32 values to E4M3 (nearest even, saturating at 448) and back."""
     return x.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).to(torch.float32)
@@ -842,56 +819,22 @@ class TileKernel:
 
     # --- the kernel ----------------------------------------------------------------------------
     def sparse_mla_forward(
-        self,
-        q: torch.Tensor,
-        kv_cache: torch.Tensor,
-        indices: torch.Tensor,
-        *,
-        sm_scale: float,
-        fmt: Any = "dsv4",
-        page_block_size: int | None = None,
-        topk_length: torch.Tensor | None = None,
-        attn_sink: torch.Tensor | None = None,
-        extra_kv_cache: torch.Tensor | None = None,
-        extra_indices: torch.Tensor | None = None,
-        extra_topk_length: torch.Tensor | None = None,
-        extra_page_block_size: int | None = None,
-        lse_convention: str = "flashinfer",
-        lse_scale: float = 1.0,
-        **ignored: Any,
+        self, q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, **kwargs: Any
     ) -> SparseMlaOutput:
-        """The protocol's ``sparse_mla_forward`` (arguments as the bundled reference's)."""
-        f, ef = formats.cache_formats(fmt)
-        if not isinstance(q, torch.Tensor) or q.dtype != torch.bfloat16:
-            raise TypeError(f"q: expected a BF16 torch.Tensor, got {getattr(q, 'dtype', type(q).__name__)}")
-        if q.dim() != 3 or q.shape[2] != f.d_qk:
-            raise ValueError(f"q.shape={tuple(q.shape)}: expected [num_tokens, num_heads, {f.d_qk}]")
-        num_tokens, num_heads = int(q.shape[0]), int(q.shape[1])
-        lse_convention, lse_scale = check_lse_convention(lse_convention, lse_scale)
-        if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)) or not math.isfinite(sm_scale):
-            raise ValueError(f"sm_scale={sm_scale!r}: expected a finite float")
-        if (extra_kv_cache is None) != (extra_indices is None):
-            raise ValueError("extra_kv_cache and extra_indices must be given together")
-        if extra_kv_cache is None and (extra_topk_length is not None or extra_page_block_size is not None):
-            raise ValueError("extra_topk_length / extra_page_block_size need extra_kv_cache")
-        main = formats.parse_cache(kv_cache, f, page_block_size=page_block_size, name="kv_cache")
-        if kv_cache.device != q.device:
-            raise ValueError(f"kv_cache is on {kv_cache.device}, q on {q.device}")
-        idx = _check_index_rows(indices, "indices", num_tokens, q)
-        if topk_length is not None:
-            _check_vector(topk_length, "topk_length", torch.int32, num_tokens, q)
-        if attn_sink is not None:
-            _check_vector(attn_sink, "attn_sink", torch.float32, num_heads, q)
-        extra_idx = None
-        if extra_kv_cache is not None:
-            extra = formats.parse_cache(
-                extra_kv_cache, ef, page_block_size=extra_page_block_size, name="extra_kv_cache"
-            )
-            if extra_kv_cache.device != q.device:
-                raise ValueError(f"extra_kv_cache is on {extra_kv_cache.device}, q on {q.device}")
-            extra_idx = _check_index_rows(extra_indices, "extra_indices", num_tokens, q)
-            if extra_topk_length is not None:
-                _check_vector(extra_topk_length, "extra_topk_length", torch.int32, num_tokens, q)
+        """The protocol's ``sparse_mla_forward``: the call is read and checked as the bundled reference
+        does (``attention.call.SparseMlaCall.read(validate=True)``); the reference's own arguments
+        (``grid_release``, ``chunk_tokens``, ...) are ignored."""
+        call = SparseMlaCall.read(
+            q, kv_cache, indices, **{k: v for k, v in kwargs.items() if k in CALL_ARGUMENTS}, validate=True
+        )
+        f, ef = call.record_formats
+        num_tokens, num_heads = call.num_tokens, call.num_heads
+        main, idx, topk_length, attn_sink = call.main.layout, call.main.indices, call.main.topk_length, call.attn_sink
+        sm_scale, lse_convention, lse_scale = call.sm_scale, call.lse_convention, call.lse_scale
+        extra_kv_cache = call.extra.cache if call.extra else None
+        extra = call.extra.layout if call.extra else None
+        extra_idx = call.extra.indices if call.extra else None
+        extra_topk_length = call.extra.topk_length if call.extra else None
         output = torch.zeros((num_tokens, num_heads, f.d_v), dtype=torch.bfloat16, device=q.device)
         lse = torch.zeros((num_tokens, num_heads), dtype=torch.float32, device=q.device)
         if num_tokens == 0:

@@ -222,7 +222,10 @@ def test_flashinfer_adapter_call_with_a_fake_entry(monkeypatch, version: str, sc
         output.fill_(0.25)
         out_lse.fill_(3.0)  # base-2 LSE, sink included
 
-    monkeypatch.setattr(implementations, "_flashinfer_entry", lambda: fake_entry)
+    from pytest_sparse_mla.implementations import flashinfer
+
+    monkeypatch.setattr(flashinfer, "_flashinfer_entry", lambda: fake_entry)
+    monkeypatch.setattr(flashinfer.FlashInferImplementation, "devices", ("cuda", "cpu"))  # CPU tensors here
     monkeypatch.setattr(capabilities, "probe", lambda: capabilities.Capabilities(flashinfer_version=version))
     impl = implementations.FlashInferImplementation()
     q = torch.zeros((2, 12, 512), dtype=torch.bfloat16)

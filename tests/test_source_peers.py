@@ -127,7 +127,7 @@ def test_vllm_gets_the_virtual_table_and_its_empty_rows_read_as_empty(
 ) -> None:
     fake = FakeVllm()
     monkeypatch.setattr(vllm_triton, "vllm_module", lambda: fake)
-    monkeypatch.setattr(vllm_triton, "DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(vllm_triton.VllmTritonImplementation, "devices", ("cuda", "cpu"))
     call = _inputs(4, 8, fmt=fmt, extra=extra, seed=7)
     call.pop("attn_sink")
     call["indices"][2] = -1  # an empty main row
@@ -144,7 +144,7 @@ def test_vllm_gets_the_virtual_table_and_its_empty_rows_read_as_empty(
 
 def test_vllm_checks_the_lengths_it_folds(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(vllm_triton, "vllm_module", lambda: FakeVllm())
-    monkeypatch.setattr(vllm_triton, "DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(vllm_triton.VllmTritonImplementation, "devices", ("cuda", "cpu"))
     call = _inputs(4, 8, extra=False)
     call.pop("attn_sink")
     impl = vllm_triton.VllmTritonImplementation()

@@ -27,19 +27,17 @@ Stability of Numerical Algorithms*, 2nd ed., section 3.1), its RMS counterpart
 from __future__ import annotations
 
 import copy
-import functools
 import hashlib
-import inspect
 import math
-from collections.abc import Callable, Iterator, MutableMapping
+from collections.abc import Iterator, MutableMapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, ParamSpec
+from typing import Any
 
 import torch
 
 from pytest_sparse_mla import formats
-from pytest_sparse_mla.attention.conventions import check_lse_convention
+from pytest_sparse_mla.attention.call import CALL_ARGUMENTS, SparseMlaCall
 
 __all__ = ["ErrorScales", "OracleOutput", "memoized", "oracle_forward"]
 
@@ -105,7 +103,6 @@ def _valid_lanes(indices: torch.Tensor, length: torch.Tensor | None, token: int)
     return row[row >= 0]
 
 
-_P = ParamSpec("_P")
 _store: MutableMapping[bytes, OracleOutput] | None = None
 
 
@@ -144,87 +141,67 @@ def _digest(arguments: dict[str, Any]) -> bytes:
     return h.digest()
 
 
-def _memoizable(compute: Callable[_P, OracleOutput]) -> Callable[_P, OracleOutput]:
-    """``compute`` answered from the store of :func:`memoized` when one is active."""
-    signature = inspect.signature(compute)
-
-    @functools.wraps(compute)
-    def answer(*args: _P.args, **kwargs: _P.kwargs) -> OracleOutput:
-        if _store is None:
-            return compute(*args, **kwargs)
-        bound = signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        key = _digest(bound.arguments)
-        result = _store.get(key)
-        if result is None:
-            result = compute(*args, **kwargs)
-            _store[key] = result
-        return copy.deepcopy(result)  # the caller's own tensors: its writes never reach the store
-
-    return answer
+#: arguments of the bundled reference's ``sparse_mla_forward`` that are not the call's (ignored here).
+_REFERENCE_ONLY = ("grid_release", "chunk_tokens", "return_fp32", "backend", "check_indices")
 
 
-@_memoizable
-def oracle_forward(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    indices: torch.Tensor,
-    *,
-    sm_scale: float,
-    fmt: formats.PackedFormat | str = "dsv4",
-    page_block_size: int | None = None,
-    topk_length: torch.Tensor | None = None,
-    attn_sink: torch.Tensor | None = None,
-    extra_kv_cache: torch.Tensor | None = None,
-    extra_indices: torch.Tensor | None = None,
-    extra_topk_length: torch.Tensor | None = None,
-    extra_page_block_size: int | None = None,
-    lse_convention: str = "flashinfer",
-    lse_scale: float = 1.0,
-    grid_release: str | None = None,
-    chunk_tokens: int | None = None,
-) -> OracleOutput:
-    """Sparse MLA in float64 (same keyword names as ``attention.sparse_mla_forward``).
+def oracle_forward(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, **arguments: Any) -> OracleOutput:
+    """Sparse MLA in float64 (the keyword names and defaults of ``attention.sparse_mla_forward``).
 
     Args:
         q: ``[T, H, d_qk]`` queries (any float dtype; BF16 in the suites).
-        kv_cache, extra_kv_cache: packed uint8 caches (see ``formats.parse_cache``).
-        indices, extra_indices: ``[T, topk]`` or ``[T, 1, topk]`` integer flat token indices.
-        sm_scale: score scale applied to the full ``d_qk`` dot product.
-        topk_length, extra_topk_length: optional ``[T]`` valid prefix lengths.
-        attn_sink: optional ``[H]`` per-head natural-log logit (denominator mass, no value).
-        lse_convention, lse_scale: see ``attention.conventions``.
-        grid_release, chunk_tokens: accepted for signature parity and ignored (the oracle computes
-            the math only; it has no dispatch grid and processes one token at a time).
+        kv_cache: the packed uint8 main cache (see ``formats.parse_cache``).
+        indices: ``[T, topk]`` or ``[T, 1, topk]`` integer flat token indices.
+        arguments: the call's keywords (``attention.call.CALL_ARGUMENTS``: ``sm_scale``, ``fmt``,
+            ``page_block_size``, ``topk_length``, ``attn_sink`` (per-head natural-log logit:
+            denominator mass, no value), ``extra_kv_cache``, ``extra_indices``, ``extra_topk_length``,
+            ``extra_page_block_size``, ``lse_convention``, ``lse_scale``); the bundled reference's own
+            (``grid_release``, ``chunk_tokens``, ``return_fp32``, ``backend``, ``check_indices``) are
+            accepted and ignored: the oracle computes the math only, one token at a time.
 
     Returns:
         :class:`OracleOutput` (float64 output ``[T, H, 512]``, LSE ``[T, H]``, its convention and
-        the rows' :class:`ErrorScales`).
+        the rows' :class:`ErrorScales`). Inside :func:`memoized`, a copy of the stored result for a
+        call with the same bytes.
 
     Raises:
-        ValueError: ``extra_kv_cache`` without ``extra_indices`` or the reverse; a valid index at
-            or past its cache's token count; errors of ``formats.parse_cache``.
+        TypeError: an unknown keyword; as ``SparseMlaCall.read``.
+        ValueError: as ``SparseMlaCall.read`` (``extra_kv_cache`` without ``extra_indices`` or the
+            reverse, a bad cache or index rows); a valid index at or past its cache's token count.
     """
-    del grid_release, chunk_tokens
-    lse_convention, lse_scale = check_lse_convention(lse_convention, lse_scale)
-    f, ef = formats.cache_formats(fmt)
-    if (extra_kv_cache is None) != (extra_indices is None):
-        raise ValueError("extra_kv_cache and extra_indices must be provided together")
+    unknown = sorted(set(arguments) - set(CALL_ARGUMENTS) - set(_REFERENCE_ONLY))
+    if unknown:
+        raise TypeError(f"oracle_forward: unexpected keyword argument(s) {unknown}; expected {CALL_ARGUMENTS}")
+    call = SparseMlaCall.read(q, kv_cache, indices, **{k: v for k, v in arguments.items() if k in CALL_ARGUMENTS})
+    if _store is None:
+        return _oracle(call)
+    key = _digest({"q": call.q, "kv_cache": call.main.cache, "indices": call.main.indices, **call.kwargs()})
+    result = _store.get(key)
+    if result is None:
+        result = _oracle(call)
+        _store[key] = result
+    return copy.deepcopy(result)  # the caller's own tensors: its writes never reach the store
+
+
+def _oracle(call: SparseMlaCall) -> OracleOutput:
+    """The float64 computation of :func:`oracle_forward`."""
+    f, ef = call.record_formats
+    q, sm_scale, attn_sink = call.q, call.sm_scale, call.attn_sink
+    lse_convention, lse_scale = call.lse_convention, call.lse_scale
+    indices, topk_length = call.main.indices, call.main.topk_length
     device = q.device
-    main = formats.unpack_dequantize(kv_cache, f, page_block_size=page_block_size, dtype=torch.float64).reshape(
-        -1, f.d_qk
-    )
+    main = formats.unpack_dequantize(
+        call.main.cache, f, page_block_size=call.main.layout.page_block_size, dtype=torch.float64
+    ).reshape(-1, f.d_qk)
     tables = [main]
-    if extra_kv_cache is not None:
+    extra_indices = extra_topk_length = None
+    if call.extra is not None:
+        extra_indices, extra_topk_length = call.extra.indices, call.extra.topk_length
         extra = formats.unpack_dequantize(
-            extra_kv_cache, ef, page_block_size=extra_page_block_size, dtype=torch.float64
+            call.extra.cache, ef, page_block_size=call.extra.layout.page_block_size, dtype=torch.float64
         ).reshape(-1, ef.d_qk)
         tables.append(extra)
     table = torch.cat(tables).to(device)
-    if indices.dim() == 3:
-        indices = indices[:, 0]
-    if extra_indices is not None and extra_indices.dim() == 3:
-        extra_indices = extra_indices[:, 0]
 
     num_tokens, num_heads = q.shape[0], q.shape[1]
     q64 = q.to(torch.float64)

@@ -70,7 +70,8 @@ from typing import Any
 import torch
 
 from pytest_sparse_mla import capabilities, formats
-from pytest_sparse_mla.attention.conventions import check_lse_convention, route_for
+from pytest_sparse_mla.attention.call import SparseMlaCall
+from pytest_sparse_mla.attention.conventions import route_for
 
 _TRITON_MODULE = "pytest_sparse_mla.attention._triton_forward"
 
@@ -164,49 +165,6 @@ def resolve_backend(backend: str | None, device: torch.device | str) -> str:
         if reason is not None:
             raise ValueError(f"backend='triton' cannot run on {torch.device(device)}: {reason}")
     return backend
-
-
-def _check_same_device(tensor: torch.Tensor, name: str, q: torch.Tensor) -> None:
-    if tensor.device != q.device:
-        raise ValueError(f"{name} is on {tensor.device}, but q is on {q.device}; expected one device")
-
-
-def _check_index_tensor(indices: Any, name: str, num_tokens: int, q: torch.Tensor) -> torch.Tensor:
-    """Validate an index tensor and return its ``[T, topk]`` (squeezed) view."""
-    if not isinstance(indices, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(indices).__name__}")
-    if indices.dtype != torch.int32:
-        raise TypeError(f"{name}.dtype={indices.dtype}: expected torch.int32 flat token indices")
-    _check_same_device(indices, name, q)
-    if indices.dim() == 3 and indices.shape[1] == 1:
-        indices = indices[:, 0]
-    if indices.dim() != 2:
-        raise ValueError(f"{name}.shape={tuple(indices.shape)}: expected [num_tokens, topk] or [num_tokens, 1, topk]")
-    if indices.shape[0] != num_tokens:
-        raise ValueError(f"{name}.shape={tuple(indices.shape)}: the leading dim must equal num_tokens={num_tokens}")
-    if indices.shape[1] < 1:
-        raise ValueError(f"{name}.shape={tuple(indices.shape)}: expected topk >= 1")
-    checked: torch.Tensor = indices
-    return checked
-
-
-def _check_vector(value: Any, name: str, dtype: torch.dtype, length: int, what: str, q: torch.Tensor) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
-    if value.dtype != dtype:
-        raise TypeError(f"{name}.dtype={value.dtype}: expected {dtype}")
-    _check_same_device(value, name, q)
-    if value.dim() != 1 or value.shape[0] != length:
-        raise ValueError(f"{name}.shape={tuple(value.shape)}: expected [{length}] ({what})")
-    return value
-
-
-def _check_scalar(value: Any, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name}={value!r}: expected a real number")
-    if not math.isfinite(float(value)):
-        raise ValueError(f"{name}={value!r}: expected a finite number")
-    return float(value)
 
 
 def _candidate_lanes(
@@ -339,58 +297,40 @@ def sparse_mla_forward(
             FlashInfer release reads as the main cache.
         ValueError: ``check_indices=True`` while the current CUDA stream is capturing a graph.
     """
-    f, ef = formats.cache_formats(fmt)
-    if not isinstance(q, torch.Tensor):
-        raise TypeError(f"q: expected a torch.Tensor, got {type(q).__name__}")
-    if q.dtype != torch.bfloat16:
-        raise TypeError(f"q.dtype={q.dtype}: expected torch.bfloat16")
-    if q.dim() != 3 or q.shape[2] != f.d_qk:
-        raise ValueError(f"q.shape={tuple(q.shape)}: expected [num_tokens, num_heads, {f.d_qk}] for {f.name}")
-    num_tokens, num_heads = int(q.shape[0]), int(q.shape[1])
-    if num_heads < 1:
-        raise ValueError(f"q.shape={tuple(q.shape)}: expected at least one head")
-    sm_scale = _check_scalar(sm_scale, "sm_scale")
-    lse_convention, lse_scale = check_lse_convention(lse_convention, lse_scale)
+    call = SparseMlaCall.read(
+        q, kv_cache, indices, sm_scale=sm_scale, fmt=fmt, page_block_size=page_block_size, topk_length=topk_length,
+        attn_sink=attn_sink, extra_kv_cache=extra_kv_cache, extra_indices=extra_indices,
+        extra_topk_length=extra_topk_length, extra_page_block_size=extra_page_block_size,
+        lse_convention=lse_convention, lse_scale=lse_scale, validate=True,
+    )  # fmt: skip
     if chunk_tokens is not None and (
         isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1
     ):
         raise ValueError(f"chunk_tokens={chunk_tokens!r}: expected a positive int or None")
-    if (extra_kv_cache is None) != (extra_indices is None):
-        raise ValueError(
-            "extra_kv_cache and extra_indices must be provided together "
-            f"(got extra_kv_cache={'a tensor' if extra_kv_cache is not None else None}, "
-            f"extra_indices={'a tensor' if extra_indices is not None else None})"
-        )
-    if extra_kv_cache is None and extra_topk_length is not None:
-        raise ValueError("extra_topk_length requires extra_kv_cache and extra_indices")
-    if extra_kv_cache is None and extra_page_block_size is not None:
-        raise ValueError("extra_page_block_size requires extra_kv_cache")
     if check_indices not in (None, True, False):
         raise ValueError(f"check_indices={check_indices!r}: expected None, True or False")
+    return _forward(call, grid_release, chunk_tokens, return_fp32, backend, check_indices)
 
-    layout = formats.parse_cache(kv_cache, f, page_block_size=page_block_size, name="kv_cache")
-    _check_same_device(kv_cache, "kv_cache", q)
-    indices = _check_index_tensor(indices, "indices", num_tokens, q)
-    if topk_length is not None:
-        _check_vector(topk_length, "topk_length", torch.int32, num_tokens, "one length per token", q)
-    if attn_sink is not None:
-        _check_vector(attn_sink, "attn_sink", torch.float32, num_heads, "one logit per head", q)
-    extra_layout = None
-    if extra_kv_cache is not None:
-        extra_layout = formats.parse_cache(
-            extra_kv_cache, ef, page_block_size=extra_page_block_size, name="extra_kv_cache"
-        )
-        _check_same_device(extra_kv_cache, "extra_kv_cache", q)
-        extra_indices = _check_index_tensor(extra_indices, "extra_indices", num_tokens, q)
-        if extra_topk_length is not None:
-            _check_vector(
-                extra_topk_length,
-                "extra_topk_length",
-                torch.int32,
-                num_tokens,
-                "one length per token",
-                q,
-            )
+
+def _forward(
+    call: SparseMlaCall,
+    grid_release: str | None,
+    chunk_tokens: int | None,
+    return_fp32: bool,
+    backend: str | None,
+    check_indices: bool | None,
+) -> SparseMlaOutput:
+    """The forward of a checked call (:func:`sparse_mla_forward`)."""
+    f, ef = call.record_formats
+    q, fmt, sm_scale, attn_sink = call.q, call.fmt, call.sm_scale, call.attn_sink
+    lse_convention, lse_scale = call.lse_convention, call.lse_scale
+    num_tokens, num_heads = call.num_tokens, call.num_heads
+    layout, indices, topk_length = call.main.layout, call.main.indices, call.main.topk_length
+    kv_cache, page_block_size = call.main.cache, call.main.page_block_size
+    extra_layout = extra_kv_cache = extra_indices = extra_topk_length = extra_page_block_size = None
+    if call.extra is not None:
+        extra_layout, extra_kv_cache, extra_indices = call.extra.layout, call.extra.cache, call.extra.indices
+        extra_topk_length, extra_page_block_size = call.extra.topk_length, call.extra.page_block_size
 
     grid = None
     # FlashInfer returns before any dispatch when q.shape[0] == 0 (flashinfer/mla/_sparse_mla_sm120/

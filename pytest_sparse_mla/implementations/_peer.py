@@ -30,14 +30,13 @@ from pytest_sparse_mla.envelope import Envelope, Unsupported
 __all__ = [
     "UnsafeForPeer",
     "PeerResult",
-    "index_rows",
     "nhd_view",
     "valid_lanes",
     "check_valid_lanes_in_range",
     "lse_to_convention",
     "shape_reason",
     "PeerCall",
-    "open_forward",
+    "PeerAdapter",
     "virtual_table",
     "call_peer",
     "check_folded_lengths",
@@ -71,51 +70,23 @@ class PeerResult:
     entry: str = ""
 
 
-def index_rows(indices: Any, name: str, num_tokens: int) -> Any:
-    """``indices`` as a ``[T, topk]`` view (a ``[T, 1, topk]`` tensor is squeezed).
-
-    Raises:
-        TypeError: not a tensor. ValueError: not ``[T, topk]`` / ``[T, 1, topk]`` with ``T == num_tokens``.
-    """
-    import torch
-
-    if not isinstance(indices, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(indices).__name__}")
-    if indices.dim() == 3 and indices.shape[1] == 1:
-        indices = indices[:, 0]
-    if indices.dim() != 2 or indices.shape[0] != num_tokens:
-        raise ValueError(
-            f"{name}.shape={tuple(indices.shape)}: expected [num_tokens={num_tokens}, topk] or [num_tokens, 1, topk]"
-        )
-    return indices
-
-
-def nhd_view(cache: Any, fmt: Any, page_block_size: int | None, name: str) -> tuple[Any, Any]:
-    """The ``[P, ps, 1, B]`` NHD view of a packed cache (same bytes, storage offset and page stride).
+def nhd_view(cache: Any, layout: Any) -> Any:
+    """The ``[P, ps, 1, B]`` NHD view of a packed cache whose ``formats.CacheLayout`` is ``layout``
+    (same bytes, storage offset and page stride).
 
     SGLang and FlashMLA read ``k_cache.shape[1]`` as the page size and ``stride(0)`` as the page
     stride of a 4-D ``[num_blocks, page_block_size, 1, bytes_per_token]`` tensor; the project's
     2-D, 3-D and HND forms describe the same bytes, so this only changes the shape metadata.
-
-    Returns:
-        ``(view, layout)`` with ``layout`` the ``formats.CacheLayout``.
-
-    Raises:
-        TypeError, ValueError: as ``formats.parse_cache`` (naming ``name``).
     """
     import torch
 
-    from pytest_sparse_mla import formats
-
-    layout = formats.parse_cache(cache, fmt, page_block_size=page_block_size, name=name)
     bpt = layout.fmt.bytes_per_token
-    view = torch.as_strided(
+    return torch.as_strided(
         cache,
         (layout.num_pages, layout.page_block_size, 1, bpt),
         (layout.page_stride, layout.token_stride, layout.token_stride, 1),
         cache.storage_offset(),
     )
-    return view, layout
 
 
 def valid_lanes(indices: Any, topk_length: Any | None) -> Any:
@@ -262,97 +233,136 @@ def shape_reason(
 
 @dataclass(frozen=True)
 class PeerCall:
-    """A forward call checked by :func:`open_forward`, mapped to what the peers read.
+    """A forward call read by :meth:`PeerAdapter.sparse_mla_forward`, with the views the peers read.
 
     Attributes:
-        num_tokens: ``T``.
-        kv4, layout: the main cache's ``[P, ps, 1, B]`` view and ``formats.CacheLayout``.
-        idx: ``[T, topk]`` main index rows.
-        extra: ``None``, or ``(extra_kv_cache, extra_kv4, extra_layout, extra_idx)`` likewise.
-        lse_convention, lse_scale: as checked by ``attention.conventions.check_lse_convention``.
+        call: the call (``attention.call.SparseMlaCall``: queries, candidate sources, sink, scale,
+            LSE convention).
+        kv4: the main cache's ``[P, ps, 1, B]`` NHD view (:func:`nhd_view`).
+        extra4: the extra cache's view, or ``None``.
     """
 
-    num_tokens: int
+    call: Any
     kv4: Any
-    layout: Any
-    idx: Any
-    extra: tuple[Any, Any, Any, Any] | None
-    lse_convention: str
-    lse_scale: float
+    extra4: Any | None
+
+    @property
+    def num_tokens(self) -> int:
+        """``T``."""
+        return int(self.call.num_tokens)
+
+    @property
+    def layout(self) -> Any:
+        """The main cache's ``formats.CacheLayout``."""
+        return self.call.main.layout
+
+    @property
+    def idx(self) -> Any:
+        """``[T, topk]`` main index rows."""
+        return self.call.main.indices
+
+    @property
+    def extra(self) -> tuple[Any, Any, Any, Any] | None:
+        """``None``, or ``(extra_kv_cache, extra_kv4, extra_layout, extra_idx)``."""
+        x = self.call.extra
+        return None if x is None else (x.cache, self.extra4, x.layout, x.indices)
+
+    @property
+    def lse_convention(self) -> str:
+        return str(self.call.lse_convention)
+
+    @property
+    def lse_scale(self) -> float:
+        return float(self.call.lse_scale)
 
 
-def open_forward(
-    name: str,
-    reason: str | None,
-    q: Any,
-    kv_cache: Any,
-    indices: Any,
-    *,
-    fmt: str,
-    page_block_size: int | None,
-    topk_length: Any,
-    extra_kv_cache: Any,
-    extra_indices: Any,
-    extra_topk_length: Any,
-    extra_page_block_size: int | None,
-    lse_convention: str,
-    lse_scale: float,
-    return_fp32: bool,
-    check_rows: Callable[[Any, Any, int, str, str], None] | None = None,
-) -> PeerCall:
-    """The checks every peer adapter's ``sparse_mla_forward`` runs before it calls the peer.
+class PeerAdapter:
+    """Base of the built-in peer adapters: the protocol's ``sparse_mla_forward``, written once.
 
-    Args:
-        name: the adapter's name (prefix of the :class:`pytest_sparse_mla.Unsupported` text).
-        reason: the adapter's ``unsupported_reason`` for this call (``None``: supported).
-        check_rows: ``(idx, length, num_slots, name, length_name)`` hook run on each index row set
-            before the in-range check, for values the peer cannot survive (raises
-            :class:`UnsafeForPeer`).
-        The rest: as the reference forward (``attention.sparse_mla_forward``).
-
-    Raises:
-        ValueError: a bad LSE convention; ``return_fp32=True`` (the peers return BF16 only); an
-            ``extra_kv_cache`` without ``extra_indices`` or the reverse (naming the missing one);
-            a cache ``formats.parse_cache`` refuses; index rows not ``[T, topk]``; a valid lane
-            past its cache.
-        TypeError: as ``check_lse_convention``, ``parse_cache`` and :func:`index_rows`.
-        pytest_sparse_mla.Unsupported: ``reason`` is not ``None``.
+    A subclass sets ``name``, ``peer`` (the peer's entry point, in words), ``envelope`` and
+    ``devices``, and implements :meth:`forward`; it may refuse lane values its peer cannot survive
+    in :meth:`refuse_lanes`.
     """
-    from pytest_sparse_mla.attention.conventions import check_lse_convention
 
-    lse_convention, lse_scale = check_lse_convention(lse_convention, lse_scale)
-    if return_fp32:
-        raise ValueError(f"return_fp32=True: {name} returns a BF16 output only (expected return_fp32=False)")
-    if reason is not None:
-        raise Unsupported(f"{name}: {reason}")
-    if (extra_kv_cache is None) != (extra_indices is None):
-        given, missing = ("extra_kv_cache", "extra_indices")[:: 1 if extra_indices is None else -1]
-        raise ValueError(
-            f"{missing}=None with {given} given: extra_kv_cache and extra_indices must be provided together"
+    name = "peer"
+    peer = ""
+    envelope = Envelope()
+    devices: tuple[str, ...] = ("cuda",)
+    #: the peer needs token rows of exactly ``bytes_per_token`` bytes (:func:`shape_reason`).
+    exact_token_stride = False
+    #: the peer can return an fp32 output (``return_fp32=True``).
+    returns_fp32 = False
+
+    def unsupported_reason(self, capability: str, *args: Any, **kwargs: Any) -> str | None:
+        """Why the peer cannot take this call (same arguments as the call), or ``None``.
+
+        Only shapes, formats and devices are read (no host sync, :func:`shape_reason`); the call
+        raises :class:`pytest_sparse_mla.Unsupported` with the same text.
+        """
+        if capability != "sparse_mla_forward":
+            return f"{self.name} provides no {capability!r}"
+        return shape_reason(
+            self.peer, self.envelope, self.devices, *args, exact_token_stride=self.exact_token_stride, **kwargs
         )
-    num_tokens = int(q.shape[0])
 
-    from pytest_sparse_mla import formats
+    def refuse_lanes(self, idx: Any, length: Any, num_slots: int, name: str, length_name: str) -> None:
+        """Raise :class:`UnsafeForPeer` for index lanes the peer would mishandle (none by default)."""
 
-    main_fmt, extra_fmt = formats.cache_formats(fmt)
+    def sparse_mla_forward(
+        self,
+        q: Any,
+        kv_cache: Any,
+        indices: Any,
+        *,
+        grid_release: str | None = None,
+        chunk_tokens: int | None = None,
+        backend: str | None = None,
+        return_fp32: bool = False,
+        **arguments: Any,
+    ) -> PeerResult:
+        """The protocol's ``sparse_mla_forward`` (``implementations.protocol.SparseMlaForward``).
 
-    def rows(cache: Any, pbs: int | None, ind: Any, length: Any, names: tuple[str, str, str]) -> tuple[Any, Any, Any]:
-        view, layout = nhd_view(cache, main_fmt if names[0] == "kv_cache" else extra_fmt, pbs, names[0])
-        idx = index_rows(ind, names[1], num_tokens)
-        if length is not None and tuple(getattr(length, "shape", ())) != (num_tokens,):
-            return view, layout, idx  # a malformed length: the peer's own check answers for it
-        if check_rows is not None:
-            check_rows(idx, length, layout.num_tokens, names[1], names[2])
-        check_valid_lanes_in_range(idx, length, layout.num_tokens, names[1])
-        return view, layout, idx
+        The call is read once (``attention.call.SparseMlaCall.read``: the LSE convention, the extra
+        cache and its indices together, each cache, the index rows' shape; no more, so the peer
+        is judged on its own validation), its valid lanes are held inside their caches, and
+        :meth:`forward` runs the peer. ``grid_release``, ``chunk_tokens`` and ``backend`` (the
+        bundled reference's) are ignored.
 
-    kv4, layout, idx = rows(kv_cache, page_block_size, indices, topk_length, ("kv_cache", "indices", "topk_length"))
-    extra = None
-    if extra_kv_cache is not None:
-        names = ("extra_kv_cache", "extra_indices", "extra_topk_length")
-        ekv4, elayout, eidx = rows(extra_kv_cache, extra_page_block_size, extra_indices, extra_topk_length, names)
-        extra = (extra_kv_cache, ekv4, elayout, eidx)
-    return PeerCall(num_tokens, kv4, layout, idx, extra, lse_convention, lse_scale)
+        Raises:
+            ValueError: ``return_fp32=True`` for a peer with a BF16 output only; as
+                ``SparseMlaCall.read``; a valid lane past its cache.
+            TypeError: as ``SparseMlaCall.read``.
+            pytest_sparse_mla.Unsupported: as :meth:`unsupported_reason`.
+            UnsafeForPeer: as :meth:`refuse_lanes`.
+            Whatever the peer raises.
+        """
+        from pytest_sparse_mla.attention.call import SparseMlaCall
+        from pytest_sparse_mla.attention.conventions import check_lse_convention
+
+        del grid_release, chunk_tokens, backend
+        check_lse_convention(arguments.get("lse_convention", "flashinfer"), arguments.get("lse_scale", 1.0))
+        if return_fp32 and not self.returns_fp32:
+            raise ValueError(f"return_fp32=True: {self.name} returns a BF16 output only (expected return_fp32=False)")
+        reason = self.unsupported_reason("sparse_mla_forward", q, kv_cache, indices, **arguments)
+        if reason is not None:
+            raise Unsupported(f"{self.name}: {reason}")
+        call = SparseMlaCall.read(q, kv_cache, indices, **arguments)
+        views = []
+        for source in call.sources:
+            views.append(nhd_view(source.cache, source.layout))
+            length = source.topk_length
+            if length is not None and tuple(getattr(length, "shape", ())) != (call.num_tokens,):
+                continue  # a malformed length: the peer's own check answers for it
+            self.refuse_lanes(source.indices, length, source.num_slots, source.names[1], source.names[2])
+            check_valid_lanes_in_range(source.indices, length, source.num_slots, source.names[1])
+        return self.forward(PeerCall(call, views[0], views[1] if len(views) > 1 else None), return_fp32)
+
+    def forward(self, call: PeerCall, return_fp32: bool) -> PeerResult:
+        """Run the peer on a read call (:meth:`sparse_mla_forward`)."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r}>"
 
 
 def virtual_table(
@@ -373,7 +383,7 @@ def virtual_table(
     prefix length). Rows are padded with ``-1`` to a multiple of ``row_multiple``.
 
     Args:
-        call: the checked call (:func:`open_forward`).
+        call: the read call (:class:`PeerCall`).
         kv_cache: the main packed cache (the bytes ``call.layout`` describes).
         topk_length, extra_topk_length: ``[T]`` int32 or ``None``.
         row_multiple: the peer's index-row multiple (lanes).
@@ -397,7 +407,7 @@ def virtual_table(
     if call.extra is not None:
         extra_cache, _, elayout, eidx = call.extra
         etable = formats.unpack_dequantize(
-            extra_cache, layout.fmt, page_block_size=elayout.page_block_size, dtype=torch.bfloat16
+            extra_cache, elayout.fmt, page_block_size=elayout.page_block_size, dtype=torch.bfloat16
         )
         tables.append(etable.reshape(-1, d_qk))
         main_rows = torch.where(valid_lanes(call.idx, topk_length), call.idx, torch.full_like(call.idx, -1))
@@ -447,13 +457,13 @@ def check_folded_lengths(q: Any, topk_length: Any, extra_topk_length: Any, has_e
     """
     import torch
 
-    from pytest_sparse_mla.attention.reference import _check_vector
+    from pytest_sparse_mla.attention.call import check_vector
 
     if extra_topk_length is not None and not has_extra:
         raise ValueError("extra_topk_length requires extra_kv_cache and extra_indices")
     for name, value in (("topk_length", topk_length), ("extra_topk_length", extra_topk_length)):
         if value is not None:
-            _check_vector(value, name, torch.int32, int(q.shape[0]), "one length per token", q)
+            check_vector(value, name, torch.int32, int(q.shape[0]), "one length per token", q)
 
 
 def source_skip_reason(

@@ -39,11 +39,11 @@ from typing import Any
 
 from pytest_sparse_mla.envelope import Envelope
 from pytest_sparse_mla.implementations._peer import (
+    PeerAdapter,
+    PeerCall,
     PeerResult,
     call_peer,
     lse_to_convention,
-    open_forward,
-    shape_reason,
     source_skip_reason,
 )
 
@@ -130,7 +130,7 @@ def _token_rows(cache: Any, layout: Any) -> Any:
     return rows.reshape(-1, 1, bpt).clone()
 
 
-class FlashInferReferenceImplementation:
+class FlashInferReferenceImplementation(PeerAdapter):
     """Built-in ``flashinfer-reference`` (see the module docstring)."""
 
     name = "flashinfer-reference"
@@ -138,6 +138,7 @@ class FlashInferReferenceImplementation:
     envelope = ENVELOPE
     peer = PEER
     devices = DEVICES
+    returns_fp32 = True
 
     def skip_reason(self, capability: str, device: str) -> str | None:
         """Why the references cannot run here: the wheel is not installed, or a device they do not run on."""
@@ -147,61 +148,23 @@ class FlashInferReferenceImplementation:
             load=references, needs_triton=False,
         )  # fmt: skip
 
-    def unsupported_reason(self, capability: str, *args: Any, **kwargs: Any) -> str | None:
-        """Why the references cannot take this call (same arguments as the call), or ``None``."""
-        if capability != "sparse_mla_forward":
-            return f"{self.name} provides no {capability!r}"
-        return shape_reason(PEER, self.envelope, DEVICES, *args, **kwargs)
-
-    def sparse_mla_forward(
-        self,
-        q: Any,
-        kv_cache: Any,
-        indices: Any,
-        *,
-        sm_scale: float,
-        fmt: str = "dsv4",
-        page_block_size: int | None = None,
-        topk_length: Any = None,
-        attn_sink: Any = None,
-        extra_kv_cache: Any = None,
-        extra_indices: Any = None,
-        extra_topk_length: Any = None,
-        extra_page_block_size: int | None = None,
-        lse_convention: str = "flashinfer",
-        lse_scale: float = 1.0,
-        grid_release: str | None = None,
-        chunk_tokens: int | None = None,
-        return_fp32: bool = False,
-        backend: str | None = None,
-    ) -> PeerResult:
-        """Run FlashInfer's reference for ``fmt`` with the reference forward's signature.
-
-        ``grid_release``, ``chunk_tokens`` and ``backend`` are ignored.
+    def forward(self, call: PeerCall, return_fp32: bool) -> PeerResult:
+        """Run FlashInfer's reference for the call's format.
 
         Returns:
             :class:`PeerResult`: output ``[T, H, 512]`` (BF16, or fp32 with ``return_fp32``), the LSE
             converted to ``lse_convention``, ``route=None``.
 
         Raises:
-            pytest_sparse_mla.Unsupported: as :meth:`unsupported_reason`.
-            ValueError, TypeError: as :func:`_peer.open_forward`; whatever the references raise
-                (``ValueError`` for a negative ``topk_length``, shapes they refuse).
+            ValueError, TypeError: whatever the references raise (``ValueError`` for a negative
+                ``topk_length``, shapes they refuse).
             ImportError: the wheel is not installed.
         """
         import torch
 
-        del grid_release, chunk_tokens, backend
-        reason = self.unsupported_reason(
-            "sparse_mla_forward", q, kv_cache, indices, fmt=fmt, topk_length=topk_length, attn_sink=attn_sink,
-            extra_indices=extra_indices, extra_topk_length=extra_topk_length,
-        )  # fmt: skip
-        call = open_forward(
-            self.name, reason, q, kv_cache, indices, fmt=fmt, page_block_size=page_block_size,
-            topk_length=topk_length, extra_kv_cache=extra_kv_cache, extra_indices=extra_indices,
-            extra_topk_length=extra_topk_length, extra_page_block_size=extra_page_block_size,
-            lse_convention=lse_convention, lse_scale=lse_scale, return_fp32=False,
-        )  # fmt: skip
+        c = call.call
+        q, kv_cache, topk_length, attn_sink, sm_scale = c.q, c.main.cache, c.main.topk_length, c.attn_sink, c.sm_scale
+        extra_topk_length = c.extra_topk_length
         compressed, nsa = references()
         query = q.float() if return_fp32 else q
         layout = call.layout
@@ -246,6 +209,3 @@ class FlashInferReferenceImplementation:
             lse, sink_included=True, attn_sink=attn_sink, lse_convention=call.lse_convention, lse_scale=call.lse_scale
         )
         return PeerResult(out, lse, None, entry)
-
-    def __repr__(self) -> str:
-        return f"<{type(self).__name__} {self.name!r}>"

@@ -53,12 +53,12 @@ from typing import Any
 from pytest_sparse_mla import capabilities
 from pytest_sparse_mla.envelope import Envelope, Widths
 from pytest_sparse_mla.implementations._peer import (
+    PeerAdapter,
+    PeerCall,
     PeerResult,
     UnsafeForPeer,
     call_peer,
     lse_to_convention,
-    open_forward,
-    shape_reason,
     valid_lanes,
     virtual_table,
 )
@@ -126,7 +126,7 @@ def _find_flash_mla() -> bool:
         return False
 
 
-class FlashMlaImplementation:
+class FlashMlaImplementation(PeerAdapter):
     """Built-in ``flashmla`` (see the module docstring for the routes, mapping and refusals).
 
     The adapter is written against FlashMLA's Python interface, so another implementation of that
@@ -148,6 +148,7 @@ class FlashMlaImplementation:
     prefill_source: dict[str, Any] = {"kind": "import", "module": "flash_mla"}
     #: The decode masks only ``-1`` and reads index pairs as ``int2`` (refused otherwise).
     decode_masks_only_minus_one = True
+    exact_token_stride = True
 
     def module(self) -> Any:
         """The object holding ``get_mla_metadata``, ``flash_mla_with_kvcache`` and ``flash_mla_sparse_fwd``.
@@ -176,16 +177,6 @@ class FlashMlaImplementation:
             return f"flashmla adapter: import flash_mla failed ({exc})"
         return None
 
-    def unsupported_reason(self, capability: str, *args: Any, **kwargs: Any) -> str | None:
-        """Why the peer cannot take this call (same arguments as the call), or ``None``.
-
-        Only shapes, formats and devices are read (no host sync); the call raises
-        :class:`pytest_sparse_mla.Unsupported` with the same text.
-        """
-        if capability != "sparse_mla_forward":
-            return f"{self.name} provides no {capability!r}"
-        return self._forward_reason(*args, **kwargs)
-
     @staticmethod
     def route(num_tokens: int) -> str:
         """``"decode"`` (``flash_mla_with_kvcache``) iff ``num_tokens <= 64``, else ``"prefill"``."""
@@ -193,72 +184,34 @@ class FlashMlaImplementation:
 
         return route_for(num_tokens)
 
-    def _forward_reason(self, *args: Any, **kwargs: Any) -> str | None:
-        return shape_reason(self.peer, self.envelope, self.devices, *args, exact_token_stride=True, **kwargs)
-
     # ---- the forward
 
-    def sparse_mla_forward(
-        self,
-        q: Any,
-        kv_cache: Any,
-        indices: Any,
-        *,
-        sm_scale: float,
-        fmt: str = "dsv4",
-        page_block_size: int | None = None,
-        topk_length: Any = None,
-        attn_sink: Any = None,
-        extra_kv_cache: Any = None,
-        extra_indices: Any = None,
-        extra_topk_length: Any = None,
-        extra_page_block_size: int | None = None,
-        lse_convention: str = "flashinfer",
-        lse_scale: float = 1.0,
-        grid_release: str | None = None,
-        chunk_tokens: int | None = None,
-        return_fp32: bool = False,
-        backend: str | None = None,
-    ) -> PeerResult:
-        """Run FlashMLA with the reference forward's signature (routes in the module docstring).
+    def refuse_lanes(self, idx: Any, length: Any, num_slots: int, name: str, length_name: str) -> None:
+        """FlashMLA does not clamp ``topk_length`` (:meth:`_check_lengths`)."""
+        self._check_lengths(self.name, length, idx.shape[1], length_name)
 
-        ``grid_release``, ``chunk_tokens`` and ``backend`` are ignored.
+    def forward(self, call: PeerCall, return_fp32: bool) -> PeerResult:
+        """Run FlashMLA's route for the call (routes in the module docstring).
 
         Returns:
             :class:`PeerResult` with FlashMLA's BF16 output ``[T, H, 512]``, its LSE converted to
             ``lse_convention``, ``route`` ``"decode"`` or ``"prefill"``.
 
         Raises:
-            pytest_sparse_mla.Unsupported: as :meth:`unsupported_reason`.
             UnsafeForPeer: the inputs the module docstring lists.
-            ValueError: as :func:`_peer.open_forward` (``return_fp32=True``, a bad LSE convention,
-                an unpaired extra cache, a bad cache or index rows, a valid lane past its cache).
             ImportError: flash_mla does not import.
             Whatever FlashMLA raises (``RuntimeError`` from its ``TORCH_CHECK`` / ``KU_ASSERT``).
         """
-        del grid_release, chunk_tokens, backend
-        reason = self._forward_reason(
-            q, kv_cache, indices, fmt=fmt, topk_length=topk_length, attn_sink=attn_sink,
-            extra_indices=extra_indices, extra_topk_length=extra_topk_length,
-        )  # fmt: skip
-        call = open_forward(
-            self.name, reason, q, kv_cache, indices, fmt=fmt, page_block_size=page_block_size,
-            topk_length=topk_length, extra_kv_cache=extra_kv_cache, extra_indices=extra_indices,
-            extra_topk_length=extra_topk_length, extra_page_block_size=extra_page_block_size,
-            lse_convention=lse_convention, lse_scale=lse_scale, return_fp32=return_fp32,
-            check_rows=lambda idx, length, _slots, _name, length_name: self._check_lengths(
-                self.name, length, idx.shape[1], length_name
-            ),
-        )  # fmt: skip
-        num_tokens, kv4, idx, extra = call.num_tokens, call.kv4, call.idx, call.extra
-        route = self.route(num_tokens)
+        c = call.call
+        topk_length, attn_sink, extra_topk_length = c.main.topk_length, c.attn_sink, c.extra_topk_length
+        route = self.route(call.num_tokens)
         if route == "decode":
             out, lse, entry = self._decode(
-                q, kv4, idx, topk_length, attn_sink, extra, extra_topk_length, float(sm_scale)
+                c.q, call.kv4, call.idx, topk_length, attn_sink, call.extra, extra_topk_length, c.sm_scale
             )
         else:
             out, lse, entry = self._prefill(
-                q, kv_cache, call, topk_length, attn_sink, extra_topk_length, float(sm_scale)
+                c.q, c.main.cache, call, topk_length, attn_sink, extra_topk_length, c.sm_scale
             )
         lse = lse_to_convention(
             lse, sink_included=False, attn_sink=attn_sink, lse_convention=call.lse_convention, lse_scale=call.lse_scale
@@ -353,6 +306,3 @@ class FlashMlaImplementation:
             self.prefill_source, "flash_mla_sparse_fwd", flash_mla.flash_mla_sparse_fwd, args, {}
         )
         return out, lse, self.prefill_entry
-
-    def __repr__(self) -> str:
-        return f"<{type(self).__name__} {self.name!r}>"

@@ -72,12 +72,12 @@ from typing import Any
 from pytest_sparse_mla import capabilities
 from pytest_sparse_mla.envelope import Envelope, Unsupported
 from pytest_sparse_mla.implementations._peer import (
+    PeerAdapter,
+    PeerCall,
     PeerResult,
     UnsafeForPeer,
     call_peer,
     lse_to_convention,
-    open_forward,
-    shape_reason,
     valid_lanes,
 )
 
@@ -302,7 +302,7 @@ def load_module(which: str) -> types.ModuleType:
 # --------------------------------------------------------------------------- the adapters
 
 
-class _SglangBase:
+class _SglangBase(PeerAdapter):
     """Shared mapping of both SGLang adapters (see the module docstring)."""
 
     name = "sglang"
@@ -356,14 +356,9 @@ class _SglangBase:
         The call itself raises :class:`pytest_sparse_mla.Unsupported` with the same text. Value
         checks that make an input *unsafe* are not reasons (the call raises).
         """
-        if capability == "sparse_mla_forward":
-            return self._forward_reason(*args, **kwargs)
         if capability == "page_split":
             return self._split_reason(*args, **kwargs)
-        return f"{self.name} provides no {capability!r}"
-
-    def _forward_reason(self, *args: Any, **kwargs: Any) -> str | None:
-        return shape_reason(self.peer, self.envelope, self.devices, *args, **kwargs)
+        return super().unsupported_reason(capability, *args, **kwargs)
 
     @staticmethod
     def _src_pbs(kv_cache: Any, src_page_block_size: int | None) -> int:
@@ -404,58 +399,20 @@ class _SglangBase:
     def _forward_callable(self) -> Any:
         return getattr(load_module(self._forward_file), self._forward_function)
 
-    def _refuse_unsafe_lanes(self, idx: Any, length: Any, num_slots: int, name: str, length_name: str) -> None:
-        """Hook for lane values the peer cannot survive (none for the Triton path)."""
-
-    def sparse_mla_forward(
-        self,
-        q: Any,
-        kv_cache: Any,
-        indices: Any,
-        *,
-        sm_scale: float,
-        fmt: str = "dsv4",
-        page_block_size: int | None = None,
-        topk_length: Any = None,
-        attn_sink: Any = None,
-        extra_kv_cache: Any = None,
-        extra_indices: Any = None,
-        extra_topk_length: Any = None,
-        extra_page_block_size: int | None = None,
-        lse_convention: str = "flashinfer",
-        lse_scale: float = 1.0,
-        grid_release: str | None = None,
-        chunk_tokens: int | None = None,
-        return_fp32: bool = False,
-        backend: str | None = None,
-    ) -> PeerResult:
-        """Run the SGLang path with the reference forward's signature (see the module docstring).
-
-        ``grid_release``, ``chunk_tokens`` and ``backend`` are ignored (SGLang has one kernel).
+    def forward(self, call: PeerCall, return_fp32: bool) -> PeerResult:
+        """Run the SGLang path (see the module docstring).
 
         Returns:
             :class:`PeerResult`: SGLang's BF16 output ``[T, H, 512]``, its LSE converted to
             ``lse_convention``, ``route=None``.
 
         Raises:
-            pytest_sparse_mla.Unsupported: as :meth:`unsupported_reason`.
             UnsafeForPeer: ``sglang-torch`` with an out-of-range index past ``topk_length``.
-            ValueError: as :func:`_peer.open_forward` (``return_fp32=True``, a bad LSE convention,
-                an unpaired extra cache, a bad cache or index rows, a valid lane past its cache).
             Whatever SGLang raises.
         """
-        del grid_release, chunk_tokens, backend
-        reason = self._forward_reason(
-            q, kv_cache, indices, fmt=fmt, topk_length=topk_length,
-            extra_indices=extra_indices, extra_topk_length=extra_topk_length,
-        )  # fmt: skip
-        call = open_forward(
-            self.name, reason, q, kv_cache, indices, fmt=fmt, page_block_size=page_block_size,
-            topk_length=topk_length, extra_kv_cache=extra_kv_cache, extra_indices=extra_indices,
-            extra_topk_length=extra_topk_length, extra_page_block_size=extra_page_block_size,
-            lse_convention=lse_convention, lse_scale=lse_scale, return_fp32=return_fp32,
-            check_rows=self._refuse_unsafe_lanes,
-        )  # fmt: skip
+        c = call.call
+        q, topk_length, attn_sink, sm_scale = c.q, c.main.topk_length, c.attn_sink, c.sm_scale
+        extra_topk_length = c.extra_topk_length
         idx = call.idx
         extra4 = extra_idx3 = None
         if call.extra is not None:
@@ -565,7 +522,7 @@ class SglangTorchImplementation(_SglangBase):
     _forward_function = "_sm120_sparse_decode_fwd"
     _lse_has_sink = False
 
-    def _refuse_unsafe_lanes(self, idx: Any, length: Any, num_slots: int, name: str, length_name: str) -> None:
+    def refuse_lanes(self, idx: Any, length: Any, num_slots: int, name: str, length_name: str) -> None:
         """The torch path gathers lanes past ``topk_length`` too (only negatives are clamped)."""
         if length is None:
             return

@@ -35,12 +35,12 @@ from typing import Any
 
 from pytest_sparse_mla.envelope import Envelope, Widths
 from pytest_sparse_mla.implementations._peer import (
+    PeerAdapter,
+    PeerCall,
     PeerResult,
     call_peer,
     check_folded_lengths,
     lse_to_convention,
-    open_forward,
-    shape_reason,
     source_skip_reason,
     valid_lanes,
     virtual_table,
@@ -109,7 +109,7 @@ def vllm_module() -> Any:
     return exec_source("_sparse_mla_peer_vllm_xpu_mla_sparse", path, stubs_for("vllm"))
 
 
-class VllmTritonImplementation:
+class VllmTritonImplementation(PeerAdapter):
     """Built-in ``vllm-triton`` (see the module docstring)."""
 
     name = "vllm-triton"
@@ -123,77 +123,34 @@ class VllmTritonImplementation:
         missing = None if vllm_source() is not None else f"vllm/{_FILE} is not on sys.path ({_HINT})"
         return source_skip_reason(self.name, capability, device, missing=missing, devices=DEVICES, load=vllm_module)
 
-    def unsupported_reason(self, capability: str, *args: Any, **kwargs: Any) -> str | None:
-        """Why the kernel cannot take this call (same arguments as the call), or ``None`` (no host sync)."""
-        if capability != "sparse_mla_forward":
-            return f"{self.name} provides no {capability!r}"
-        return shape_reason(PEER, self.envelope, DEVICES, *args, **kwargs)
-
-    def sparse_mla_forward(
-        self,
-        q: Any,
-        kv_cache: Any,
-        indices: Any,
-        *,
-        sm_scale: float,
-        fmt: str = "dsv4",
-        page_block_size: int | None = None,
-        topk_length: Any = None,
-        attn_sink: Any = None,
-        extra_kv_cache: Any = None,
-        extra_indices: Any = None,
-        extra_topk_length: Any = None,
-        extra_page_block_size: int | None = None,
-        lse_convention: str = "flashinfer",
-        lse_scale: float = 1.0,
-        grid_release: str | None = None,
-        chunk_tokens: int | None = None,
-        return_fp32: bool = False,
-        backend: str | None = None,
-    ) -> PeerResult:
-        """Run vLLM's kernel with the reference forward's signature (mapping in the module docstring).
-
-        ``grid_release``, ``chunk_tokens`` and ``backend`` are ignored.
+    def forward(self, call: PeerCall, return_fp32: bool) -> PeerResult:
+        """Run vLLM's kernel (mapping in the module docstring) on the dequantized virtual table.
 
         Returns:
             :class:`PeerResult`: the BF16 output ``[T, H, 512]``, the LSE converted to
             ``lse_convention``, ``route=None``.
 
         Raises:
-            pytest_sparse_mla.Unsupported: as :meth:`unsupported_reason` (an ``attn_sink``, a device).
-            ValueError, TypeError: as :func:`_peer.open_forward`; the lengths the adapter folds into
-                the rows (:func:`_peer.check_folded_lengths`).
+            ValueError, TypeError: the lengths the adapter folds into the rows
+                (:func:`_peer.check_folded_lengths`).
             ImportError: the source is not found.
             Whatever the kernel raises (``AssertionError`` from the interface's asserts).
         """
         import torch
 
-        del grid_release, chunk_tokens, backend
-        reason = self.unsupported_reason(
-            "sparse_mla_forward", q, kv_cache, indices, fmt=fmt, topk_length=topk_length, attn_sink=attn_sink,
-            extra_indices=extra_indices, extra_topk_length=extra_topk_length,
-        )  # fmt: skip
-        call = open_forward(
-            self.name, reason, q, kv_cache, indices, fmt=fmt, page_block_size=page_block_size,
-            topk_length=topk_length, extra_kv_cache=extra_kv_cache, extra_indices=extra_indices,
-            extra_topk_length=extra_topk_length, extra_page_block_size=extra_page_block_size,
-            lse_convention=lse_convention, lse_scale=lse_scale, return_fp32=return_fp32,
-        )  # fmt: skip
-        check_folded_lengths(q, topk_length, extra_topk_length, call.extra is not None)
-        kv, rows, length = virtual_table(call, kv_cache, topk_length, extra_topk_length, row_multiple=ROW_MULTIPLE)
+        c = call.call
+        topk_length, extra_topk_length = c.main.topk_length, c.extra_topk_length
+        check_folded_lengths(c.q, topk_length, extra_topk_length, c.extra is not None)
+        kv, rows, length = virtual_table(call, c.main.cache, topk_length, extra_topk_length, row_multiple=ROW_MULTIPLE)
         if length is not None:  # one prefix length per row: folded into the row
             rows = torch.where(valid_lanes(rows, length), rows, torch.full_like(rows, -1))
         d_qk = call.layout.fmt.d_qk
         out, _max_logits, lse = call_peer(
             SOURCE, "triton_bf16_mla_sparse_interface", vllm_module().triton_bf16_mla_sparse_interface,
-            (q, kv, rows.unsqueeze(1), float(sm_scale)), {"d_v": 512, "block_dpe": d_qk - 512},
+            (c.q, kv, rows.unsqueeze(1), float(c.sm_scale)), {"d_v": 512, "block_dpe": d_qk - 512},
         )  # fmt: skip
         lse = torch.where(lse < EMPTY_LSE_BELOW, torch.full_like(lse, -math.inf), lse)
         lse = lse_to_convention(
             lse, sink_included=False, attn_sink=None, lse_convention=call.lse_convention, lse_scale=call.lse_scale
         )
         return PeerResult(out, lse, None, "vllm.v1.attention.ops.xpu_mla_sparse.triton_bf16_mla_sparse_interface")
-
-    def __repr__(self) -> str:
-        return f"<{type(self).__name__} {self.name!r}>"
-
