@@ -108,32 +108,19 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = [
-    "CAPABILITIES",
-    "BUILTINS",
-    "ReferenceImplementation",
-    "TritonImplementation",
-    "FlashInferImplementation",
-    "available_implementations",
-    "resolve_implementation",
-    "get_implementation",
-    "implementation_name",
-    "needs_of",
-    "skip_reason_for",
-    "session_device",
-    "configure",
-    "skip_unservable",
-]
-
 #: where each public name lives (imported on first use, so importing an adapter module, which
 #: imports this package first, imports neither pytest nor the registry).
 _HOMES = {
     "ReferenceImplementation": "builtin",
     "TritonImplementation": "builtin",
     "FlashInferImplementation": "flashinfer",
-    **{name: "registry" for name in __all__ if name not in ("ReferenceImplementation", "TritonImplementation",
-                                                              "FlashInferImplementation")},
-}
+    **dict.fromkeys(
+        ("CAPABILITIES", "BUILTINS", "available_implementations", "resolve_implementation", "get_implementation",
+         "implementation_name", "needs_of", "skip_reason_for", "session_device", "configure", "skip_unservable"),
+        "registry",
+    ),
+}  # fmt: skip
+__all__ = list(_HOMES)
 
 
 def __getattr__(name: str) -> Any:

@@ -169,20 +169,7 @@ def lse_to_convention(
 
 
 def shape_reason(
-    peer: str,
-    envelope: Envelope,
-    devices: tuple[str, ...],
-    q: Any,
-    kv_cache: Any,
-    indices: Any,
-    *,
-    fmt: str = "dsv4",
-    topk_length: Any = None,
-    extra_indices: Any = None,
-    extra_topk_length: Any = None,
-    attn_sink: Any = None,
-    exact_token_stride: bool = False,
-    **_: Any,
+    peer: str, envelope: Envelope, devices: tuple[str, ...], q: Any, kv_cache: Any, indices: Any, **arguments: Any
 ) -> str | None:
     """Why a peer cannot take this forward call, from shapes, formats and devices only (no host sync).
 
@@ -190,9 +177,10 @@ def shape_reason(
         peer: the peer's entry point, in words (prefix of the reason).
         envelope: the adapter's envelope.
         devices: device types the peer runs on.
-        q, kv_cache, indices, fmt, topk_length, extra_indices, extra_topk_length, attn_sink: as the
-            forward.
-        exact_token_stride: also require token rows of exactly ``bytes_per_token`` bytes.
+        q, kv_cache, indices: as the forward.
+        arguments: the forward's keywords (``fmt``, ``topk_length``, ``extra_indices``,
+            ``extra_topk_length``, ``attn_sink`` are read; the rest ignored), and
+            ``exact_token_stride``: also require token rows of exactly ``bytes_per_token`` bytes.
 
     Returns:
         The reason (``Envelope.call_reason``'s text, the device or the token stride), or ``None``.
@@ -202,6 +190,8 @@ def shape_reason(
     """
     from pytest_sparse_mla import formats
 
+    fmt = arguments.get("fmt", "dsv4")
+    extra_indices = arguments.get("extra_indices")
     f = formats.get_format(fmt)
     shape = tuple(getattr(q, "shape", ()))
     num_tokens = int(shape[0]) if shape else 0
@@ -216,12 +206,13 @@ def shape_reason(
         num_heads=int(shape[1]) if len(shape) > 1 else 0,
         topk=int(idx_shape[-1]) if idx_shape else 0,
         extra_topk=int(extra_shape[-1]) if extra_shape else None,
-        has_topk_length=topk_length is not None or extra_topk_length is not None,
-        has_sink=attn_sink is not None,
+        has_topk_length=any(arguments.get(name) is not None for name in ("topk_length", "extra_topk_length")),
+        has_sink=arguments.get("attn_sink") is not None,
     )
     if reason is not None:
         return f"{peer}: outside its envelope: {reason}"
-    if exact_token_stride and isinstance(getattr(kv_cache, "shape", None), tuple) and kv_cache.dim() >= 3:
+    strided = isinstance(getattr(kv_cache, "shape", None), tuple) and kv_cache.dim() >= 3
+    if arguments.get("exact_token_stride") and strided:
         token_axis = 2 if kv_cache.dim() == 4 and kv_cache.shape[1] == 1 else 1
         if kv_cache.shape[token_axis] > 1 and kv_cache.stride(token_axis) != f.bytes_per_token:
             return (
@@ -308,18 +299,7 @@ class PeerAdapter:
     def refuse_lanes(self, idx: Any, length: Any, num_slots: int, name: str, length_name: str) -> None:
         """Raise :class:`UnsafeForPeer` for index lanes the peer would mishandle (none by default)."""
 
-    def sparse_mla_forward(
-        self,
-        q: Any,
-        kv_cache: Any,
-        indices: Any,
-        *,
-        grid_release: str | None = None,
-        chunk_tokens: int | None = None,
-        backend: str | None = None,
-        return_fp32: bool = False,
-        **arguments: Any,
-    ) -> PeerResult:
+    def sparse_mla_forward(self, q: Any, kv_cache: Any, indices: Any, **arguments: Any) -> PeerResult:
         """The protocol's ``sparse_mla_forward`` (``implementations.protocol.SparseMlaForward``).
 
         The call is read once (``attention.call.SparseMlaCall.read``: the LSE convention, the extra
@@ -339,7 +319,9 @@ class PeerAdapter:
         from pytest_sparse_mla.attention.call import SparseMlaCall
         from pytest_sparse_mla.attention.conventions import check_lse_convention
 
-        del grid_release, chunk_tokens, backend
+        for name in ("grid_release", "chunk_tokens", "backend"):
+            arguments.pop(name, None)
+        return_fp32 = bool(arguments.pop("return_fp32", False))
         check_lse_convention(arguments.get("lse_convention", "flashinfer"), arguments.get("lse_scale", 1.0))
         if return_fp32 and not self.returns_fp32:
             raise ValueError(f"return_fp32=True: {self.name} returns a BF16 output only (expected return_fp32=False)")

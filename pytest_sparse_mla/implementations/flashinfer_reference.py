@@ -66,9 +66,6 @@ ENVELOPE = Envelope(
     extra_cache_formats=("dsv4",),
     topk_length_range="row",
     sink_formats=("dsv4",),
-    masked_indices="negative",
-    index_past_cache="refused",
-    lse_conventions=("flashinfer", "flashmla"),
     notes=(
         "DSV4: compressed_sparse_mla_reference (main + extra cache, sink, per-row lengths); the adapter "
         "copies the cache into its flat [pages, ceil(ps*584/576)*576] form",

@@ -52,16 +52,7 @@ from typing import Any
 
 from pytest_sparse_mla import capabilities
 from pytest_sparse_mla.envelope import Envelope, Widths
-from pytest_sparse_mla.implementations._peer import (
-    PeerAdapter,
-    PeerCall,
-    PeerResult,
-    UnsafeForPeer,
-    call_peer,
-    lse_to_convention,
-    valid_lanes,
-    virtual_table,
-)
+from pytest_sparse_mla.implementations import _peer
 from pytest_sparse_mla.repro import METADATA
 
 __all__ = [
@@ -93,8 +84,6 @@ ENVELOPE = Envelope(
     topk_length_range="row",
     min_tokens=1,
     masked_indices="minus_one",
-    index_past_cache="refused",
-    lse_conventions=("flashinfer", "flashmla"),
     notes=(
         "num_tokens <= 64: flash_mla_with_kvcache, one batch entry per token (s_q = 1); MODEL1 (d_qk 512) = "
         "DSV4 584 B cache, V32 (d_qk 576) = DSV3.2 656 B cache with no extra cache and no topk_length "
@@ -126,7 +115,7 @@ def _find_flash_mla() -> bool:
         return False
 
 
-class FlashMlaImplementation(PeerAdapter):
+class FlashMlaImplementation(_peer.PeerAdapter):
     """Built-in ``flashmla`` (see the module docstring for the routes, mapping and refusals).
 
     The adapter is written against FlashMLA's Python interface, so another implementation of that
@@ -190,7 +179,7 @@ class FlashMlaImplementation(PeerAdapter):
         """FlashMLA does not clamp ``topk_length`` (:meth:`_check_lengths`)."""
         self._check_lengths(self.name, length, idx.shape[1], length_name)
 
-    def forward(self, call: PeerCall, return_fp32: bool) -> PeerResult:
+    def forward(self, call: _peer.PeerCall, return_fp32: bool) -> _peer.PeerResult:
         """Run FlashMLA's route for the call (routes in the module docstring).
 
         Returns:
@@ -198,25 +187,17 @@ class FlashMlaImplementation(PeerAdapter):
             ``lse_convention``, ``route`` ``"decode"`` or ``"prefill"``.
 
         Raises:
-            UnsafeForPeer: the inputs the module docstring lists.
+            _peer.UnsafeForPeer: the inputs the module docstring lists.
             ImportError: flash_mla does not import.
             Whatever FlashMLA raises (``RuntimeError`` from its ``TORCH_CHECK`` / ``KU_ASSERT``).
         """
-        c = call.call
-        topk_length, attn_sink, extra_topk_length = c.main.topk_length, c.attn_sink, c.extra_topk_length
         route = self.route(call.num_tokens)
-        if route == "decode":
-            out, lse, entry = self._decode(
-                c.q, call.kv4, call.idx, topk_length, attn_sink, call.extra, extra_topk_length, c.sm_scale
-            )
-        else:
-            out, lse, entry = self._prefill(
-                c.q, c.main.cache, call, topk_length, attn_sink, extra_topk_length, c.sm_scale
-            )
-        lse = lse_to_convention(
-            lse, sink_included=False, attn_sink=attn_sink, lse_convention=call.lse_convention, lse_scale=call.lse_scale
-        )
-        return PeerResult(out, lse, route, entry)
+        out, lse, entry = self._decode(call) if route == "decode" else self._prefill(call)
+        lse = _peer.lse_to_convention(
+            lse, sink_included=False, attn_sink=call.call.attn_sink, lse_convention=call.lse_convention,
+            lse_scale=call.lse_scale,
+        )  # fmt: skip
+        return _peer.PeerResult(out, lse, route, entry)
 
     @staticmethod
     def _check_lengths(adapter: str, length: Any, topk: int, name: str) -> None:
@@ -225,7 +206,7 @@ class FlashMlaImplementation(PeerAdapter):
         bad = (length < 0) | (length > topk)
         if bool(bad.any()):
             t = int(bad.nonzero()[0, 0])
-            raise UnsafeForPeer(
+            raise _peer.UnsafeForPeer(
                 f"{adapter}: {name}[{t}]={int(length[t])} outside [0, {topk}]; the kernels do not clamp "
                 "it (FlashMLA's flash_mla_interface.py: 'only the leftmost topk_length indices will be "
                 "processed'), they size the work and read index lanes from the raw value"
@@ -235,32 +216,26 @@ class FlashMlaImplementation(PeerAdapter):
         if not self.decode_masks_only_minus_one:
             return
         if idx.stride(0) % 2 or idx.data_ptr() % 8:
-            raise UnsafeForPeer(
+            raise _peer.UnsafeForPeer(
                 f"flashmla: {name} rows start at {idx.data_ptr()} with row stride {idx.stride(0)}; "
                 "FlashMLA's decode reads index pairs as int2, so every row must start on an 8-byte boundary"
             )
-        prefix = valid_lanes(idx.clamp(min=0), length)  # lanes inside the valid prefix
+        prefix = _peer.valid_lanes(idx.clamp(min=0), length)  # lanes inside the valid prefix
         bad = prefix & (idx < -1)
         if bool(bad.any()):
             t, j = (int(v) for v in bad.nonzero()[0])
-            raise UnsafeForPeer(
+            raise _peer.UnsafeForPeer(
                 f"flashmla: {name}[{t}, {j}]={int(idx[t, j])}; FlashMLA's sparse decode masks only -1 "
                 "(README: 'Set invalid indices to -1'; csrc/sm90/decode/sparse_fp8/splitkv_mla.cuh "
                 "token_index == -1) and reads any other negative value as page (uint32)index/page_size, "
                 "out of bounds (the project masks every negative index)"
             )
 
-    def _decode(
-        self,
-        q: Any,
-        kv4: Any,
-        idx: Any,
-        topk_length: Any,
-        attn_sink: Any,
-        extra: Any,
-        extra_topk_length: Any,
-        sm_scale: float,
-    ) -> tuple[Any, Any, str]:
+    def _decode(self, call: _peer.PeerCall) -> tuple[Any, Any, str]:
+        """``flash_mla_with_kvcache`` on the packed caches, one batch entry per token."""
+        c, idx, extra = call.call, call.idx, call.extra
+        q, kv4, topk_length, attn_sink, sm_scale = c.q, call.kv4, c.main.topk_length, c.attn_sink, c.sm_scale
+        extra_topk_length = c.extra_topk_length
         flash_mla = self.module()
         self._check_decode_rows(idx, topk_length, "indices")
         extra_kv4 = extra_idx3 = None
@@ -281,28 +256,22 @@ class FlashMlaImplementation(PeerAdapter):
             "topk_length": None if topk_length is None else topk_length.contiguous(),
             "extra_topk_length": None if extra_topk_length is None else extra_topk_length.contiguous(),
         }
-        out, lse = call_peer(
+        out, lse = _peer.call_peer(
             self.decode_source, "flash_mla_with_kvcache", flash_mla.flash_mla_with_kvcache, args, kwargs,
             script_args=(*args[:5], METADATA, None),
         )  # fmt: skip
         return out[:, 0], lse[:, :, 0], self.decode_entry
 
-    def _prefill(
-        self,
-        q: Any,
-        kv_cache: Any,
-        call: Any,
-        topk_length: Any,
-        attn_sink: Any,
-        extra_topk_length: Any,
-        sm_scale: float,
-    ) -> tuple[Any, Any, str]:
+    def _prefill(self, call: _peer.PeerCall) -> tuple[Any, Any, str]:
+        """``flash_mla_sparse_fwd`` on the dequantized virtual table (:func:`_peer.virtual_table`)."""
+        c = call.call
         flash_mla = self.module()
-        kv, rows, length = virtual_table(
-            call, kv_cache, topk_length, extra_topk_length, row_multiple=PREFILL_ROW_MULTIPLE
+        kv, rows, length = _peer.virtual_table(
+            call, c.main.cache, c.main.topk_length, c.extra_topk_length, row_multiple=PREFILL_ROW_MULTIPLE
         )
-        args = (q, kv, rows.unsqueeze(1), sm_scale, 512, attn_sink, None if length is None else length.contiguous())
-        out, _max_logits, lse = call_peer(
+        length = None if length is None else length.contiguous()
+        args = (c.q, kv, rows.unsqueeze(1), c.sm_scale, 512, c.attn_sink, length)
+        out, _max_logits, lse = _peer.call_peer(
             self.prefill_source, "flash_mla_sparse_fwd", flash_mla.flash_mla_sparse_fwd, args, {}
         )
         return out, lse, self.prefill_entry

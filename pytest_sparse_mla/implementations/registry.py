@@ -17,19 +17,7 @@ from pytest_sparse_mla import capabilities, options
 from pytest_sparse_mla.implementations.builtin import ReferenceImplementation, TritonImplementation
 from pytest_sparse_mla.implementations.flashinfer import FlashInferImplementation
 
-__all__ = [
-    "CAPABILITIES",
-    "BUILTINS",
-    "available_implementations",
-    "resolve_implementation",
-    "get_implementation",
-    "implementation_name",
-    "needs_of",
-    "skip_reason_for",
-    "session_device",
-    "configure",
-    "skip_unservable",
-]
+# The public names are exported by the package (``pytest_sparse_mla.implementations.__all__``).
 
 #: capabilities an implementation may provide.
 CAPABILITIES: tuple[str, ...] = ("pack", "page_split", "sparse_mla_forward")

@@ -71,15 +71,7 @@ from typing import Any
 
 from pytest_sparse_mla import capabilities
 from pytest_sparse_mla.envelope import Envelope, Unsupported
-from pytest_sparse_mla.implementations._peer import (
-    PeerAdapter,
-    PeerCall,
-    PeerResult,
-    UnsafeForPeer,
-    call_peer,
-    lse_to_convention,
-    valid_lanes,
-)
+from pytest_sparse_mla.implementations import _peer
 
 __all__ = [
     "SGLANG_FILES",
@@ -302,7 +294,7 @@ def load_module(which: str) -> types.ModuleType:
 # --------------------------------------------------------------------------- the adapters
 
 
-class _SglangBase(PeerAdapter):
+class _SglangBase(_peer.PeerAdapter):
     """Shared mapping of both SGLang adapters (see the module docstring)."""
 
     name = "sglang"
@@ -399,7 +391,7 @@ class _SglangBase(PeerAdapter):
     def _forward_callable(self) -> Any:
         return getattr(load_module(self._forward_file), self._forward_function)
 
-    def forward(self, call: PeerCall, return_fp32: bool) -> PeerResult:
+    def forward(self, call: _peer.PeerCall, return_fp32: bool) -> _peer.PeerResult:
         """Run the SGLang path (see the module docstring).
 
         Returns:
@@ -407,7 +399,7 @@ class _SglangBase(PeerAdapter):
             ``lse_convention``, ``route=None``.
 
         Raises:
-            UnsafeForPeer: ``sglang-torch`` with an out-of-range index past ``topk_length``.
+            _peer.UnsafeForPeer: ``sglang-torch`` with an out-of-range index past ``topk_length``.
             Whatever SGLang raises.
         """
         c = call.call
@@ -419,19 +411,19 @@ class _SglangBase(PeerAdapter):
             extra4, extra_idx3 = call.extra[1], call.extra[3].unsqueeze(1)
         kv4 = call.kv4
         source = {"kind": "file", "package": "sglang", "path": SGLANG_FILES[self._forward_file], "stubs": "sglang"}
-        out, lse = call_peer(
+        out, lse = _peer.call_peer(
             source, self._forward_function, self._forward_callable(),
             (q.unsqueeze(1), kv4, idx.unsqueeze(1), topk_length, attn_sink, 512, float(sm_scale),
              extra4, extra_idx3, extra_topk_length), {},
         )  # fmt: skip
-        lse = lse_to_convention(
+        lse = _peer.lse_to_convention(
             lse[:, :, 0],
             sink_included=self._lse_has_sink and attn_sink is not None,
             attn_sink=attn_sink,
             lse_convention=call.lse_convention,
             lse_scale=call.lse_scale,
         )
-        return PeerResult(out[:, 0], lse, None, f"sglang {self._forward_function}")
+        return _peer.PeerResult(out[:, 0], lse, None, f"sglang {self._forward_function}")
 
     # ---- the page split
 
@@ -458,7 +450,7 @@ class _SglangBase(PeerAdapter):
 
         Raises:
             pytest_sparse_mla.Unsupported: ``key_suffix`` or ``dst_page_stride`` (see :meth:`unsupported_reason`).
-            UnsafeForPeer: a touched index ``>= num_pages * src_pbs`` (checked with one host sync,
+            _peer.UnsafeForPeer: a touched index ``>= num_pages * src_pbs`` (checked with one host sync,
                 left out under CUDA-graph capture and under torch's sync debug mode).
             Whatever SGLang raises (``AssertionError`` for a page size that is not a multiple of 64).
         """
@@ -477,7 +469,7 @@ class _SglangBase(PeerAdapter):
             too_far = touched_indices >= limit
             if bool(too_far.any()):
                 value = int(touched_indices[too_far].reshape(-1)[0])
-                raise UnsafeForPeer(
+                raise _peer.UnsafeForPeer(
                     f"{self.name}: touched_indices holds {value} >= num_pages*src_pbs = {limit}; SGLang's "
                     "_page_mark_kernel stores mask[t // src_pbs] = 1 for every t >= 0 without a bound, "
                     "an out-of-bounds store (the project's split marks nothing for such an index)"
@@ -486,7 +478,7 @@ class _SglangBase(PeerAdapter):
         split = load_module("flash_mla_sm120")._split_kv_pages_to_64
         source = {"kind": "file", "package": "sglang", "path": SGLANG_FILES["flash_mla_sm120"], "stubs": "sglang"}
         with _sglang_stubs(buffers):
-            return call_peer(
+            return _peer.call_peer(
                 source, "_split_kv_pages_to_64", split, (kv_cache, int(src_pbs)), {"touched_indices": touched_indices}
             )
 
@@ -526,10 +518,10 @@ class SglangTorchImplementation(_SglangBase):
         """The torch path gathers lanes past ``topk_length`` too (only negatives are clamped)."""
         if length is None:
             return
-        bad = ~valid_lanes(idx, length) & (idx >= num_slots)
+        bad = ~_peer.valid_lanes(idx, length) & (idx >= num_slots)
         if bool(bad.any()):
             t, j = (int(v) for v in bad.nonzero()[0])
-            raise UnsafeForPeer(
+            raise _peer.UnsafeForPeer(
                 f"{self.name}: {name}[{t}, {j}]={int(idx[t, j])} lies past {length_name} but outside the "
                 f"cache ({num_slots} slots); SGLang's _sm120_sparse_decode_fwd gathers every lane "
                 "(indices.clamp(min=0)) before masking, an out-of-bounds gather (the project's rule: "

@@ -74,9 +74,6 @@ ENVELOPE = Envelope(
     topk_length_range="clamped",
     attn_sink=False,
     min_tokens=1,
-    masked_indices="negative",
-    index_past_cache="refused",
-    lse_conventions=("flashinfer", "flashmla"),
     notes=(
         "one kernel for every num_tokens over a BF16 table the adapter dequantizes (exact); an extra cache "
         "is appended to the table; lanes past topk_length become -1; rows padded with -1 to a multiple of 16",
