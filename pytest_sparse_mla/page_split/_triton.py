@@ -107,8 +107,10 @@ __all__ = [
 INTERPRETED: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 _LANE = 8  # bytes per int64 lane
-_DATA_LANES = SUB_PAGE_DATA_BYTES // _LANE  # 4,608
-_SCALE_LANES = SUB_PAGE_SCALE_BYTES // _LANE  # 64
+#: int64 lanes of a 64-token sub-page's data (64 * 576 B) and of its scales (64 * 8 B); a source
+#: page of ``RATIO`` sub-pages holds ``RATIO * DATA_LANES`` data lanes before its scale footer.
+DATA_LANES: tl.constexpr = tl.constexpr(SUB_PAGE_DATA_BYTES // _LANE)  # 4,608
+SCALE_LANES: tl.constexpr = tl.constexpr(SUB_PAGE_SCALE_BYTES // _LANE)  # 64
 _MARK_BLOCK = 1024  # indices per mark program (SGLang FM-c blocked mark kernel)
 _NUM_WARPS = 4
 _MASK_BLOCK = 512  # pages per step of the worklist copy's mask pass
@@ -139,11 +141,11 @@ class CopyConfig:
 
     def kernel_args(self) -> dict[str, object]:
         """The constexpr and launch keyword arguments of ``_page_split_kernel``."""
-        steps = _DATA_LANES // self.block
+        steps = DATA_LANES // self.block
         return {
             "BLOCK": self.block,
             "STEPS": steps,
-            "REM": _DATA_LANES - steps * self.block,
+            "REM": DATA_LANES - steps * self.block,
             "LOAD_EVICT": "evict_first" if self.evict else "",
             "STORE_CACHE": ".cs" if self.evict else "",
             "num_warps": self.num_warps,
@@ -195,9 +197,6 @@ def _sub_page_offsets(
     src_stride16,
     dst_stride16,
     RATIO: tl.constexpr,
-    FOOTER_LANES: tl.constexpr,
-    DATA_LANES: tl.constexpr,
-    SCALE_LANES: tl.constexpr,
 ):
     """Lane offsets (int64) of destination sub-page ``pid``: (src page, src data, src footer, dst)."""
     p = pid.to(tl.int64)  # widen first: every product below is int64
@@ -205,7 +204,7 @@ def _sub_page_offsets(
     sub = p % RATIO
     src_base = src_page * (src_stride16 * 2)
     src_data = src_base + sub * DATA_LANES
-    src_scale = src_base + FOOTER_LANES + sub * SCALE_LANES
+    src_scale = src_base + RATIO * DATA_LANES + sub * SCALE_LANES
     dst = p * (dst_stride16 * 2)
     return src_page, src_data, src_scale, dst
 
@@ -217,8 +216,6 @@ def _copy_one_sub_page(
     src_data,
     src_scale,
     dst,
-    DATA_LANES: tl.constexpr,
-    SCALE_LANES: tl.constexpr,
     BLOCK: tl.constexpr,
     STEPS: tl.constexpr,
     REM: tl.constexpr,
@@ -250,9 +247,6 @@ def _page_split_kernel(
     src_stride16,
     dst_stride16,
     RATIO: tl.constexpr,
-    FOOTER_LANES: tl.constexpr,
-    DATA_LANES: tl.constexpr,
-    SCALE_LANES: tl.constexpr,
     BLOCK: tl.constexpr,
     STEPS: tl.constexpr,
     REM: tl.constexpr,
@@ -262,18 +256,18 @@ def _page_split_kernel(
 ):
     pid = tl.program_id(0)
     src_page, src_data, src_scale, dst = _sub_page_offsets(
-        pid, src_stride16, dst_stride16, RATIO, FOOTER_LANES, DATA_LANES, SCALE_LANES
+        pid, src_stride16, dst_stride16, RATIO
     )
     if HAS_MASK:
         if tl.load(mask_ptr + src_page) != 0:
             _copy_one_sub_page(
                 src_ptr, dst_ptr, src_data, src_scale, dst,
-                DATA_LANES, SCALE_LANES, BLOCK, STEPS, REM, LOAD_EVICT, STORE_CACHE,
+                BLOCK, STEPS, REM, LOAD_EVICT, STORE_CACHE,
             )
     else:
         _copy_one_sub_page(
             src_ptr, dst_ptr, src_data, src_scale, dst,
-            DATA_LANES, SCALE_LANES, BLOCK, STEPS, REM, LOAD_EVICT, STORE_CACHE,
+            BLOCK, STEPS, REM, LOAD_EVICT, STORE_CACHE,
         )
 
 
@@ -342,9 +336,6 @@ def _worklist_copy_kernel(
     src_stride16,
     dst_stride16,
     RATIO: tl.constexpr,
-    FOOTER_LANES: tl.constexpr,
-    DATA_LANES: tl.constexpr,
-    SCALE_LANES: tl.constexpr,
     BLOCK: tl.constexpr,
     STEPS: tl.constexpr,
     REM: tl.constexpr,
@@ -365,17 +356,11 @@ def _worklist_copy_kernel(
         nxt = item + num_programs
         nxt_page = tl.load(ws_ptr + 3 + (nxt // RATIO).to(tl.int64) * 2, mask=nxt < n, other=0)
         _, src_data, src_scale, dst = _sub_page_offsets(
-            page.to(tl.int64) * RATIO + item % RATIO,
-            src_stride16,
-            dst_stride16,
-            RATIO,
-            FOOTER_LANES,
-            DATA_LANES,
-            SCALE_LANES,
+            page.to(tl.int64) * RATIO + item % RATIO, src_stride16, dst_stride16, RATIO
         )
         _copy_one_sub_page(
             src_ptr, dst_ptr, src_data, src_scale, dst,
-            DATA_LANES, SCALE_LANES, BLOCK, STEPS, REM, LOAD_EVICT, STORE_CACHE,
+            BLOCK, STEPS, REM, LOAD_EVICT, STORE_CACHE,
         )
         page = nxt_page
     # Public mask from the claims, and claims back to 0. Blocks go to the last programs first:
@@ -397,16 +382,13 @@ def _offsets_probe_kernel(
     src_stride16,
     dst_stride16,
     RATIO: tl.constexpr,
-    FOOTER_LANES: tl.constexpr,
-    DATA_LANES: tl.constexpr,
-    SCALE_LANES: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     offs = tl.arange(0, BLOCK)
     inside = offs < n
     pid = tl.load(pid_ptr + offs, mask=inside, other=0)  # int32, like tl.program_id
     src_page, src_data, src_scale, dst = _sub_page_offsets(
-        pid, src_stride16, dst_stride16, RATIO, FOOTER_LANES, DATA_LANES, SCALE_LANES
+        pid, src_stride16, dst_stride16, RATIO
     )
     tl.store(out_ptr + offs * 4, src_page, mask=inside)
     tl.store(out_ptr + offs * 4 + 1, src_data, mask=inside)
@@ -468,7 +450,6 @@ def copy_sub_pages(
     _check_runnable(dst.device)
     if config is None:
         config = FULL_CONFIG if mask is None else MASKED_CONFIG
-    ps = source.src_page_block_size
     src = _lanes(source.pages)  # [P, ps*73] int64, row stride = src page stride / 8
     out = _lanes(dst)
     with _device_guard(dst.device):
@@ -479,9 +460,6 @@ def copy_sub_pages(
             source.src_page_stride // 16,
             dst.stride(0) // 16,
             RATIO=source.ratio,
-            FOOTER_LANES=ps * 576 // _LANE,
-            DATA_LANES=_DATA_LANES,
-            SCALE_LANES=_SCALE_LANES,
             HAS_MASK=mask is not None,
             **config.kernel_args(),
         )
@@ -585,9 +563,6 @@ def split_touched_pages(
                 source.src_page_stride // 16,
                 dst.stride(0) // 16,
                 RATIO=source.ratio,
-                FOOTER_LANES=ps * 576 // _LANE,
-                DATA_LANES=_DATA_LANES,
-                SCALE_LANES=_SCALE_LANES,
                 MASK_BLOCK=_MASK_BLOCK,
                 GDC=gdc,
                 **({"launch_pdl": True} if gdc else {}),
@@ -630,9 +605,6 @@ def probe_offsets(
             src_page_stride // 16,
             dst_page_stride // 16,
             RATIO=src_page_block_size // DST_PAGE_BLOCK_SIZE,
-            FOOTER_LANES=src_page_block_size * 576 // _LANE,
-            DATA_LANES=_DATA_LANES,
-            SCALE_LANES=_SCALE_LANES,
             BLOCK=block,
         )
     out[:, 1:] *= _LANE
