@@ -241,23 +241,12 @@ def _copy_one_sub_page(
 
 @triton.jit
 def _page_split_kernel(
-    src_ptr,
-    dst_ptr,
-    mask_ptr,
-    src_stride16,
-    dst_stride16,
-    RATIO: tl.constexpr,
-    BLOCK: tl.constexpr,
-    STEPS: tl.constexpr,
-    REM: tl.constexpr,
-    LOAD_EVICT: tl.constexpr,
-    STORE_CACHE: tl.constexpr,
+    src_ptr, dst_ptr, mask_ptr, src_stride16, dst_stride16, RATIO: tl.constexpr,
+    BLOCK: tl.constexpr, STEPS: tl.constexpr, REM: tl.constexpr, LOAD_EVICT: tl.constexpr, STORE_CACHE: tl.constexpr,
     HAS_MASK: tl.constexpr,
-):
+):  # fmt: skip
     pid = tl.program_id(0)
-    src_page, src_data, src_scale, dst = _sub_page_offsets(
-        pid, src_stride16, dst_stride16, RATIO
-    )
+    src_page, src_data, src_scale, dst = _sub_page_offsets(pid, src_stride16, dst_stride16, RATIO)
     if HAS_MASK:
         if tl.load(mask_ptr + src_page) != 0:
             _copy_one_sub_page(
@@ -272,13 +261,20 @@ def _page_split_kernel(
 
 
 @triton.jit
-def _mark_kernel(idx_ptr, mask_ptr, numel, num_src_pages, SRC_PBS: tl.constexpr, BLOCK: tl.constexpr):
+def _touched_pages(idx_ptr, numel, num_src_pages, SRC_PBS: tl.constexpr, BLOCK: tl.constexpr):
+    """The source page of each of this program's ``BLOCK`` indices (int64), and whether it marks one
+    (inside ``numel``, ``index >= 0``, page ``< num_src_pages``)."""
     pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     inside = offs < numel
     idx = tl.load(idx_ptr + offs, mask=inside, other=-1).to(tl.int64)
     page = idx // SRC_PBS
-    hit = inside & (idx >= 0) & (page < num_src_pages)
+    return page, inside & (idx >= 0) & (page < num_src_pages)
+
+
+@triton.jit
+def _mark_kernel(idx_ptr, mask_ptr, numel, num_src_pages, SRC_PBS: tl.constexpr, BLOCK: tl.constexpr):
+    page, hit = _touched_pages(idx_ptr, numel, num_src_pages, SRC_PBS, BLOCK)
     # Identical concurrent stores of 1 need no atomics (SGLang PR #32320).
     tl.store(mask_ptr + page, tl.full([BLOCK], 1, tl.int8), mask=hit)
 
@@ -299,12 +295,7 @@ def _mark_worklist_kernel(
     # row P + 1 column 1 = the count published for the copy launch.
     if GDC:
         gdc_launch_dependents()  # the copy grid may be scheduled now; it waits for this grid's end
-    pid = tl.program_id(0).to(tl.int64)
-    offs = pid * BLOCK + tl.arange(0, BLOCK)
-    inside = offs < numel
-    idx = tl.load(idx_ptr + offs, mask=inside, other=-1).to(tl.int64)
-    page = idx // SRC_PBS
-    hit = inside & (idx >= 0) & (page < num_src_pages)
+    page, hit = _touched_pages(idx_ptr, numel, num_src_pages, SRC_PBS, BLOCK)
     claim = ws_ptr + 2 + page * 2
     if CHECK_FIRST:
         seen = tl.load(claim, mask=hit, other=1, cache_modifier=".cg")
@@ -327,23 +318,10 @@ def _mark_worklist_kernel(
 
 @triton.jit
 def _worklist_copy_kernel(
-    src_ptr,
-    dst_ptr,
-    mask_ptr,
-    ws_ptr,
-    num_src_pages,
-    num_programs,
-    src_stride16,
-    dst_stride16,
-    RATIO: tl.constexpr,
-    BLOCK: tl.constexpr,
-    STEPS: tl.constexpr,
-    REM: tl.constexpr,
-    LOAD_EVICT: tl.constexpr,
-    STORE_CACHE: tl.constexpr,
-    MASK_BLOCK: tl.constexpr,
-    GDC: tl.constexpr,
-):
+    src_ptr, dst_ptr, mask_ptr, ws_ptr, num_src_pages, num_programs, src_stride16, dst_stride16, RATIO: tl.constexpr,
+    BLOCK: tl.constexpr, STEPS: tl.constexpr, REM: tl.constexpr, LOAD_EVICT: tl.constexpr, STORE_CACHE: tl.constexpr,
+    MASK_BLOCK: tl.constexpr, GDC: tl.constexpr,
+):  # fmt: skip
     if GDC:
         gdc_wait()  # the mark grid has completed and its writes are visible
     g = tl.program_id(0)
