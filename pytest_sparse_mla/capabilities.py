@@ -48,6 +48,7 @@ __all__ = [
     "parse_sm_spec",
     "load_triton_kernels",
     "triton_unavailable_reason",
+    "TritonKernels",
 ]
 
 #: marker name -> one-line description (registered with ``config.addinivalue_line``).
@@ -340,3 +341,29 @@ def triton_unavailable_reason(module: str, device: Any) -> str | None:
     if kind == "cuda" and kernels.INTERPRETED:
         return "the Triton kernels were decorated under TRITON_INTERPRET=1 (CPU tensors only)"
     return None
+
+
+@dataclass(frozen=True)
+class TritonKernels:
+    """A module of Triton kernels (``attention._triton_forward``, ``page_split._triton``), imported on
+    first use.
+
+    Attributes:
+        module: the module's import name.
+    """
+
+    module: str
+
+    def load(self) -> ModuleType:
+        """Import and return the module, interpreted when torch sees no CUDA device
+        (:func:`load_triton_kernels`).
+
+        Raises:
+            ImportError: triton (or numpy, for its interpreter) is not importable.
+        """
+        return load_triton_kernels(self.module)
+
+    def unavailable_reason(self, device: Any) -> str | None:
+        """Why the kernels cannot run on ``device`` here, or ``None`` (:func:`triton_unavailable_reason`)."""
+        return triton_unavailable_reason(self.module, device)
+

@@ -64,7 +64,6 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
-from types import ModuleType
 from typing import Any
 
 import torch
@@ -130,20 +129,11 @@ def default_chunk_tokens(device: torch.device) -> int:
     return _CHUNK_TOKENS_CPU if device.type == "cpu" else _CHUNK_TOKENS_OTHER
 
 
-def triton_forward_module() -> ModuleType:
-    """Import and return the Triton kernel module (``attention._triton_forward``), interpreted when
-    torch sees no CUDA device (``capabilities.load_triton_kernels``).
-
-    Raises:
-        ImportError: triton is not installed.
-    """
-    return capabilities.load_triton_kernels(_TRITON_MODULE)
-
-
-def triton_unavailable_reason(device: torch.device | str) -> str | None:
-    """Why ``backend="triton"`` cannot run on ``device`` here, or ``None`` when it can
-    (``capabilities.triton_unavailable_reason``)."""
-    return capabilities.triton_unavailable_reason(_TRITON_MODULE, torch.device(device))
+#: The Triton forward's kernels: ``triton_forward_module()`` imports them (interpreted without a CUDA
+#: device), ``triton_unavailable_reason(device)`` says why ``backend="triton"`` cannot run there.
+_TRITON = capabilities.TritonKernels(_TRITON_MODULE)
+triton_forward_module = _TRITON.load
+triton_unavailable_reason = _TRITON.unavailable_reason
 
 
 def resolve_backend(backend: str | None, device: torch.device | str) -> str:

@@ -132,20 +132,11 @@ __all__ = [
 BACKENDS: tuple[str, ...] = ("torch", "triton")
 
 
-def triton_backend() -> ModuleType:
-    """Import and return the Triton kernel module (:mod:`._triton`), interpreted when torch sees no
-    CUDA device (``capabilities.load_triton_kernels``).
-
-    Raises:
-        ImportError: triton is not installed.
-    """
-    return capabilities.load_triton_kernels(_TRITON_MODULE)
-
-
-def triton_unavailable_reason(device: torch.device | str) -> str | None:
-    """Why ``backend="triton"`` cannot run on ``device`` here, or ``None`` when it can
-    (``capabilities.triton_unavailable_reason``)."""
-    return capabilities.triton_unavailable_reason(_TRITON_MODULE, torch.device(device))
+#: The Triton split's kernels: ``triton_backend()`` imports them (interpreted without a CUDA device),
+#: ``triton_unavailable_reason(device)`` says why ``backend="triton"`` cannot run there.
+_TRITON = capabilities.TritonKernels(_TRITON_MODULE)
+triton_backend = _TRITON.load
+triton_unavailable_reason = _TRITON.unavailable_reason
 
 
 def _backend_module(backend: object) -> ModuleType:
