@@ -600,49 +600,41 @@ def fit_case(case: AttentionCase, envelope: Envelope) -> AttentionCase:
     if not req <= set(REQUIREMENTS):
         raise ValueError(f"{case.name}: requires={case.requires!r}: expected names from {REQUIREMENTS}")
 
-    def na(why: str) -> NotApplicable:
-        return NotApplicable(f"not applicable to this envelope: {why}")
+    def adjust(requirement: str, why: str, note: str, **changes: Any) -> None:
+        """Record ``changes`` (``note`` in ``fitted``), or refuse when the case requires ``requirement``."""
+        if requirement in req:
+            raise NotApplicable(f"not applicable to this envelope: {why}")
+        change.update(changes)
+        notes.append(note)
 
     if case.fmt not in envelope.formats:
-        if "format" in req:
-            raise na(f"format {case.fmt!r} is not in formats={envelope.formats}")
-        change["fmt"] = envelope.formats[0]
-        notes.append(f"fmt {case.fmt}->{envelope.formats[0]}")
-        case = replace(case, fmt=envelope.formats[0])
+        first = envelope.formats[0]
+        adjust("format", f"format {case.fmt!r} is not in formats={envelope.formats}", f"fmt {case.fmt}->{first}",
+               fmt=first)  # fmt: skip
+        case = replace(case, fmt=first)
     tokens = envelope.tokens_for(case.num_tokens)
     if tokens != case.num_tokens:
-        if "tokens" in req:
-            raise na(f"num_tokens={case.num_tokens} is outside [{envelope.min_tokens}, {envelope.max_tokens}]")
-        change["num_tokens"] = tokens
-        notes.append(f"num_tokens {case.num_tokens}->{tokens}")
+        adjust("tokens", f"num_tokens={case.num_tokens} is outside [{envelope.min_tokens}, {envelope.max_tokens}]",
+               f"num_tokens {case.num_tokens}->{tokens}", num_tokens=tokens)  # fmt: skip
     heads = envelope.heads_for(case.num_heads)
     if heads != case.num_heads:
-        if "heads" in req:
-            raise na(f"num_heads={case.num_heads} is not in num_heads={envelope.num_heads}")
-        change["num_heads"] = heads
-        notes.append(f"num_heads {case.num_heads}->{heads}")
+        adjust("heads", f"num_heads={case.num_heads} is not in num_heads={envelope.num_heads}",
+               f"num_heads {case.num_heads}->{heads}", num_heads=heads)  # fmt: skip
     if case.with_sink and not envelope.takes_sink(case.fmt):
-        if "sink" in req:
-            raise na(
-                f"an attn_sink for {case.fmt!r} (attn_sink={envelope.attn_sink}, sink_formats={envelope.sink_formats})"
-            )
-        change["with_sink"] = False
-        notes.append("attn_sink dropped")
+        adjust("sink", f"an attn_sink for {case.fmt!r} (attn_sink={envelope.attn_sink}, "
+               f"sink_formats={envelope.sink_formats})", "attn_sink dropped", with_sink=False)  # fmt: skip
     dual = case.dual
     if dual and not envelope.takes_extra(case.fmt):
-        if "extra" in req:
-            raise na(f"an extra cache for {case.fmt!r} (extra_cache_formats={envelope.extra_cache_formats})")
-        change.update(topk_extra=0, extra_page_block_size=0, extra_num_pages=0, extra_topk_length=None)
-        notes.append("extra cache dropped")
+        adjust("extra", f"an extra cache for {case.fmt!r} (extra_cache_formats={envelope.extra_cache_formats})",
+               "extra cache dropped", topk_extra=0, extra_page_block_size=0, extra_num_pages=0,
+               extra_topk_length=None)  # fmt: skip
         dual = False
     lengths = [("topk_length", case.topk_length, case.topk)]
     if dual:
         lengths.append(("extra_topk_length", case.extra_topk_length, case.topk_extra))
     if any(value is not None for _, value, _ in lengths) and not envelope.takes_lengths(case.fmt):
-        if "topk_length" in req:
-            raise na(f"topk_length for {case.fmt!r} (topk_length_formats={envelope.topk_length_formats})")
-        change.update(topk_length=None, extra_topk_length=None)
-        notes.append("topk_length dropped")
+        adjust("topk_length", f"topk_length for {case.fmt!r} (topk_length_formats={envelope.topk_length_formats})",
+               "topk_length dropped", topk_length=None, extra_topk_length=None)  # fmt: skip
         lengths = []
     for key, width_key, widths in (("topk", "index_width", envelope.topk),
                                    ("topk_extra", "extra_index_width", envelope.extra_topk)):  # fmt: skip
@@ -651,17 +643,14 @@ def fit_case(case: AttentionCase, envelope: Envelope) -> AttentionCase:
             continue
         drawn, row = widths.fit(width)
         if (drawn, row) != (width, width):
-            if "width" in req:
-                raise na(widths.reason(key, width) or f"{key}={width}")
-            change[key], change[width_key] = drawn, row
-            notes.append(f"{key} {width}->{drawn} drawn in rows of {row}")
+            adjust("width", widths.reason(key, width) or f"{key}={width}",
+                   f"{key} {width}->{drawn} drawn in rows of {row}", **{key: drawn, width_key: row})  # fmt: skip
     for name, value, width in lengths:
         drawn = change.get("topk" if name == "topk_length" else "topk_extra", width)
         if value is not None and envelope.topk_length_range == "row" and not 0 <= value <= drawn:
-            if "topk_length" in req:
-                raise na(f"{name}={value} outside [0, {drawn}] (topk_length_range='row')")
-            change[name] = min(max(value, 0), drawn)
-            notes.append(f"{name} {value}->{change[name]}")
+            clamped = min(max(value, 0), drawn)
+            adjust("topk_length", f"{name}={value} outside [0, {drawn}] (topk_length_range='row')",
+                   f"{name} {value}->{clamped}", **{name: clamped})  # fmt: skip
     for ps_key, pages_key, taken, need in (
         ("page_block_size", "num_pages", envelope.page_block_sizes, "page"),
         ("extra_page_block_size", "extra_num_pages", envelope.extra_page_block_sizes, "extra_page"),
@@ -671,10 +660,8 @@ def fit_case(case: AttentionCase, envelope: Envelope) -> AttentionCase:
             continue
         fitted = Envelope.page_for(ps, taken)
         if fitted != ps:
-            if need in req:
-                raise na(f"{ps_key}={ps} is not in {taken}")
-            change[ps_key], change[pages_key] = fitted, -(-getattr(case, pages_key) * ps // fitted)
-            notes.append(f"{ps_key} {ps}->{fitted}")
+            adjust(need, f"{ps_key}={ps} is not in {taken}", f"{ps_key} {ps}->{fitted}",
+                   **{ps_key: fitted, pages_key: -(-getattr(case, pages_key) * ps // fitted)})  # fmt: skip
     bpt = formats.get_format(case.fmt).bytes_per_token
     for stride_key, ps_key in (("page_stride", "page_block_size"), ("extra_page_stride", "extra_page_block_size")):
         ps = change.get(ps_key, getattr(case, ps_key))
