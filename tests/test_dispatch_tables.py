@@ -9,7 +9,7 @@ tables of the instantiated sets and rules per release family (read from the flas
 wheels' ``flashinfer/mla/_sparse_mla_sm120*.py`` and ``data/csrc/sparse_mla_sm120*``), message templates typed from the
 release sources, and literal error strings as published in public tracebacks (sgl-project/sglang
 #33134, #33985; flashinfer-ai/flashinfer #3828, PRs #3817 and #3896) or printed by the
-releases' own Python code run on CPU (0.6.18, 0.7.0, 0.7.4; see ``dispatch/introspect.py``).
+releases' own Python code run on CPU (0.6.18, 0.7.0, 0.7.4; see ``scripts/flashinfer_introspect.py``).
 The regressions this guards: extra_page_block_size=128 rejected by dual-cache prefill, the head
 envelope changing between releases (8 heads at TP8), topk 256 missing from prefill, topk 192
 missing from decode.
@@ -432,7 +432,7 @@ def test_routing_uses_the_primary_topk_not_the_extra_width() -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# Texts printed by the releases' own Python code (run on CPU; see introspect.py).
+# Texts printed by the releases' own Python code (run on CPU; see scripts/flashinfer_introspect.py).
 
 
 def test_0_6_18_decode_miss_text() -> None:
@@ -580,17 +580,26 @@ def test_verdict_to_dict_is_json() -> None:
 
 
 def test_grid_package_imports_no_torch() -> None:
-    """The grid is pure Python: importing it in a fresh interpreter pulls in no torch."""
+    """The grid is pure Python: importing it in a fresh interpreter pulls in no torch. The CI tool
+    ``scripts/flashinfer_introspect.py`` imports none either, and the package neither ships it nor
+    imports it."""
     import subprocess
     import sys
+    from pathlib import Path
 
+    tool = Path(__file__).resolve().parents[1] / "scripts" / "flashinfer_introspect.py"
     code = (
-        "import sys, pytest_sparse_mla.dispatch, pytest_sparse_mla.dispatch.report, "
-        "pytest_sparse_mla.dispatch.introspect, "
-        "pytest_sparse_mla.deployments; print('torch' in sys.modules, 'flashinfer' in sys.modules)"
+        "import importlib.util, sys, pytest_sparse_mla.dispatch, pytest_sparse_mla.dispatch.report, "
+        "pytest_sparse_mla.deployments; "
+        "shipped = importlib.util.find_spec('pytest_sparse_mla.dispatch.introspect') is not None; "
+        "loaded = any('introspect' in name for name in sys.modules); "
+        f"spec = importlib.util.spec_from_file_location('flashinfer_introspect', {str(tool)!r}); "
+        "module = importlib.util.module_from_spec(spec); sys.modules['flashinfer_introspect'] = module; "
+        "spec.loader.exec_module(module); "
+        "print('torch' in sys.modules, 'flashinfer' in sys.modules, shipped, loaded)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["False", "False"]
+    assert out.stdout.split() == ["False", "False", "False", "False"]
 
 
 # ----------------------------------------------------------------------------------------------

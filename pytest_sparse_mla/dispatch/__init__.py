@@ -13,9 +13,10 @@ Public API (pure Python; nothing here imports torch or flashinfer)::
                  page_block_size=64)                   # raises InternalError (a RuntimeError)
 
 Modules: ``grid`` (config, verdicts, the per-release control flow over ``grids.json``),
-``errors`` (mirrored exception types and the exact texts per release), ``introspect`` (compare
-an installed FlashInfer with the bundled grids; CPU only), ``report`` (DeepSeek-V4 deployment
-coverage; console script ``sparse-mla-deployments`` and ``--sparse-mla-deployment-report``).
+``errors`` (mirrored exception types and the exact texts per release), ``report`` (DeepSeek-V4
+deployment coverage; console script ``sparse-mla-deployments`` and ``--sparse-mla-deployment-report``).
+Comparing an installed FlashInfer with the bundled grids is a CI tool of the checkout, not part of
+this package: ``scripts/flashinfer_introspect.py``.
 """
 
 from pytest_sparse_mla.dispatch.errors import (

@@ -38,7 +38,7 @@ Texts (fields and order as each release prints them; :data:`ERROR_TEMPLATES` lis
   (``attention_validation.h``), re-raised as ``ValueError`` by ``_prepared.validate_metadata``.
 
 Source of every text: the flashinfer-python wheels (paths above); the 0.6.18 and 0.7.x Python
-texts were also produced by running those releases' own code on CPU (``introspect.py``).
+texts were also produced by running those releases' own code on CPU (``scripts/flashinfer_introspect.py``).
 """
 
 from __future__ import annotations

@@ -52,7 +52,7 @@ Sources: the flashinfer-python wheels 0.6.13-0.7.4 (``flashinfer/mla/_sparse_mla
 ``flashinfer/data/csrc/sparse_mla_sm120*``; file paths per family in ``grids.json``),
 flashinfer-ai/flashinfer PRs #3395, #4380, #4802. How each family was checked: 0.6.x routing and
 error texts against each release's own Python dispatch with stubbed kernels, and the 0.7.0
-planner's predicates, all run on the CPU (``introspect``, the ``flashinfer-*`` tox lanes); the
+planner's predicates, all run on the CPU (``scripts/flashinfer_introspect.py``, the ``flashinfer-*`` tox lanes); the
 0.6.x prefill grid against the C++ dispatch source; the 0.7.1+ prefill grid is read from the C++
 sources the wheels ship (its routing is the compiled module's ``candidates()``, which needs an
 SM120 GPU), not executed. Versions are compared with :mod:`packaging` only.
