@@ -423,7 +423,7 @@ def _parse_prefill_source(text: str) -> dict[str, Any]:
         "DSV4.single.num_heads": sorted(
             {int(h) for h in re.findall(_CASE + r"DISPATCH_MG_CM\(CM,\s*\d+", single)}
         ),
-        "DSV4.single.topk_compute_mode": {
+        "DSV4.single.topk_numeric_route": {
             int(k): cm
             for k, cm in re.findall(
                 r"topk\s*==\s*(\d+)\)\s*DISPATCH_BY_NH_CM\((\w+),\s*\d+\)", single
@@ -432,7 +432,7 @@ def _parse_prefill_source(text: str) -> dict[str, Any]:
         "DSV4.dual.num_heads": sorted(
             {int(h) for h, _ in re.findall(_CASE + r"DISPATCH_DUAL_MG_CM\((\w+),", dual_regular)}
         ),
-        "DSV4.dual.compute_modes": sorted(
+        "DSV4.dual.numeric_routes": sorted(
             {cm for _, cm in re.findall(_CASE + r"DISPATCH_DUAL_MG_CM\((\w+),", dual_regular)}
         ),
         "DSV4.dual.topk": sorted(
@@ -463,19 +463,19 @@ def _bundled_prefill_source_view(fam: grid.GridFamily) -> dict[str, Any]:
         view.update(
             {
                 "DSV4.single.num_heads": sorted(single["num_heads"]),
-                "DSV4.single.topk_compute_mode": {
-                    int(k): v for k, v in single["topk_compute_mode"].items()
+                "DSV4.single.topk_numeric_route": {
+                    int(k): v for k, v in single["topk_numeric_route"].items()
                 },
                 "DSV4.dual.num_heads": sorted(dual["num_heads"]),
-                "DSV4.dual.compute_modes": sorted(set(dual["topk_compute_mode"].values())),
-                "DSV4.dual.topk": sorted(int(k) for k in dual["topk_compute_mode"]),
-                "DSV3_2.single.topk": sorted(int(k) for k in v32["topk_compute_mode"]),
+                "DSV4.dual.numeric_routes": sorted(set(dual["topk_numeric_route"].values())),
+                "DSV4.dual.topk": sorted(int(k) for k in dual["topk_numeric_route"]),
+                "DSV3_2.single.topk": sorted(int(k) for k in v32["topk_numeric_route"]),
                 "DSV3_2.single.num_heads": sorted(v32["num_heads"]),
             }
         )
     else:
         view["DSV4.dual.num_heads"] = sorted(dual["num_heads"])
-        view["DSV4.dual.compute_modes"] = [dual["compute_mode"]]
+        view["DSV4.dual.numeric_routes"] = [dual["numeric_route"]]
     return view
 
 

@@ -6,7 +6,7 @@ Public API (pure Python; nothing here imports torch or flashinfer)::
 
     verdict = supports(SparseMlaConfig("DSV4", num_tokens=65, num_heads=8, topk=128,
                                        page_block_size=64), "0.6.17")
-    verdict.supported, verdict.route, verdict.compute_mode, verdict.reason
+    verdict.supported, verdict.route, verdict.numeric_route, verdict.reason
     verdict.error_type, verdict.error_message          # exact upstream type and text
 
     enforce_grid("0.6.17", model="DSV4", num_tokens=65, num_heads=8, topk=128,
@@ -30,6 +30,7 @@ from pytest_sparse_mla.dispatch.errors import (
 )
 from pytest_sparse_mla.dispatch.grid import (
     COMPUTE_MODES,
+    NUMERIC_ROUTES,
     ROUTES,
     GridFamily,
     SparseMlaConfig,
@@ -45,6 +46,7 @@ from pytest_sparse_mla.dispatch.grid import (
 
 __all__ = [
     "COMPUTE_MODES",
+    "NUMERIC_ROUTES",
     "ROUTES",
     "GridFamily",
     "IgnoredExtraCacheWarning",

@@ -72,6 +72,7 @@ from pytest_sparse_mla.dispatch import errors
 __all__ = [
     "MODELS",
     "ROUTES",
+    "NUMERIC_ROUTES",
     "COMPUTE_MODES",
     "SparseMlaConfig",
     "GridFamily",
@@ -88,8 +89,12 @@ __all__ = [
 
 #: route names a supported verdict carries.
 ROUTES = ("decode", "prefill_single", "prefill_dual")
-#: compute-mode names (FlashInfer ``ComputeMode`` / 0.7.1+ ``NumericRoute``); decode has none.
-COMPUTE_MODES = ("BF16", "FP8", "QkBF16PvFP8")
+#: numeric routes of a supported prefill verdict (FlashInfer ``ComputeMode``, named ``NumericRoute``
+#: from 0.7.1): which operands are BF16 and which FP8. Decode verdicts carry none.
+NUMERIC_ROUTES = ("BF16", "FP8", "QkBF16PvFP8")
+#: Deprecated alias of :data:`NUMERIC_ROUTES` (not an implementation's ``compute_mode``, which names a
+#: tolerance profile: ``pytest_sparse_mla.tolerances.COMPUTE_MODES``).
+COMPUTE_MODES = NUMERIC_ROUTES
 
 
 @dataclass(frozen=True)
@@ -230,8 +235,9 @@ class Verdict:
         supported: the release serves it.
         route: ``"decode"``, ``"prefill_single"`` or ``"prefill_dual"`` when supported, else
             ``None``.
-        compute_mode: prefill compute mode where the release decides it (``"BF16"``, ``"FP8"``,
-            ``"QkBF16PvFP8"``), ``None`` for decode or unsupported.
+        numeric_route: the prefill numeric route the release picks (:data:`NUMERIC_ROUTES`:
+            ``"BF16"``, ``"FP8"``, ``"QkBF16PvFP8"``), ``None`` for decode or unsupported. The
+            deprecated property :attr:`compute_mode` returns the same value.
         reason: why it is unsupported (human words), ``None`` when supported.
         error_type: the mirror class FlashInfer's error corresponds to
             (:class:`~pytest_sparse_mla.dispatch.errors.InternalError` or
@@ -250,13 +256,24 @@ class Verdict:
     config: SparseMlaConfig
     supported: bool
     route: str | None = None
-    compute_mode: str | None = None
+    numeric_route: str | None = None
     reason: str | None = None
     error_type: type[errors.SparseMlaGridError] | None = None
     error_message: str | None = None
     unchecked_page_size: bool = False
     extra_cache_ignored: bool = False
     notes: tuple[str, ...] = ()
+
+    @property
+    def compute_mode(self) -> str | None:
+        """Deprecated alias of :attr:`numeric_route` (warns ``DeprecationWarning``): the name collided
+        with an implementation's ``compute_mode``, a tolerance profile (``"exact"``, ``"bf16"``...)."""
+        warnings.warn(
+            "Verdict.compute_mode is deprecated: use Verdict.numeric_route (FlashInfer's NumericRoute)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.numeric_route
 
     @property
     def error(self) -> errors.SparseMlaGridError | None:
@@ -280,7 +297,7 @@ class Verdict:
             "config": asdict(self.config),
             "supported": self.supported,
             "route": self.route,
-            "compute_mode": self.compute_mode,
+            "numeric_route": self.numeric_route,
             "reason": self.reason,
             "error_type": self.error_type.__name__ if self.error_type else None,
             "error_base": _builtin_base(self.error_type),
@@ -440,7 +457,7 @@ def _family_of(release: str) -> GridFamily:
 @dataclass
 class _Prefill:
     route: str
-    compute_mode: str | None = None
+    numeric_route: str | None = None
     variant: int | None = None
     reasons: list[str] = field(default_factory=list)
     unchecked_page: bool = False
@@ -522,10 +539,10 @@ def _prefill(cfg: SparseMlaConfig, fam: GridFamily) -> _Prefill:
             f"{cfg.model} {kind}-cache prefill has no kernel for num_heads={cfg.num_heads} "
             f"(instantiated: {_sizes(g['num_heads'])})"
         )
-    if "topk_compute_mode" in g:
-        modes = g["topk_compute_mode"]
-        out.compute_mode = modes.get(str(cfg.topk))
-        if out.compute_mode is None:
+    if "topk_numeric_route" in g:
+        modes = g["topk_numeric_route"]
+        out.numeric_route = modes.get(str(cfg.topk))
+        if out.numeric_route is None:
             out.reasons.append(
                 f"{cfg.model} {kind}-cache prefill has no kernel for topk={cfg.topk} "
                 f"(instantiated: {_sizes([int(k) for k in modes])})"
@@ -536,12 +553,12 @@ def _prefill(cfg: SparseMlaConfig, fam: GridFamily) -> _Prefill:
             out.reasons.append(
                 f"prefill needs topk % {multiple} == 0 (whole index tiles), got topk={cfg.topk}"
             )
-        threshold = g.get("compute_mode_threshold")
+        threshold = g.get("numeric_route_threshold")
         if threshold is not None:
             le = threshold["le"]
-            out.compute_mode = threshold["low"] if cfg.topk <= le else threshold["high"]
+            out.numeric_route = threshold["low"] if cfg.topk <= le else threshold["high"]
         else:
-            out.compute_mode = g["compute_mode"]
+            out.numeric_route = g["numeric_route"]
     extra_pages = g.get("extra_page_block_sizes")
     if cfg.dual and extra_pages is not None and cfg.extra_page_block_size not in extra_pages:
         miss = (
@@ -557,7 +574,7 @@ def _prefill(cfg: SparseMlaConfig, fam: GridFamily) -> _Prefill:
     elif "variant_by_heads" in g:
         out.variant = g["variant_by_heads"].get(str(cfg.num_heads))
     if out.reasons:
-        out.compute_mode = None
+        out.numeric_route = None
     return out
 
 
@@ -633,7 +650,7 @@ def _evaluate(cfg: SparseMlaConfig, fam: GridFamily, release: str) -> Verdict:
         return replace(verdict, config=cfg, error_message=message)
     notes = _common_notes(cfg, fam, release)
 
-    def ok(route: str, mode: str | None, *, unchecked: bool = False) -> Verdict:
+    def ok(route: str, numeric_route: str | None, *, unchecked: bool = False) -> Verdict:
         extra = []
         if unchecked:
             extra.append(_unchecked_page_note(cfg, fam))
@@ -661,7 +678,7 @@ def _evaluate(cfg: SparseMlaConfig, fam: GridFamily, release: str) -> Verdict:
             config=cfg,
             supported=True,
             route=route,
-            compute_mode=mode,
+            numeric_route=numeric_route,
             unchecked_page_size=unchecked,
             extra_cache_ignored=ignored,
             notes=tuple(notes + extra),
@@ -721,7 +738,7 @@ def _evaluate(cfg: SparseMlaConfig, fam: GridFamily, release: str) -> Verdict:
                 _prefill_miss_message(model.cpp, cfg),
                 f"{pf.route}: " + "; ".join(pf.reasons),
             )
-        return ok(pf.route, pf.compute_mode, unchecked=pf.unchecked_page)
+        return ok(pf.route, pf.numeric_route, unchecked=pf.unchecked_page)
 
     if fam.engine == "resolver":
         max_heads = fam.data["metadata_max_num_heads"]
@@ -758,7 +775,7 @@ def _evaluate(cfg: SparseMlaConfig, fam: GridFamily, release: str) -> Verdict:
                 f"{pf.route}: {pf.extra_page_miss} (checked only in C++; the planner picks "
                 f"variant {pf.variant})",
             )
-        return ok(pf.route, pf.compute_mode)
+        return ok(pf.route, pf.numeric_route)
     return fail(
         errors.UnsupportedShapeError,
         errors.no_decode_kernel_mismatch_message(
@@ -827,7 +844,7 @@ def supports(config: SparseMlaConfig, flashinfer_version: object) -> Verdict:
         flashinfer_version: ``"0.6.17"``, ``"flashinfer==0.7.2.post1"`` or a ``Version``.
 
     Returns:
-        A :class:`Verdict`: route and compute mode, or the reason and the exact error
+        A :class:`Verdict`: route and numeric route, or the reason and the exact error
         (type and text) that release raises. Never raises for an unsupported shape.
 
     Raises:
@@ -868,7 +885,7 @@ def enforce_grid(
         extra_page_block_size: the fields of :class:`SparseMlaConfig` (counts in tokens/heads).
 
     Returns:
-        The supported :class:`Verdict` (route, compute mode).
+        The supported :class:`Verdict` (route, numeric route).
 
     Raises:
         InternalError: (a ``RuntimeError``) where the release fails a C++ ``TVM_FFI_ICHECK``.
