@@ -17,6 +17,10 @@ Modules: ``grid`` (config, verdicts, the per-release control flow over ``grids.j
 deployment coverage; console script ``sparse-mla-deployments`` and ``--sparse-mla-deployment-report``).
 Comparing an installed FlashInfer with the bundled grids is a CI tool of the checkout, not part of
 this package: ``scripts/flashinfer_introspect.py``.
+
+``numeric_route`` (:data:`NUMERIC_ROUTES`) is FlashInfer's prefill ``NumericRoute``, not an
+implementation's ``compute_mode`` (a tolerance profile); ``Verdict.compute_mode`` and
+``COMPUTE_MODES`` are its deprecated aliases. Design notes: ``docs/design/flashinfer-dispatch.md``.
 """
 
 from pytest_sparse_mla.dispatch.errors import (
