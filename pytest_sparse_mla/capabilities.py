@@ -1,16 +1,15 @@
 """One lazy, cached probe of what this machine can run, and the evaluation of capability markers.
 
-Nothing here imports torch, triton or flashinfer at module import time, and nothing touches CUDA
-until :func:`probe` is first called (at collection time or later, never at plugin import). The
-probe runs once per process and is cached; under pytest-xdist each worker probes once, after the
-plugin has pinned that worker to its GPU (see ``xdist_gpu``).
+Here "capabilities" are the machine's (:class:`Capabilities`: GPU, compute capability, CUDA, torch,
+Triton and FlashInfer versions). An implementation's "capabilities" (``pack``, ``page_split``,
+``sparse_mla_forward``: ``implementations.CAPABILITIES``) are the operations it provides; of this
+module, only the ``sparse_mla_needs`` marker's description refers to those.
 
-Versions are compared with :mod:`packaging` (``Version`` / ``SpecifierSet``), never as strings:
-comparing CUDA versions lexically ("12.10" < "12.3") is a known anti-pattern (sgl-project/sglang:
-sgl-kernel/tests/test_flashmla.py ``is_sm90_supported``).
-
-Markers (registered by the plugin in ``pytest_configure`` when it is active; namespaced so that a
-project's own ``requires_torch`` marker is never claimed):
+Importing it imports no torch, triton or flashinfer; nothing touches CUDA until :func:`probe` is first
+called (at collection or later), once per process (per xdist worker, after ``xdist_gpu`` pinned its GPU).
+Versions are compared with :mod:`packaging`, never as strings ("12.10" < "12.3" lexically;
+sgl-project/sglang sgl-kernel/tests/test_flashmla.py ``is_sm90_supported``). Markers (registered by
+the plugin when active; namespaced, so a project's own ``requires_torch`` is never claimed):
 
 ==============================================  =============================================
 ``sparse_mla_requires_cuda``                    a CUDA device is visible to torch
@@ -22,10 +21,9 @@ project's own ``requires_torch`` marker is never claimed):
 ``sparse_mla_requires_flashinfer(spec="")``     flashinfer-python is installed (and matches)
 ==============================================  =============================================
 
-FlashInfer's own gate for the SM120 sparse-MLA kernels is compute capability 12.x with CUDA >= 12.8
-(flashinfer-ai/flashinfer: flashinfer/utils.py ``is_sm120a_supported`` / ``is_sm12x_supported``),
-so an SM120 test is typically marked ``sparse_mla_requires_sm("==12.*")`` and
-``sparse_mla_requires_cuda_version(">=12.8")``.
+FlashInfer gates its SM120 sparse-MLA kernels on compute capability 12.x with CUDA >= 12.8
+(flashinfer-ai/flashinfer: flashinfer/utils.py ``is_sm120a_supported`` / ``is_sm12x_supported``), so
+an SM120 test is marked ``sparse_mla_requires_sm("==12.*")`` and ``sparse_mla_requires_cuda_version(">=12.8")``.
 """
 
 from __future__ import annotations

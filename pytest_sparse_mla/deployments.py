@@ -1,8 +1,8 @@
 """DeepSeek-V4 deployment shapes as data: which sparse-MLA calls real servers make per rank.
 
-Pure data plus :meth:`Deployment.config`; no torch. Every shape is what FlashInfer's SM120
-sparse-MLA backend sees on one tensor-parallel rank, after SGLang's page split (256-token pool
-pages -> 64-token pages for the main/SWA cache):
+Pure data plus :meth:`Deployment.config` (a :class:`~pytest_sparse_mla.dispatch.SparseMlaConfig`);
+no torch. Every shape is what FlashInfer's SM120 backend sees on one tensor-parallel rank, after
+SGLang's page split (256-token pool pages -> 64-token pages for the main/SWA cache):
 
 ==========================  =======  =====  =====================  =================================
 layer (cache role)          heads    topk   page_block_size        extra cache (topk_extra @ page)
@@ -14,27 +14,14 @@ DSpark draft                64 / TP  192    64                     none
 DSpark draft, SGLang pad    64       192    64                     none
 ==========================  =======  =====  =====================  =================================
 
-H = 64 for DeepSeek-V4-Flash, 128 for DeepSeek-V4-Pro; TP in {1, 2, 4, 8}. The C128 extra
-index row is dense over all compressed positions, so its width is the compressed length of the
-longest sequence (runtime in every release); 512 stands for a 64K-token context
-(65,536 / 128). The DSpark draft (V4-Flash only) is window-only: 128 window entries + a 5-token
-draft block padded to a multiple of 64 = 192; SGLang pads its query to 64 heads when the rank
-owns fewer (``_PAD_NUM_HEADS = 64``), other integrations pass the exact local heads.
-
-Sources:
-
-* heads: V4-Flash 64 (the deepseek-ai/DeepSeek-V4-Flash model config as reported by public
-  config validators; SGLang pads per-rank queries to 64, sgl-project/sglang PR #27954); V4-Pro
-  128 (PR #27954, "128 / TP4 = 32"); per rank ``n_local_heads = n_heads // attn_tp_size``
-  (sgl-project/sglang ``python/sglang/srt/models/deepseek_v4.py``).
-* SWA width 128, C4 ``c4_sparse_topk`` 512, C128 dense width, compressed page ``page_size //
-  compress_ratio`` (sgl-project/sglang ``python/sglang/srt/layers/attention/compressed/
-  metadata.py``); pool page 256 split to 64 (sgl-project/sglang PR #27455).
-* DSpark: window 128 + block -> 192 (sgl-project/sglang #33943, #34717; flashinfer-ai/flashinfer
-  PR #4380: "133 active entries padded to 192"); ``_PAD_NUM_HEADS = 64``
-  (sgl-project/sglang ``python/sglang/srt/models/deepseek_v4_dspark.py``); reported failing
-  shapes: 64 heads at TP2 (sgl-project/sglang #33134), 16 at TP4 (#34717), 32 at TP2 (#33943);
-  gamma 5 -> 6 tokens per request in decode (#33407).
+H = 64 (DeepSeek-V4-Flash) or 128 (DeepSeek-V4-Pro); TP in {1, 2, 4, 8}; C128's 512 stands for a
+64K-token context. Sources: heads, deepseek-ai/DeepSeek-V4-Flash config and sgl-project/sglang PR
+#27954, ``n_local_heads = n_heads // attn_tp_size`` (``python/sglang/srt/models/deepseek_v4.py``);
+widths and compressed pages (``page_size // compress_ratio``), ``python/sglang/srt/layers/attention/
+compressed/metadata.py``; page split, PR #27455; DSpark 192 and ``_PAD_NUM_HEADS = 64``,
+sgl-project/sglang #33943, #34717 and ``python/sglang/srt/models/deepseek_v4_dspark.py``,
+flashinfer-ai/flashinfer PR #4380. Derivations and the reported failing shapes:
+``docs/design/flashinfer-dispatch.md``.
 """
 
 from __future__ import annotations
@@ -53,7 +40,7 @@ __all__ = [
     "deployments",
 ]
 
-#: total query heads per model (see the module docstring for sources).
+#: total query heads per model (sources in the module docstring).
 MODELS: dict[str, int] = {"DeepSeek-V4-Flash": 64, "DeepSeek-V4-Pro": 128}
 #: attention tensor-parallel sizes covered.
 TENSOR_PARALLEL_SIZES = (1, 2, 4, 8)

@@ -1,69 +1,29 @@
 """Packed FP8 (and FP4) paged KV-cache formats: byte geometry, quantize + pack, unpack + dequantize,
 tensor forms.
 
-Four record formats (sources: deepseek-ai/FlashMLA ``tests/quant.py``; flashinfer-python 0.7.4
-``include/flashinfer/attention/sparse_mla_sm120/model/kv_cache_traits.cuh``; sgl-project/sglang
-``python/sglang/srt/mem_cache/deepseek_v4_memory_pool.py``):
+Record formats (:data:`FORMATS`; sizes in bytes per token; a page holds ``ps`` = ``page_block_size``):
 
-**DSV4** (DeepSeek-V4, FlashInfer model type 1), 584 bytes/token, *footer* layout. A page of
-``ps`` tokens (``ps`` = ``page_block_size``) holds:
+* ``dsv4`` (DeepSeek-V4), 584, *footer* layout: ``[0, ps*576)`` token data (slot ``t``: 448 E4M3 NoPE
+  codes, 64 BF16 RoPE values), ``[ps*576, ps*584)`` scales (slot ``t``: 7 UE8M0 bytes, one per 64
+  NoPE values, + 1 pad byte), then optional padding. Row ``t`` of a ``[.., ps, 584]`` view is *not*
+  token ``t``'s record.
+* ``dsv3_2`` (DeepSeek-V3.2), 656, *inline*: 512 E4M3 NoPE codes, 4 fp32 scales (per 128), 64 BF16 RoPE.
+* ``dsv4_1_swa`` (528: 512 E4M3 codes, 16 UE8M0 scales per 32) and ``dsv4_1_indexed`` (288: 512 E2M1
+  codes two per byte, 32 E4M3 scales per 16), DeepSeek-V4.1 inline records; an attention call's
+  ``fmt="dsv4_1"`` (:data:`CALL_FORMATS`) reads SWA records in the main cache, indexed in the extra.
 
-* bytes ``[0, ps*576)``: token data; slot ``t`` owns ``[t*576, t*576+576)`` = 448 E4M3 NoPE codes,
-  then 64 little-endian BF16 RoPE values (128 bytes);
-* bytes ``[ps*576, ps*584)``: scale footer; slot ``t`` owns the 8 bytes at ``ps*576 + t*8``: 7 UE8M0
-  exponent bytes (one per group of 64 NoPE values), then 1 pad byte that nothing reads;
-* bytes ``[ps*584, page_stride)``: optional page padding, never read.
+Scales are powers of two (``scale_rule`` ``"flashmla"``, ``"sglang"``, ``"dsv4_1"``; UE8M0 byte
+``127 + log2(s)``), codes ``float8_e4m3fn(clamp(x/s, -448, 448))``. Page strides: ``"tight"``
+(``ps*B``), ``"padded"`` (FlashMLA/SGLang) or bytes. Tensor forms (:data:`FORMS`, uint8): ``"2d"``
+``[P, ps*B]``, ``"3d"`` ``[P, ps, B]``, ``"hnd"`` ``[P, 1, ps, B]``, ``"nhd"`` ``[P, ps, 1, B]``
+(rules: :func:`parse_cache`); flat token index ``page * ps + slot``. :func:`quantize_pack` raises
+``ValueError`` on non-finite input; :func:`unpack_dequantize` decodes any bytes.
 
-Sources: flashinfer-ai/flashinfer ``include/flashinfer/attention/sparse_mla_sm120/model/kv_cache_traits.cuh``
-(DSV4 comment block; ``BYTES_PER_TOKEN == 584``) and ``common/kv_cache_io.cuh``
-(``io_bulk_gather_tile`` / ``io_gather_scales``). The ``[.., ps, 584]`` shape is cosmetic: row ``t``
-of that view is *not* token ``t``'s record.
-
-**DSV3.2**, 656 bytes/token, *inline* layout: each token's record is contiguous: 512 E4M3 NoPE codes,
-4 little-endian fp32 power-of-two scales (groups of 128), 64 BF16 RoPE values
-(deepseek-ai/FlashMLA README and ``flash_mla/flash_mla_interface.py`` docstring).
-
-**DeepSeek-V4.1 records** (flashinfer-python 0.7.2.post1 ``flashinfer/experimental/b12x/attention/
-_shared/mla/compressed_reference.py``, ``pack_deepseek_v41_cache_reference``; pages are ``ps *
-record`` bytes with records in token order, inline like DSV3.2):
-
-* ``dsv4_1_swa``, 528 bytes/token: 512 E4M3 codes (NoPE and RoPE alike), then 16 UE8M0 scale bytes,
-  one per group of 32 values, ``s = 2**ceil(log2(max(amax, 1e-4) / 448))`` (``scale_rule="dsv4_1"``);
-* ``dsv4_1_indexed``, 288 bytes/token: 512 E2M1 (FP4) codes packed two per byte, the even element
-  in the low nibble (256 bytes; round to nearest, ties to even, signed zero kept, magnitudes above
-  6 saturate), then 32 E4M3 scale bytes, one per group of 16, ``s = e4m3(min(max(amax, 6 *
-  2**-9) / 6, 448))``, codes of ``x / s``.
-
-An attention call's ``fmt="dsv4_1"`` (:data:`CALL_FORMATS`) reads SWA records in the main cache and
-indexed records in the extra cache, as FlashInfer's reference (``cache_format="deepseek_v41"``)
-pairs them.
-
-Scale rule (writer side): per token and NoPE group, ``s = 2**ceil(log2(max(amax/448, 1e-4)))``
-(``scale_rule="flashmla"``: deepseek-ai/FlashMLA ``tests/quant.py``; FlashInfer
-``tests/attention/sparse_mla_test_utils.py`` ``quantize_kv_dsv4``) or SGLang's
-``s = 2**ceil(log2(max(amax, 1e-8)/448))`` (``scale_rule="sglang"``: sgl-project/sglang
-``python/sglang/kernels/ops/attention/dsv4/quant_k_cache.py``). The ceiling is computed exactly
-from the fp32 value of ``amax/448`` with ``frexp`` (no floating ``log2``), so values just above a
-power of two get the next exponent. Codes are ``float8_e4m3fn(clamp(x/s, -448, 448))``, rounded to
-nearest even by torch's cast. The UE8M0 byte is ``127 + log2(s)``.
-
-Page strides: ``"tight"`` = ``ps * bytes_per_token``; ``"padded"`` = the FlashMLA/SGLang convention,
-for DSV4 ``ceil(ps*584/576)*576`` (37,440 B at ps=64, 74,880 at 128, 149,760 at 256; FlashMLA
-``tests/quant.py`` MODEL1 branch, SGLang ``deepseek_v4_memory_pool.py``), for DSV3.2 one extra 656-byte
-row, ``(ps+1)*656`` (FlashMLA ``tests/quant.py`` V32 branch); or an explicit byte count.
-
-Tensor forms (FlashInfer ``csrc/sparse_mla_sm120/attention_validation.h`` ``parse_paged_kv_layout``):
-``"2d"`` ``[P, ps*B]``, ``"3d"`` ``[P, ps, B]``, ``"hnd"`` ``[P, 1, ps, B]``, ``"nhd"`` ``[P, ps, 1, B]``
-(B = bytes per token). Rules: dtype uint8; last dim contiguous; token-axis stride exactly B (DSV4
-footer rows "must stay tightly packed"; DSV3.2 rows may be padded to a 16-byte multiple >= B); page
-stride (``stride(0)``) ``>= ps*B`` and a multiple of 16; data pointer 16-byte aligned. A flat token
-index is ``page * ps + slot``.
-
-Non-finite inputs: :func:`quantize_pack` rejects NaN/inf in the BF16 source with ``ValueError``
-(the FP8 code of a non-finite value is not specified by the FlashMLA/FlashInfer writers, so a
-golden built from it would freeze undefined behaviour), and NoPE values of magnitude ``>= 248 *
-2**120`` (:data:`NOPE_OVERFLOW`), which would quantize to a code that dequantizes to inf.
-:func:`unpack_dequantize` decodes whatever bytes it is given (a 0xFF scale byte decodes to +inf, as in the kernels).
+Sources: deepseek-ai/FlashMLA ``tests/quant.py`` and README; flashinfer-ai/flashinfer
+``include/flashinfer/attention/sparse_mla_sm120/model/kv_cache_traits.cuh``, ``common/kv_cache_io.cuh``,
+``csrc/sparse_mla_sm120/attention_validation.h``; flashinfer-python 0.7.2.post1
+``compressed_reference.py`` (V4.1); sgl-project/sglang ``deepseek_v4_memory_pool.py``,
+``quant_k_cache.py``. Byte offsets, scale formulas, strides: ``docs/design/cache-formats.md``.
 """
 
 from __future__ import annotations
@@ -279,7 +239,7 @@ def page_stride_bytes(fmt: PackedFormat | str, page_block_size: int, stride: Str
     DSV4 padded: ``ceil(ps*584/576)*576`` (1,728 / 37,440 / 74,880 / 149,760 bytes for ps 2 / 64 /
     128 / 256). DSV3.2 padded: ``(ps+1)*656``. V4.1 records: padded is tight, ``ps * 528`` /
     ``ps * 288`` (flashinfer-python 0.7.2.post1 ``pack_deepseek_v41_cache_reference``: pages are
-    ``page_size * record_bytes``). Sources in the module docstring.
+    ``page_size * record_bytes``). Sources: ``docs/design/cache-formats.md``.
 
     Raises:
         ValueError: an explicit stride smaller than ``ps*bytes_per_token`` or not a multiple of 16,
@@ -496,7 +456,7 @@ def as_form(
     """View a ``[num_pages, page_stride]`` uint8 page buffer as a packed cache of ``form``.
 
     The returned view keeps the buffer's page stride. The 2-D form is ``[P, ps*B]`` (a padded
-    buffer stays padded through ``stride(0)``), the others follow the module docstring; a
+    buffer stays padded through ``stride(0)``), the others as in the module docstring; a
     contiguous HND view has a head-axis stride of ``ps*B`` as in FlashInfer's tests
     (``kv_packed.transpose(1, 2).contiguous()``).
 
@@ -540,8 +500,9 @@ def scale_exponents(amax: torch.Tensor, rule: ScaleRule = "flashmla") -> torch.T
         rule: ``"flashmla"``: ``e = ceil(log2(max(amax/448, 1e-4)))`` (smallest ``e`` is -13, UE8M0
             byte 114); ``"sglang"``: ``e = ceil(log2(max(amax, 1e-8)/448))``; ``"dsv4_1"`` (the V4.1
             SWA record): ``e = ceil(log2(max(amax, 1e-4)/448))`` (flashinfer-python 0.7.2.post1
-            ``compressed_reference.py`` ``pack_deepseek_v41_cache_reference``). Sources in the module
-            docstring. ``amax/448`` and the floors are evaluated in fp32, as the writers do.
+            ``compressed_reference.py`` ``pack_deepseek_v41_cache_reference``). Sources:
+            ``docs/design/cache-formats.md``. ``amax/448`` and the floors are evaluated in fp32, as the
+            writers do.
 
     Returns:
         int32 tensor of exponents, same shape; the UE8M0 byte is ``127 + e``.

@@ -9,7 +9,7 @@ tables of the instantiated sets and rules per release family (read from the flas
 wheels' ``flashinfer/mla/_sparse_mla_sm120*.py`` and ``data/csrc/sparse_mla_sm120*``), message templates typed from the
 release sources, and literal error strings as published in public tracebacks (sgl-project/sglang
 #33134, #33985; flashinfer-ai/flashinfer #3828, PRs #3817 and #3896) or printed by the
-releases' own Python code run on CPU (0.6.18, 0.7.0, 0.7.4; see ``dispatch/introspect.py``).
+releases' own Python code run on CPU (0.6.18, 0.7.0, 0.7.4; see ``scripts/flashinfer_introspect.py``).
 The regressions this guards: extra_page_block_size=128 rejected by dual-cache prefill, the head
 envelope changing between releases (8 heads at TP8), topk 256 missing from prefill, topk 192
 missing from decode.
@@ -73,7 +73,7 @@ DECODE_DSV4 = {
 }
 #: DSV3.2 decode pairs, unchanged until 0.7.0: 20 pairs.
 DECODE_DSV3_2 = {(h, k) for h in HEADS for k in (128, 512, 1024, 2048)}
-#: DSV4 single-cache prefill before 0.7.0: heads, topk -> compute mode.
+#: DSV4 single-cache prefill before 0.7.0: heads, topk -> numeric route.
 PREFILL_SINGLE_DSV4 = {
     "0.6.14": ({16, 32, 64, 128}, {128: "BF16", 512: "FP8", 1024: "FP8", 2048: "FP8"}),
     "0.6.18": (
@@ -138,7 +138,7 @@ META_HEADS = (
 def expected(family, model, t, h, k, p, e=0, ep=0):  # type: ignore[no-untyped-def]
     """The release family's behaviour, written from the release sources' control flow.
 
-    Returns ("ok", route, compute_mode, unchecked_page) or ("error", builtin base, message).
+    Returns ("ok", route, numeric_route, unchecked_page) or ("error", builtin base, message).
     """
     d, mt, fam_name, cpp = (512, 1, "dsv4", "DSV4") if model == "DSV4" else (576, 0, "dsv3_2", "DSV3_2")
     dual = e > 0
@@ -231,7 +231,7 @@ def test_cross_product_matches_the_release_rules(release: str) -> None:
             verdict = supports(SparseMlaConfig(model, t, h, k, p, e, ep), release)
             want = expected(family, model, t, h, k, p, e, ep)
             if want[0] == "ok":
-                got = ("ok", verdict.route, verdict.compute_mode, verdict.unchecked_page_size)
+                got = ("ok", verdict.route, verdict.numeric_route, verdict.unchecked_page_size)
                 ok = verdict.supported and got == want and verdict.error_type is None
             else:
                 got = ("error", verdict.error_type, verdict.error_message)
@@ -313,9 +313,9 @@ def test_tp8_prefill_with_8_local_heads_fails_before_0_6_18(release: str) -> Non
 )
 def test_tp8_prefill_with_8_local_heads_works_from_0_6_18(release: str, mode: str) -> None:
     verdict = enforce_grid(release, **TP8_SWA)
-    assert (verdict.supported, verdict.route, verdict.compute_mode) == (True, "prefill_single", mode)
+    assert (verdict.supported, verdict.route, verdict.numeric_route) == (True, "prefill_single", mode)
     dual = enforce_grid(release, **TP8_SWA, topk_extra=512, extra_page_block_size=64)
-    assert (dual.route, dual.compute_mode) == ("prefill_dual", mode)
+    assert (dual.route, dual.numeric_route) == ("prefill_dual", mode)
 
 
 def test_topk_256_prefill_regression() -> None:
@@ -331,7 +331,7 @@ def test_topk_256_prefill_regression() -> None:
     # PR #3834 measured BF16 faster than FP8 at topk 256; PR #4380 shipped it in BF16.
     verdict = enforce_grid("0.6.18", model="DSV4", num_tokens=1024, num_heads=32, topk=256,
                            page_block_size=64)  # fmt: skip
-    assert (verdict.route, verdict.compute_mode) == ("prefill_single", "BF16")
+    assert (verdict.route, verdict.numeric_route) == ("prefill_single", "BF16")
 
 
 def test_dspark_topk_192_prefill_regression() -> None:
@@ -344,7 +344,7 @@ def test_dspark_topk_192_prefill_regression() -> None:
         "model=DSV4 num_heads=64 topk=192 page_block_size=64 topk_extra=0 extra_page_block_size=0"
     )
     verdict = supports(SparseMlaConfig("DSV4", 512, 64, 192, 64), "0.6.18")
-    assert (verdict.route, verdict.compute_mode) == ("prefill_single", "BF16")
+    assert (verdict.route, verdict.numeric_route) == ("prefill_single", "BF16")
 
 
 @pytest.mark.parametrize(
@@ -395,7 +395,7 @@ def test_extra_page_128_dual_prefill_is_rejected_until_0_7_1(release: str, messa
 @pytest.mark.parametrize("release", ["0.7.1", "0.7.2", "0.7.2.post1", "0.7.4"])
 def test_extra_page_128_dual_prefill_works_from_0_7_1(release: str) -> None:
     verdict = enforce_grid(release, **C4_EXTRA_128)
-    assert (verdict.route, verdict.compute_mode) == ("prefill_dual", "QkBF16PvFP8")
+    assert (verdict.route, verdict.numeric_route) == ("prefill_dual", "QkBF16PvFP8")
 
 
 @pytest.mark.parametrize("release", ["0.6.17", "0.6.18", "0.7.0", "0.7.4"])
@@ -419,7 +419,7 @@ def test_routing_uses_the_primary_topk_not_the_extra_width() -> None:
     assert supports(SparseMlaConfig("DSV4", 1, 64, 128, 64, 2048, 2), "0.6.17").route == "decode"
     # dual prefill needs topk == 128; topk_extra=512 would have meant FP8 single-cache.
     verdict = supports(SparseMlaConfig("DSV4", 65, 64, 128, 64, 512, 64), "0.6.17")
-    assert (verdict.route, verdict.compute_mode) == ("prefill_dual", "BF16")
+    assert (verdict.route, verdict.numeric_route) == ("prefill_dual", "BF16")
     # topk=512 with an extra width of 128: rejected although 128 is the instantiated width.
     verdict = supports(SparseMlaConfig("DSV4", 65, 64, 512, 64, 128, 64), "0.6.17")
     assert verdict.error_message == cpp_prefill("DSV4", 64, 512, 64, 128, 64)
@@ -432,7 +432,7 @@ def test_routing_uses_the_primary_topk_not_the_extra_width() -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# Texts printed by the releases' own Python code (run on CPU; see introspect.py).
+# Texts printed by the releases' own Python code (run on CPU; see scripts/flashinfer_introspect.py).
 
 
 def test_0_6_18_decode_miss_text() -> None:
@@ -577,20 +577,43 @@ def test_verdict_to_dict_is_json() -> None:
     assert data["supported"] is False
     assert (data["error_type"], data["error_base"]) == ("InternalError", "RuntimeError")
     assert data["config"]["num_heads"] == 8
+    assert "compute_mode" not in data and data["numeric_route"] is None
+    served = supports(SparseMlaConfig("DSV4", 65, 16, 128, 64), "0.6.17").to_dict()
+    assert (served["route"], served["numeric_route"]) == ("prefill_single", "BF16")
+
+
+def test_verdict_compute_mode_is_a_deprecated_alias_of_numeric_route() -> None:
+    """``Verdict.compute_mode`` and ``COMPUTE_MODES`` keep working (the grid's word is now
+    ``numeric_route``: an implementation's ``compute_mode`` is a tolerance profile)."""
+    from pytest_sparse_mla import dispatch
+
+    verdict = supports(SparseMlaConfig("DSV4", 65, 16, 2048, 64), "0.6.17")
+    with pytest.warns(DeprecationWarning, match="Verdict.numeric_route"):
+        assert verdict.compute_mode == verdict.numeric_route == "FP8"
+    assert dispatch.COMPUTE_MODES is dispatch.NUMERIC_ROUTES == ("BF16", "FP8", "QkBF16PvFP8")
 
 
 def test_grid_package_imports_no_torch() -> None:
-    """The grid is pure Python: importing it in a fresh interpreter pulls in no torch."""
+    """The grid is pure Python: importing it in a fresh interpreter pulls in no torch. The CI tool
+    ``scripts/flashinfer_introspect.py`` imports none either, and the package neither ships it nor
+    imports it."""
     import subprocess
     import sys
+    from pathlib import Path
 
+    tool = Path(__file__).resolve().parents[1] / "scripts" / "flashinfer_introspect.py"
     code = (
-        "import sys, pytest_sparse_mla.dispatch, pytest_sparse_mla.dispatch.report, "
-        "pytest_sparse_mla.dispatch.introspect, "
-        "pytest_sparse_mla.deployments; print('torch' in sys.modules, 'flashinfer' in sys.modules)"
+        "import importlib.util, sys, pytest_sparse_mla.dispatch, pytest_sparse_mla.dispatch.report, "
+        "pytest_sparse_mla.deployments; "
+        "shipped = importlib.util.find_spec('pytest_sparse_mla.dispatch.introspect') is not None; "
+        "loaded = any('introspect' in name for name in sys.modules); "
+        f"spec = importlib.util.spec_from_file_location('flashinfer_introspect', {str(tool)!r}); "
+        "module = importlib.util.module_from_spec(spec); sys.modules['flashinfer_introspect'] = module; "
+        "spec.loader.exec_module(module); "
+        "print('torch' in sys.modules, 'flashinfer' in sys.modules, shipped, loaded)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["False", "False"]
+    assert out.stdout.split() == ["False", "False", "False", "False"]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -79,7 +79,7 @@ def test_v41_cross_product_matches_the_release_rules(release: str) -> None:
                             v = supports(SparseMlaConfig(model, t, h, k, p, e, ep), release)
                             want = expected(model, t, h, k, p, e)
                             if want[0] == "ok":
-                                got: tuple = ("ok", v.route, v.compute_mode)
+                                got: tuple = ("ok", v.route, v.numeric_route)
                                 ok = v.supported and got == want
                             else:
                                 got = ("error", v.error_type, v.error_message)
@@ -158,4 +158,4 @@ def test_the_reference_refuses_v41_under_a_release_without_it_and_fp4_as_the_mai
 def test_enforce_grid_accepts_the_v41_models() -> None:
     verdict = enforce_grid("0.7.4", model="DSV4_1_INLINE", num_tokens=65, num_heads=64, topk=512,
                            page_block_size=64, topk_extra=512, extra_page_block_size=2)  # fmt: skip
-    assert (verdict.route, verdict.compute_mode) == ("prefill_dual", "FP8")
+    assert (verdict.route, verdict.numeric_route) == ("prefill_dual", "FP8")

@@ -4,8 +4,8 @@ rejected from 0.7.0 (flashinfer ``mla/_sparse_mla_sm120.py`` lines 360-365 in 0.
 
 Expected texts are written out here from the releases' sources, not read back from the grid.
 The ``flashinfer-*`` tox lanes additionally run each release's own routing on the CPU with stubbed
-kernels (``introspect.compare_python_routing``), which records whether the extra cache reached the
-kernel.
+kernels (``compare_python_routing`` of ``scripts/flashinfer_introspect.py``), which records whether
+the extra cache reached the kernel.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ an implementation that declares ``flashinfer_release`` is judged by ``suites/tes
   with the reason otherwise). Reads the release's own tables (0.6.x frozensets, 0.7.x envelopes,
   ``supported_sparse_mla_sm120_configs()``, the 0.7.0 planner predicates), its C++ sources and
   message builders, and runs its 0.6.x Python routing with stubbed kernels
-  (:mod:`pytest_sparse_mla.dispatch.introspect`). A mismatch fails naming every differing cell.
+  (``scripts/flashinfer_introspect.py``, a CI tool of the checkout). A mismatch fails naming every
+  differing cell.
 * ``test_comparator_*``: CPU self-tests of the comparison itself on hand-made fake modules (no
   FlashInfer needed), so a drift is proven to be reported cell by cell.
 * ``test_sm120_kernel_probe``: on SM120/SM121 hardware only, calls the real kernel on tiny
@@ -22,9 +23,12 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+from scripts_loader import load_script
 
 from pytest_sparse_mla import deployments
-from pytest_sparse_mla.dispatch import SparseMlaConfig, introspect, release_family, supports
+from pytest_sparse_mla.dispatch import SparseMlaConfig, release_family, supports
+
+introspect = load_script("flashinfer_introspect")
 
 HEADS = (8, 16, 32, 64, 128)
 

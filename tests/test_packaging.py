@@ -118,6 +118,7 @@ def test_the_sdist_holds_the_tests_and_everything_they_need(tmp_path: Path) -> N
     expected = {
         "LICENSE", "README.md", "pyproject.toml", "conftest.py", "tox.ini", ".ci/run",
         "pytest_sparse_mla/py.typed", "examples/downstream/pyproject.toml",
+        "scripts/flashinfer_introspect.py",  # a CI tool the tests load (tests/scripts_loader.py)
     }  # fmt: skip
     expected |= {p.relative_to(ROOT).as_posix() for p in (ROOT / "tests").glob("*.py")}
     expected |= {p.relative_to(ROOT).as_posix() for p in (ROOT / "suites").glob("*.py")}

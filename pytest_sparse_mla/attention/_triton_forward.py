@@ -1,70 +1,26 @@
 """Triton kernels of the bundled reference sparse-MLA forward (``backend="triton"``): two launches.
 
 Import this module through ``attention.reference.triton_forward_module`` (``sparse_mla_forward``
-does), which sets ``TRITON_INTERPRET=1`` first when no CUDA device exists; Triton decides at
-decoration time whether a kernel is compiled or interpreted (triton ``runtime/jit.py`` ``jit``).
+does), which sets ``TRITON_INTERPRET=1`` first when no CUDA device exists (``INTERPRETED``).
 
-:func:`sparse_mla` runs the whole forward in two kernel launches, with no host synchronisation and
-no host decision on device values, so a call can be captured in a CUDA graph:
+:func:`sparse_mla` (shapes, dtypes and units in its docstring) runs the forward in two launches,
+with no host synchronisation and no host decision on device values, so a call can be captured in a
+CUDA graph:
 
-1. ``_table_kernel`` dequantizes both packed caches into one BF16 table (main rows, extra rows,
-   then one all-zero row that every invalid lane names), exactly as ``formats.unpack_dequantize``:
-   NoPE element ``i`` is ``e4m3(code) * scale`` in fp32 (DSV4: ``2**(byte - 127)`` per 64 elements;
-   DSV3.2: an fp32 scale per 128), RoPE values are the stored BF16 bits. A DSV4 value (an E4M3
-   code, 4 significant bits, times a power of two, or a BF16 RoPE value) is exactly a BF16 number,
-   so the table is one BF16 piece (values below BF16's subnormal step 2**-133, only from UE8M0
-   bytes 0-2, which no packer writes, are rounded). A DSV3.2 value is split into three BF16
-   pieces ``hi + mid + lo`` by masking the low 16 bits of the fp32 (24 significant bits in three
-   pieces of 8: exact; non-finite values keep ``hi`` only). Its work is proportional to the
-   caches' token count (one read of each packed row, one BF16 row written).
-2. ``_attention_kernel``: one program per (token, group of 16 heads), head group fastest so the
-   programs of one token run side by side and share its rows in L2. It walks the main index row
-   and then the extra row in tiles of 64 lanes, decides each lane's validity itself (index ``>=
-   0``, position ``< clamp(topk_length, 0, topk)``, index below the cache's token count; an index
-   past the cache is counted per token in ``out_of_range`` and skipped), runs the online softmax,
-   and finalises before it stores.
+1. ``_table_kernel`` dequantizes both packed caches exactly as ``formats.unpack_dequantize`` into one
+   BF16 table (:func:`dequantize_table`: main rows, extra rows, then one zero row that every invalid
+   lane reads); a DSV4 value is one BF16 piece, a DSV3.2 value three (``hi + mid + lo``, exact).
+2. ``_attention_kernel``: one program per (token, group of 16 heads) walks the main then the extra
+   index row in tiles of :data:`LANE_TILE` lanes, decides each lane's validity (index ``>= 0``,
+   position ``< clamp(topk_length, 0, topk)``, index below the cache's token count; an index past
+   the cache is counted in ``out_of_range`` and skipped), runs the online softmax in natural-log
+   units and finalises (sink, FlashInfer or FlashMLA LSE).
 
-Arithmetic: fp32 results from BF16 tensor cores with exact products.
-
-* Scores ``s = sm_scale * sum_pieces q @ K_piece^T``: BF16 x BF16 products are exact; the tensor
-  cores accumulate them in fp32.
-* The fp32 probabilities are split into three BF16 pieces, ``p = p1 + p2 + p3`` exactly: ``p1`` is
-  ``p`` with its low 16 bits cleared, ``p2`` the same cut of ``p - p1``, ``p3`` the rest (8
-  significant bits each; below 2**-126 the last piece drops bits under 2**-133), and
-  ``acc += p1 @ V + p2 @ V + p3 @ V`` (DSV3.2: the six piece products of total order <= 2).
-  So every product computed is exact and only the fp32 accumulation rounds (the DSV3.2 pieces and
-  products left out are below 2**-24 relative). Measured on an H200 at T=64 and T=4096 (H=64,
-  topk 128 + 512, 8 tokens checked): fp32 output within 4.3e-8 absolute, 2.0e-6 relative (norm),
-  of the float64 oracle, LSE within 1.5e-6 absolute (``docs/benchmarks.md``), against the 1e-5
-  target.
-* On the CPU interpreter (``INTERPRETED``) the E4M3 decode is done with integer operations and the
-  dots in fp32 (the interpreter's BF16 dot and fp32 -> BF16 conversion are not IEEE); the values
-  are the same.
-
-Online softmax, per program, in natural-log units:
-
-* a valid lane reads its table row, an invalid lane the zero row (so bytes of masked or
-  unreferenced slots never enter any arithmetic) and gets score ``-inf``;
-* ``m' = max(m, max s)``, shift ``max(m', fp32 lowest)`` (so a row with no valid lane yet never
-  computes ``-inf - -inf``), ``alpha = exp(m - shift)``, ``p = exp(s - shift)``,
-  ``l = alpha l + sum p``, ``acc = alpha acc + p @ V``;
-* a tile with no valid lane gives ``m' = m``, ``alpha = 1`` (or 0 on an all-zero state) and
-  ``p = 0`` exactly and reads only zero rows, so ``m``, ``l`` and ``acc`` stay bit-for-bit
-  unchanged: padding an index row with ``-1`` (to any width) changes nothing;
-* every block shape is a constant, so a head's arithmetic is the same whatever ``num_heads`` is
-  (each output row of a tensor-core product reads only its own query row and ``p`` row), and a
-  token's whatever the other tokens are.
-
-DSV4 (one piece, ``d_qk == d_v``): each gathered 64 x 512 key tile is loaded once and is the value
-tile too (``V = K``). DSV3.2 (RoPE dims past ``d_v``, three pieces): the scores are summed over
-64-dim chunks and the value pieces are loaded one at a time, so shared memory stays bounded.
-
-Finalisation: ``out = acc / l`` (``l == 0``: 0), times ``sigmoid(lse - sink) = 1 / (1 + exp(sink
-- lse))`` with a sink (0 for an empty row, so a ``-inf`` sink never gives NaN), ``lse = m +
-log(l)`` (``-inf`` for an empty row); FlashInfer LSE ``logaddexp(lse, sink) * log2(e) *
-lse_scale``, FlashMLA LSE ``lse`` (``+inf`` for an empty row). The BF16 output is the fp32 output
-rounded to nearest even with integer operations (as torch's ``.to(torch.bfloat16)``), so
-``output == output_fp32.to(torch.bfloat16)`` bit for bit on every backend.
+Arithmetic: BF16 tensor-core products that are exact (probabilities split into three BF16 pieces)
+and fp32 accumulation, so results stay within the 1e-5 target of the float64 oracle. Padding an
+index row with ``-1`` changes nothing bit for bit, a head's arithmetic does not depend on
+``num_heads`` (fixed :data:`DEFAULT_CONFIG`), and ``output == output_fp32.to(torch.bfloat16)``.
+Derivations, the online-softmax steps and H200 measurements: ``docs/design/reference-kernel.md``.
 """
 
 from __future__ import annotations

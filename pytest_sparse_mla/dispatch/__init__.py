@@ -6,16 +6,21 @@ Public API (pure Python; nothing here imports torch or flashinfer)::
 
     verdict = supports(SparseMlaConfig("DSV4", num_tokens=65, num_heads=8, topk=128,
                                        page_block_size=64), "0.6.17")
-    verdict.supported, verdict.route, verdict.compute_mode, verdict.reason
+    verdict.supported, verdict.route, verdict.numeric_route, verdict.reason
     verdict.error_type, verdict.error_message          # exact upstream type and text
 
     enforce_grid("0.6.17", model="DSV4", num_tokens=65, num_heads=8, topk=128,
                  page_block_size=64)                   # raises InternalError (a RuntimeError)
 
 Modules: ``grid`` (config, verdicts, the per-release control flow over ``grids.json``),
-``errors`` (mirrored exception types and the exact texts per release), ``introspect`` (compare
-an installed FlashInfer with the bundled grids; CPU only), ``report`` (DeepSeek-V4 deployment
-coverage; console script ``sparse-mla-deployments`` and ``--sparse-mla-deployment-report``).
+``errors`` (mirrored exception types and the exact texts per release), ``report`` (DeepSeek-V4
+deployment coverage; console script ``sparse-mla-deployments`` and ``--sparse-mla-deployment-report``).
+Comparing an installed FlashInfer with the bundled grids is a CI tool of the checkout, not part of
+this package: ``scripts/flashinfer_introspect.py``.
+
+``numeric_route`` (:data:`NUMERIC_ROUTES`) is FlashInfer's prefill ``NumericRoute``, not an
+implementation's ``compute_mode`` (a tolerance profile); ``Verdict.compute_mode`` and
+``COMPUTE_MODES`` are its deprecated aliases. Design notes: ``docs/design/flashinfer-dispatch.md``.
 """
 
 from pytest_sparse_mla.dispatch.errors import (
@@ -29,6 +34,7 @@ from pytest_sparse_mla.dispatch.errors import (
 )
 from pytest_sparse_mla.dispatch.grid import (
     COMPUTE_MODES,
+    NUMERIC_ROUTES,
     ROUTES,
     GridFamily,
     SparseMlaConfig,
@@ -44,6 +50,7 @@ from pytest_sparse_mla.dispatch.grid import (
 
 __all__ = [
     "COMPUTE_MODES",
+    "NUMERIC_ROUTES",
     "ROUTES",
     "GridFamily",
     "IgnoredExtraCacheWarning",

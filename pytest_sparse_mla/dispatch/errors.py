@@ -2,43 +2,24 @@
 
 Pure Python (no torch, no flashinfer). The classes mirror the types FlashInfer raises, so serving
 code written as ``except RuntimeError`` / ``except ValueError`` behaves the same against
-:func:`pytest_sparse_mla.dispatch.enforce_grid` as against the real SM120 sparse-MLA backend.
+:func:`pytest_sparse_mla.dispatch.enforce_grid` as against the real SM120 sparse-MLA backend:
 
-* :class:`InternalError` mirrors a C++ ``TVM_FFI_ICHECK*`` failure, tvm-ffi error kind
-  ``InternalError`` (apache-tvm-ffi ``include/tvm/ffi/error.h``). Python sees
-  ``tvm.error.InternalError`` (a ``RuntimeError`` subclass) when apache-tvm registered that kind,
-  as in the public tracebacks of sgl-project/sglang #33134 and flashinfer-ai/flashinfer PR #3817;
-  with apache-tvm-ffi alone the kind is unregistered and the error is a plain ``RuntimeError``
-  (``ERROR_NAME_TO_TYPE.get(kind, RuntimeError)`` in tvm_ffi ``cython/error.pxi``; checked with
-  apache-tvm-ffi 0.1.15.post2). Both are ``RuntimeError``, so this class subclasses
-  ``RuntimeError``; ``str(error)`` is the check text.
-* :class:`UnsupportedShapeError` mirrors the builtin ``ValueError`` raised by FlashInfer's Python
-  layer: ``flashinfer/mla/_sparse_mla_sm120.py`` (0.6.18, 0.7.0) and
-  ``flashinfer/mla/_sparse_mla_sm120/_prepared.py`` (0.7.1+).
+* :class:`InternalError` (a ``RuntimeError``) mirrors a failed C++ ``TVM_FFI_ICHECK*``, tvm-ffi
+  error kind ``InternalError`` (apache-tvm-ffi ``include/tvm/ffi/error.h``); ``str(error)`` is the
+  check text.
+* :class:`UnsupportedShapeError` (a ``ValueError``) mirrors the builtin ``ValueError`` of
+  FlashInfer's Python layer (``flashinfer/mla/_sparse_mla_sm120.py`` in 0.6.18 and 0.7.0,
+  ``flashinfer/mla/_sparse_mla_sm120/_prepared.py`` from 0.7.1).
 
-Both derive from :class:`SparseMlaGridError`, so a test can tell "the enforced grid rejected it"
-from other failures without losing the upstream type. :class:`UnsupportedReleaseError` (a
-``ValueError``) is this package's own: the release has no SM120 sparse-MLA grid here.
+Both derive from :class:`SparseMlaGridError`, whose ``release`` and ``config`` carry the context.
+:class:`UnsupportedReleaseError` (a ``ValueError``) is this package's own: the release has no SM120
+sparse-MLA grid here. The warnings flag calls a release accepts but mishandles.
 
-Texts (fields and order as each release prints them; :data:`ERROR_TEMPLATES` lists them):
-
-* 0.6.14-0.6.17, decode-sized miss: the call falls through to the prefill-only orchestrator,
-  ``Check failed: num_tokens > 64 (T vs. 64) : Decode (num_tokens <= 64) must go through
-  sparse_mla_sm120_decode_dsv3_2 or sparse_mla_sm120_decode_dsv4; got num_tokens=T``.
-* 0.6.14-0.6.18, prefill miss: ``Check failed: (ok) is false: Unsupported sparse-MLA prefill
-  configuration: model=DSV4 num_heads=H topk=K page_block_size=P topk_extra=E
-  extra_page_block_size=EP``; 0.7.0 appends `` variant=V``; 0.7.1 removed the text.
-* 0.6.18, decode-sized miss: ``SM120 sparse-MLA has no decode kernel for this shape:
-  num_tokens=T, num_heads=H, topk=K, d_qk=D, page_block_size=P, model_type=<int>,
-  extra_topk=E. Supported decode shapes are enumerated in _DECODE_DSV4_DISPATCH and
-  _DECODE_DSV3_2_DISPATCH.``
-* 0.7.0+, any miss: the same prefix with ``model_type=<family>``, then ``Mismatch: <reasons>.``
-  and a pointer to ``supported_sparse_mla_sm120_configs()``.
-* 0.7.1+, ``num_heads > 128``: the C++ metadata check ``unsupported tokens/heads``
-  (``attention_validation.h``), re-raised as ``ValueError`` by ``_prepared.validate_metadata``.
-
-Source of every text: the flashinfer-python wheels (paths above); the 0.6.18 and 0.7.x Python
-texts were also produced by running those releases' own code on CPU (``introspect.py``).
+:data:`ERROR_TEMPLATES` lists every text per release family; the functions below build them, each
+naming its upstream statement. Source of every text: the flashinfer-python wheels; the 0.6.18 and
+0.7.x Python texts were also produced by running those releases' own code on CPU
+(``scripts/flashinfer_introspect.py``). Which release prints which text, and why a C++ check
+surfaces as a ``RuntimeError``: ``docs/design/flashinfer-dispatch.md``.
 """
 
 from __future__ import annotations

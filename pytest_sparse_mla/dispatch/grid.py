@@ -1,61 +1,25 @@
 """FlashInfer SM120 sparse-MLA dispatch grids by release: ``supports()`` and ``enforce_grid()``.
 
-Pure Python: no torch, no flashinfer. The data is the package file ``dispatch/grids.json`` (one
-entry per release family); this module holds the control flow each family applies to it, because
-that flow changed between releases:
+Pure Python (no torch, no flashinfer). :func:`supports` judges a :class:`SparseMlaConfig` (counts in
+tokens and heads) on a release and returns a :class:`Verdict`: ``route`` (:data:`ROUTES`) and
+``numeric_route`` (:data:`NUMERIC_ROUTES`, FlashInfer's ``NumericRoute``), or the exact error type
+and text that release raises. :func:`enforce_grid` raises that error (``InternalError``, a
+``RuntimeError``, or ``UnsupportedShapeError``, a ``ValueError``; :mod:`.errors`).
 
-``fixed_grid`` (0.6.14-0.6.17, 0.6.18)
-    Decode iff ``num_tokens <= 64``, ``page_block_size == 64`` and ``(num_heads, topk)`` is in the
-    exact instantiated set (``_DECODE_DSV4_DISPATCH``). Anything else goes to the C++
-    prefill-only orchestrator, which checks ``num_heads <= 128``, then (0.6.14-0.6.17) aborts a
-    decode-sized call with ``Check failed: num_tokens > 64``; 0.6.18 raises a Python
-    ``ValueError`` for a decode-sized miss first. Prefill (``num_tokens > 64``) is a fixed
-    single-/dual-cache grid; a miss is ``Unsupported sparse-MLA prefill configuration``. The main
-    prefill page size is *not checked* (kernels are compiled for 64): such a verdict is supported
-    with ``unchecked_page_size=True`` (INFERRED: silently mis-addressed), never an error.
-``planner`` (0.7.0)
-    Decode envelope ``num_tokens <= 64``, ``1 <= num_heads <= 128``, ``topk >= 1``, page 64;
-    prefill serves any ``num_tokens`` for dedicated heads and ``topk % 64 == 0``. Decode first,
-    else prefill, else the ``ValueError`` with a ``Mismatch:`` part. The dual-cache extra page
-    size {2, 64} is checked only in C++ (``... variant=3``).
-``resolver`` (0.7.1 and later)
-    As the planner, but main and extra page sizes are runtime values (any positive), the C++
-    prefill text is gone, and ``num_heads > 128`` fails the C++ metadata check first.
-
-DeepSeek-V4.1, from 0.7.1. A main cache of 528-byte SWA records, an extra cache of the same records
-or of 288-byte FP4 indexed records (``extra_kv_fp4=True``; the routes do not depend on it). Decode as
-DSV4; prefill is the single-group kernel only (variant 1, heads 8/16/32/64, ``topk % 64 == 0``, FP8),
-single or dual cache. Two models: ``DSV4_1`` (0.7.1+, ``kv_scale_format="ue8m0_g32"``) reads footer
-pages (every token's codes, then every token's scales); ``DSV4_1_INLINE`` (0.7.4+,
-``"ue8m0_g32_inline"``) reads records of codes then scales in token order, the layout this package
-and FlashInfer's reference encoder write. Both take the same routes. :func:`inline_v41_model` says
-which one judges a cache of inline records on a release. A model before its first release makes
-:func:`supports` raise ``UnsupportedReleaseError``.
-
-DeepSeek-V3.2 with an extra cache. DSV3.2 has no dual-cache kernel in any release, but 0.6.14-0.6.18
-do not reject the extra cache on the DSV3.2 decode route: a decode-sized call whose (heads, topk) is
-in the DSV3.2 decode table, on 64-token pages, runs the DSV3.2 decode kernel with the extra cache,
-its indices and lengths silently dropped (flashinfer ``mla/_sparse_mla_sm120.py`` lines 360-365 in
-0.6.17, 369-374 in 0.6.18). Such a verdict is supported with ``extra_cache_ignored=True`` and a note,
-and :func:`enforce_grid` warns with ``IgnoredExtraCacheWarning``, so serving code tested under
-``--sparse-mla-grid flashinfer==0.6.17`` can see the silent drop. Every other DSV3.2 call with an
-extra cache is rejected: by the C++ prefill text in 0.6.x, by the ``ValueError`` from 0.7.0.
-
-Routing always uses the primary index width ``topk`` (``indices.shape[-1]``), never
-``topk_extra``. The grid models the SM120 sparse backend below the public wrapper
-(``_sparse_mla_sm120_paged_attention``; FP8 584/656 B/token cache, ``kv_scale_format="auto"``,
-``prefill_impl=None``, no calibration profile, so decode-first); the public wrapper
-``trtllm_batch_decode_sparse_mla_dsv4`` additionally rejects DSV4 heads outside
-{8, 16, 32, 64, 128} (reported in :attr:`Verdict.notes`).
+The data is the package file ``dispatch/grids.json`` (one entry per release family); this module
+holds each family's control flow (:attr:`GridFamily.engine`): ``fixed_grid`` (0.6.14-0.6.18: exact
+instantiated decode pairs, else the C++ prefill-only orchestrator), ``planner`` (0.7.0: decode
+envelope, then prefill, then ``ValueError``), ``resolver`` (0.7.1+: runtime page sizes). Models:
+``DSV4``, ``DSV3_2``, ``DSV4_1`` (0.7.1+) and ``DSV4_1_INLINE`` (0.7.4+); an earlier release raises
+``UnsupportedReleaseError``. Routing uses the primary index width ``topk`` only. The grid models the
+backend below the public wrapper ``trtllm_batch_decode_sparse_mla_dsv4`` (whose DSV4 head check is
+reported in :attr:`Verdict.notes`). Versions are compared with :mod:`packaging` only.
 
 Sources: the flashinfer-python wheels 0.6.13-0.7.4 (``flashinfer/mla/_sparse_mla_sm120*.py``,
 ``flashinfer/data/csrc/sparse_mla_sm120*``; file paths per family in ``grids.json``),
-flashinfer-ai/flashinfer PRs #3395, #4380, #4802. How each family was checked: 0.6.x routing and
-error texts against each release's own Python dispatch with stubbed kernels, and the 0.7.0
-planner's predicates, all run on the CPU (``introspect``, the ``flashinfer-*`` tox lanes); the
-0.6.x prefill grid against the C++ dispatch source; the 0.7.1+ prefill grid is read from the C++
-sources the wheels ship (its routing is the compiled module's ``candidates()``, which needs an
-SM120 GPU), not executed. Versions are compared with :mod:`packaging` only.
+flashinfer-ai/flashinfer PRs #3395, #4380, #4802. Each family's rules, the DeepSeek-V4.1 and
+DeepSeek-V3.2-with-extra-cache cases, and how each family was checked:
+``docs/design/flashinfer-dispatch.md``.
 """
 
 from __future__ import annotations
@@ -72,6 +36,7 @@ from pytest_sparse_mla.dispatch import errors
 __all__ = [
     "MODELS",
     "ROUTES",
+    "NUMERIC_ROUTES",
     "COMPUTE_MODES",
     "SparseMlaConfig",
     "GridFamily",
@@ -88,8 +53,12 @@ __all__ = [
 
 #: route names a supported verdict carries.
 ROUTES = ("decode", "prefill_single", "prefill_dual")
-#: compute-mode names (FlashInfer ``ComputeMode`` / 0.7.1+ ``NumericRoute``); decode has none.
-COMPUTE_MODES = ("BF16", "FP8", "QkBF16PvFP8")
+#: numeric routes of a supported prefill verdict (FlashInfer ``ComputeMode``, named ``NumericRoute``
+#: from 0.7.1): which operands are BF16 and which FP8. Decode verdicts carry none.
+NUMERIC_ROUTES = ("BF16", "FP8", "QkBF16PvFP8")
+#: Deprecated alias of :data:`NUMERIC_ROUTES` (not an implementation's ``compute_mode``, which names a
+#: tolerance profile: ``pytest_sparse_mla.tolerances.COMPUTE_MODES``).
+COMPUTE_MODES = NUMERIC_ROUTES
 
 
 @dataclass(frozen=True)
@@ -207,7 +176,7 @@ class GridFamily:
         label: human label (``"0.6.14-0.6.17"``, ``"0.7.1+"``).
         specifier: the :mod:`packaging` specifier of the releases it covers.
         examined: releases whose sources were read.
-        engine: ``"fixed_grid"``, ``"planner"`` or ``"resolver"`` (see the module docstring).
+        engine: ``"fixed_grid"``, ``"planner"`` or ``"resolver"`` (``docs/design/flashinfer-dispatch.md``).
     """
 
     name: str
@@ -230,8 +199,9 @@ class Verdict:
         supported: the release serves it.
         route: ``"decode"``, ``"prefill_single"`` or ``"prefill_dual"`` when supported, else
             ``None``.
-        compute_mode: prefill compute mode where the release decides it (``"BF16"``, ``"FP8"``,
-            ``"QkBF16PvFP8"``), ``None`` for decode or unsupported.
+        numeric_route: the prefill numeric route the release picks (:data:`NUMERIC_ROUTES`:
+            ``"BF16"``, ``"FP8"``, ``"QkBF16PvFP8"``), ``None`` for decode or unsupported. The
+            deprecated property :attr:`compute_mode` returns the same value.
         reason: why it is unsupported (human words), ``None`` when supported.
         error_type: the mirror class FlashInfer's error corresponds to
             (:class:`~pytest_sparse_mla.dispatch.errors.InternalError` or
@@ -250,13 +220,24 @@ class Verdict:
     config: SparseMlaConfig
     supported: bool
     route: str | None = None
-    compute_mode: str | None = None
+    numeric_route: str | None = None
     reason: str | None = None
     error_type: type[errors.SparseMlaGridError] | None = None
     error_message: str | None = None
     unchecked_page_size: bool = False
     extra_cache_ignored: bool = False
     notes: tuple[str, ...] = ()
+
+    @property
+    def compute_mode(self) -> str | None:
+        """Deprecated alias of :attr:`numeric_route` (warns ``DeprecationWarning``): the name collided
+        with an implementation's ``compute_mode``, a tolerance profile (``"exact"``, ``"bf16"``...)."""
+        warnings.warn(
+            "Verdict.compute_mode is deprecated: use Verdict.numeric_route (FlashInfer's NumericRoute)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.numeric_route
 
     @property
     def error(self) -> errors.SparseMlaGridError | None:
@@ -280,7 +261,7 @@ class Verdict:
             "config": asdict(self.config),
             "supported": self.supported,
             "route": self.route,
-            "compute_mode": self.compute_mode,
+            "numeric_route": self.numeric_route,
             "reason": self.reason,
             "error_type": self.error_type.__name__ if self.error_type else None,
             "error_base": _builtin_base(self.error_type),
@@ -440,7 +421,7 @@ def _family_of(release: str) -> GridFamily:
 @dataclass
 class _Prefill:
     route: str
-    compute_mode: str | None = None
+    numeric_route: str | None = None
     variant: int | None = None
     reasons: list[str] = field(default_factory=list)
     unchecked_page: bool = False
@@ -522,10 +503,10 @@ def _prefill(cfg: SparseMlaConfig, fam: GridFamily) -> _Prefill:
             f"{cfg.model} {kind}-cache prefill has no kernel for num_heads={cfg.num_heads} "
             f"(instantiated: {_sizes(g['num_heads'])})"
         )
-    if "topk_compute_mode" in g:
-        modes = g["topk_compute_mode"]
-        out.compute_mode = modes.get(str(cfg.topk))
-        if out.compute_mode is None:
+    if "topk_numeric_route" in g:
+        modes = g["topk_numeric_route"]
+        out.numeric_route = modes.get(str(cfg.topk))
+        if out.numeric_route is None:
             out.reasons.append(
                 f"{cfg.model} {kind}-cache prefill has no kernel for topk={cfg.topk} "
                 f"(instantiated: {_sizes([int(k) for k in modes])})"
@@ -536,12 +517,12 @@ def _prefill(cfg: SparseMlaConfig, fam: GridFamily) -> _Prefill:
             out.reasons.append(
                 f"prefill needs topk % {multiple} == 0 (whole index tiles), got topk={cfg.topk}"
             )
-        threshold = g.get("compute_mode_threshold")
+        threshold = g.get("numeric_route_threshold")
         if threshold is not None:
             le = threshold["le"]
-            out.compute_mode = threshold["low"] if cfg.topk <= le else threshold["high"]
+            out.numeric_route = threshold["low"] if cfg.topk <= le else threshold["high"]
         else:
-            out.compute_mode = g["compute_mode"]
+            out.numeric_route = g["numeric_route"]
     extra_pages = g.get("extra_page_block_sizes")
     if cfg.dual and extra_pages is not None and cfg.extra_page_block_size not in extra_pages:
         miss = (
@@ -557,7 +538,7 @@ def _prefill(cfg: SparseMlaConfig, fam: GridFamily) -> _Prefill:
     elif "variant_by_heads" in g:
         out.variant = g["variant_by_heads"].get(str(cfg.num_heads))
     if out.reasons:
-        out.compute_mode = None
+        out.numeric_route = None
     return out
 
 
@@ -633,7 +614,7 @@ def _evaluate(cfg: SparseMlaConfig, fam: GridFamily, release: str) -> Verdict:
         return replace(verdict, config=cfg, error_message=message)
     notes = _common_notes(cfg, fam, release)
 
-    def ok(route: str, mode: str | None, *, unchecked: bool = False) -> Verdict:
+    def ok(route: str, numeric_route: str | None, *, unchecked: bool = False) -> Verdict:
         extra = []
         if unchecked:
             extra.append(_unchecked_page_note(cfg, fam))
@@ -661,7 +642,7 @@ def _evaluate(cfg: SparseMlaConfig, fam: GridFamily, release: str) -> Verdict:
             config=cfg,
             supported=True,
             route=route,
-            compute_mode=mode,
+            numeric_route=numeric_route,
             unchecked_page_size=unchecked,
             extra_cache_ignored=ignored,
             notes=tuple(notes + extra),
@@ -721,7 +702,7 @@ def _evaluate(cfg: SparseMlaConfig, fam: GridFamily, release: str) -> Verdict:
                 _prefill_miss_message(model.cpp, cfg),
                 f"{pf.route}: " + "; ".join(pf.reasons),
             )
-        return ok(pf.route, pf.compute_mode, unchecked=pf.unchecked_page)
+        return ok(pf.route, pf.numeric_route, unchecked=pf.unchecked_page)
 
     if fam.engine == "resolver":
         max_heads = fam.data["metadata_max_num_heads"]
@@ -758,7 +739,7 @@ def _evaluate(cfg: SparseMlaConfig, fam: GridFamily, release: str) -> Verdict:
                 f"{pf.route}: {pf.extra_page_miss} (checked only in C++; the planner picks "
                 f"variant {pf.variant})",
             )
-        return ok(pf.route, pf.compute_mode)
+        return ok(pf.route, pf.numeric_route)
     return fail(
         errors.UnsupportedShapeError,
         errors.no_decode_kernel_mismatch_message(
@@ -827,7 +808,7 @@ def supports(config: SparseMlaConfig, flashinfer_version: object) -> Verdict:
         flashinfer_version: ``"0.6.17"``, ``"flashinfer==0.7.2.post1"`` or a ``Version``.
 
     Returns:
-        A :class:`Verdict`: route and compute mode, or the reason and the exact error
+        A :class:`Verdict`: route and numeric route, or the reason and the exact error
         (type and text) that release raises. Never raises for an unsupported shape.
 
     Raises:
@@ -868,7 +849,7 @@ def enforce_grid(
         extra_page_block_size: the fields of :class:`SparseMlaConfig` (counts in tokens/heads).
 
     Returns:
-        The supported :class:`Verdict` (route, compute mode).
+        The supported :class:`Verdict` (route, numeric route).
 
     Raises:
         InternalError: (a ``RuntimeError``) where the release fails a C++ ``TVM_FFI_ICHECK``.

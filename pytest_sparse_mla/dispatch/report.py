@@ -77,7 +77,7 @@ def _cell(verdict: grid.Verdict, footnote: int | None) -> str:
         return f"FAIL [{footnote}]"
     names = {"decode": "decode", "prefill_single": "single", "prefill_dual": "dual"}
     route = names[verdict.route or "decode"]
-    text = route if verdict.compute_mode is None else f"{route} {verdict.compute_mode}"
+    text = route if verdict.numeric_route is None else f"{route} {verdict.numeric_route}"
     return text + (" (page unchecked)" if verdict.unchecked_page_size else "")
 
 
@@ -113,7 +113,7 @@ def render_text(rows: Sequence[Row], releases: Sequence[str], *, gaps_only: bool
         "DeepSeek-V4 on FlashInfer SM120/SM121 sparse MLA (FP8 584 B/token cache, backend "
         "'sparse', main page 64 after the 256->64 split): which deployments each release serves",
         f"decode: num_tokens <= 64; prefill: num_tokens={PREFILL_NUM_TOKENS} stands for every "
-        "num_tokens > 64. Cell: route and compute mode, or FAIL [gap].",
+        "num_tokens > 64. Cell: route and numeric route, or FAIL [gap].",
         "",
         "  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)),
         "  ".join("-" * w for w in widths),

@@ -1,71 +1,27 @@
 """Split DSV4 packed KV caches into 64-token pages (the SGLang -> FlashInfer SM120 bridge).
 
-Design note
-===========
+FlashInfer's SM120 sparse-MLA kernels read DSV4 caches in 64-token pages; serving pools use 128- or
+256-token pages, which SGLang splits right before every call (sgl-project/sglang
+``python/sglang/kernels/ops/attention/flash_mla_sm120.py`` ``_split_kv_pages_to_64``, PR #27455).
 
-Why. FlashInfer's SM120 sparse-MLA kernels read DSV4 caches in 64-token pages, while serving pools
-use 256-token (SWA) or 128-token pages; SGLang splits the pool right before every call
-(sgl-project/sglang ``python/sglang/kernels/ops/attention/flash_mla_sm120.py``
-``_split_kv_pages_to_64``, PR #27455; later fixes: PRs #32320, #35116, #35833, #39288).
+:func:`page_split` takes a uint8 DSV4 cache of ``P`` pages of ``ps`` tokens (``ps`` a multiple of 64,
+``ratio = ps/64``; any form of :func:`pytest_sparse_mla.formats.parse_cache`):
 
-Algorithm. A DSV4 page of ``ps`` tokens holds all data rows (``ps*576`` bytes) then all 8-byte
-scale records (``ps*8``) then padding (``formats`` module docstring). With ``ratio = ps/64``,
-source page ``p``, sub-page ``s`` becomes destination page ``p*ratio + s``: its data bytes
-``[s*36864, +36864)`` go to ``[0, 36864)`` and its footer bytes ``[ps*576 + s*512, +512)`` go to
-``[36864, 37376)``; the destination alignment tail ``[37376, dst_page_stride)`` is never written.
-Flat token ``t`` sits in page ``t // ps`` slot ``t % ps`` before and in page
-``(t//ps)*ratio + (t%ps)//64`` slot ``t % 64`` after, whose flat index is ``t`` again: indices need
-no remapping (SGLang PR #27455). The result is a ``[P*ratio, 64, 1, 584]`` NHD view with strides
-``(dst_page_stride, 584, 584, 1)``; 584 is only a shape carrier (``formats``: the row ``t`` of that
-view is not token ``t``'s record). ``ps == 64`` returns the input object and allocates nothing.
+* source page ``p``, sub-page ``s`` becomes destination page ``p*ratio + s`` (its data bytes
+  ``[s*36864, +36864)`` and footer bytes ``[ps*576 + s*512, +512)``; offsets in :mod:`.geometry`);
+  flat token indices need no remapping. It returns a ``[P*ratio, 64, 1, 584]`` NHD view with strides
+  ``(dst_page_stride, 584, 584, 1)`` into the registry's split buffer; ``ps == 64`` returns the input.
+* ``touched_indices`` (int32/int64, any shape): only the source pages they reference are copied and
+  the int8 mask is rewritten on every call (SGLang PR #32320); ``None`` or empty means a full split.
+  Nothing syncs to the host, so the Triton path can be captured in a CUDA graph.
+* Scratch lives in a :class:`BufferRegistry` under ``f"{name}{key_suffix}:{device}"`` (SGLang's keys
+  for ``key_suffix=""``); a second split in one call needs its own ``key_suffix``.
 
-Touched-page mask (SGLang PR #32320). With ``touched_indices`` (int32/int64, any shape, non-empty),
-the mask (int8, one byte per source page) is rewritten on every call: every index
-``0 <= t < P*ps`` sets ``mask[t // ps]``, negative indices mark nothing, all other bytes are 0,
-and only marked pages are copied; other destination pages keep their bytes. ``None`` or an empty
-tensor means a full split. Grids depend on shapes only and nothing syncs to the host, so the
-Triton path can be graph-captured and replayed with new index values.
-
-Buffers. Destination and mask live in a :class:`BufferRegistry` (grow-only, per device, zero-
-filled on (re)allocation because FlashInfer gathers slot 0 for masked candidates, SGLang PR
-#39288; allocated outside inference mode, PR #35116) under ``f"{name}{key_suffix}:{device}"``:
-``flash_mla_sm120_split:{dev}`` / ``flash_mla_sm120_mask:{dev}`` for ``key_suffix=""`` (SGLang's
-historic keys), the suffix placed before the colon like a downstream ``buf_tag`` patch (the
-DeepSeek-V4.1 shim of flashinfer-ai/flashinfer #5095 splits a second cache). A second split in
-one call (e.g. a 128-token extra cache) needs its
-own suffix, or it overwrites the first split's pages (the aliasing bug).
-
-Backends. ``"torch"`` (:mod:`._torch`): readable strided-view copies. ``"triton"``
-(:mod:`._triton`), interpreted (``TRITON_INTERPRET=1``) on machines without CUDA:
-
-* full split: one launch, one program per destination sub-page, int64 offsets, 8-byte lanes;
-  97% of a device-to-device copy on an H200 (1.07 GB pool);
-* touched split: a worklist instead of a program per sub-page, two launches, no memset. The mark
-  kernel claims each touched page with an int32 atomic exchange and appends first claims to a
-  device-side worklist (one atomic add per mark program on a device counter); its last program
-  publishes the count. The copy kernel (a programmatic dependent launch on sm_90+) runs a fixed
-  grid (``min(P*ratio, programs_per_sm * SMs)``, ``_triton.WORKLIST_CONFIG``), reads the count on
-  the device and loops over the (page, sub-page) items, then rewrites the int8 mask from the
-  claims and resets them. Why: with one program per sub-page, 28,672 programs that mostly exit
-  cost 18.9 us on an H200, and a 1% split took 5.2x its ideal time. Measured on an H200
-  (2026-11-30, ``docs/benchmarks.md``, beside SGLang's split in the same run): 1% of pages 2.42x
-  ideal (target 3x met), 10% 1.25x (target 1.2x missed), a full split at 97.8% of a device copy's
-  bandwidth (the tuning sweeps behind these configurations are in the git history). The scratch
-  (int32 ``[P + 2, 2]``) is ``registry.backend_scratch``'s
-  ``flash_mla_sm120_worklist{key_suffix}:{dev}``; the registry's int8 mask stays the public artefact.
-
-Both backends are byte-identical (``tests/test_page_split_bundled.py``); the conformance suite
-``suites/test_page_split.py`` specifies any implementation's split.
-
-Public API
-==========
-
-``page_split``, ``merge_pages``, ``touched_page_mask``, ``split_offsets`` / ``SplitOffsets``,
-``parse_split_source`` / ``SplitSource``, ``BufferRegistry`` (``backend_scratch``), ``default_registry``,
-``split_buffer_key``, ``mask_buffer_key``, ``triton_backend``, ``triton_unavailable_reason``,
-constants ``SPLIT_BUFFER_NAME``, ``MASK_BUFFER_NAME``, ``WORKLIST_BUFFER_NAME``, ``DST_PAGE_BLOCK_SIZE``
-(64), ``DST_PAGE_STRIDE`` (37,440), ``DST_PAGE_BYTES`` (37,376), ``SUB_PAGE_DATA_BYTES`` (36,864),
-``SUB_PAGE_SCALE_BYTES`` (512), ``BACKENDS``.
+Backends (:data:`BACKENDS`, byte-identical, ``tests/test_page_split_bundled.py``): ``"torch"``
+(:mod:`._torch`, strided-view copies) and ``"triton"`` (:mod:`._triton`, interpreted with
+``TRITON_INTERPRET=1`` where there is no CUDA). ``suites/test_page_split.py`` specifies any
+implementation's split. Algorithm, buffer rules and their history, kernel design and H200
+measurements: ``docs/design/page-split.md``.
 """
 
 from __future__ import annotations
@@ -222,7 +178,7 @@ def page_split(
     backend: str = "torch",
     dst_page_stride: int = DST_PAGE_STRIDE,
 ) -> torch.Tensor:
-    """Split a DSV4 packed cache into 64-token pages (see the module docstring).
+    """Split a DSV4 packed cache into 64-token pages (module docstring; ``docs/design/page-split.md``).
 
     Args:
         kv_cache: uint8 DSV4 cache: 2-D ``[P, W]`` (``W`` = ``ps*584`` or the padded stride; needs

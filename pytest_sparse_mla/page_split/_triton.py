@@ -4,64 +4,22 @@ Import this module through ``pytest_sparse_mla.page_split`` (``backend="triton"`
 ``TRITON_INTERPRET=1`` first when no CUDA device exists; Triton decides at decoration time whether
 a kernel is compiled or interpreted (triton ``runtime/jit.py`` ``jit``; ``knobs.runtime.interpret``).
 
-Full split (:func:`copy_sub_pages` without a mask; grid = ``(num_dst_pages,)``, one program per
-destination sub-page, like SGLang's ``_page_split_kernel``, PR #27455): program ``pid`` copies
-source page ``pid // ratio``, sub-page ``pid % ratio``. Bytes move as 8-byte lanes (int64 views of
-the uint8 buffers, SGLang PR #29927): 4,608 data lanes in unrolled blocks of ``CopyConfig.block``
-lanes (plus a 512-lane remainder) and 64 footer lanes; the footer and remainder loads are issued
-before the first store. All offsets are int64: ``pid`` is widened before any multiplication
-(SGLang issue #34025, PR #34027: with int32 byte offsets the destination wraps at page 57,359;
-with int32 lane offsets at source page 114,717). Page strides are passed in 16-byte units and
-doubled in the kernel, which tells the compiler every page start is 16-byte aligned, so lanes move
-as 128-bit vectors. Tuned on an H200 (``benchmarks/tune_split.py``, ``docs/benchmarks.md``):
-:data:`FULL_CONFIG` (one 4,096-lane block, 32 warps) runs a 1.07 GB pool at 97% of a
-device-to-device copy, against 91% for the original 9 x 512 lanes and 4 warps.
+* Full split (:func:`copy_sub_pages` without a mask): one program per destination sub-page, like
+  SGLang's ``_page_split_kernel`` (sgl-project/sglang PR #27455); bytes move as 8-byte lanes (PR
+  #29927) with int64 offsets (SGLang issue #34025, PR #34027: int32 offsets wrap on large pools).
+  Configuration :data:`FULL_CONFIG`.
+* Touched split (:func:`split_touched_pages`): two launches, no memset. A mark kernel claims each
+  touched page with an atomic exchange and appends first claims to a device-side worklist; a copy
+  kernel of fixed grid (:data:`WORKLIST_CONFIG`; a programmatic dependent launch on sm_90+) copies
+  the listed sub-pages, rewrites the int8 mask and resets the claims. Scratch: the registry's
+  ``backend_scratch`` buffer ``flash_mla_sm120_worklist{key_suffix}:{dev}``, int32 ``[P + 2, 2]``
+  (:func:`worklist_scratch_shape`), zeroed again if the copy launch raises.
+* :func:`mark_touched_pages` and :func:`copy_sub_pages` with a mask: the first design, kept for
+  ``touched_page_mask`` and as the tuning baseline (``benchmarks/tune_split.py``).
 
-Touched split (:func:`split_touched_pages`, two launches, no memset). The first design launched
-the copy grid above with a mask byte per program: 28,672 programs that mostly read one byte and
-exit cost 18.9 us on an H200 even with nothing marked, and the mask zero + mark cost 7.3 us, so a
-1%-touched split took 5.19x its ideal time (target 3x) and a 10% split 1.31x (target 1.2x). Now:
-
-1. Mark (grid ``ceil(numel / mark_block)``): every index ``0 <= t < P*ps`` claims page
-   ``t // ps`` with an int32 atomic exchange on a private scratch. The lane that turns a claim
-   from 0 to 1 is the page's only first marker; a program counts its first markers, reserves that
-   many worklist slots with one atomic add on a device-side counter and writes the pages there
-   (slot = base + exclusive prefix sum). Each touched page enters the worklist exactly once, in
-   arbitrary order. The last mark program to finish (an acq_rel atomic "done" counter reaches the
-   mark grid size - 1) publishes the count for the copy and resets both counters.
-2. Copy (fixed grid ``G = min(P*ratio, programs_per_sm * SMs)``; interpreted: 3): program ``g``
-   reads the published count ``n`` on the device and copies the items ``g, g+G, g+2G, ... <
-   n*ratio`` (item ``i`` = page ``worklist[i // ratio]``, sub-page ``i % ratio``) with the full
-   split's sub-page copy (same lanes, offsets and int64 widening), prefetching the next item's
-   page. Then it writes its share of the public int8 mask (``mask[p] = claim[p] != 0`` for all
-   ``P`` pages, so the mask is rewritten every call) and resets those claims to 0. So counters
-   and claims are clean for the next call without a memset (the worklist slots keep stale page
-   numbers, never read past the count), and the copy programs do no atomics.
-3. On sm_90+ (Triton with ``gdc_wait``) the copy is a programmatic dependent launch
-   (``WorklistConfig.pdl``): the mark lets it be scheduled at once (``griddepcontrol
-   .launch_dependents``) and every copy program waits for the whole mark grid and its writes
-   (``griddepcontrol.wait``) before it reads the scratch; the launch gap between the two grids
-   is hidden.
-
-The grids depend on shapes only (``numel``, ``P``, the SM count), nothing reads device memory on
-the host and the scratch address is stable (registry), so a touched split can be captured in a
-CUDA graph and replayed with other index values. The scratch is the registry's
-``backend_scratch`` buffer ``flash_mla_sm120_worklist{key_suffix}:{dev}``, int32 ``[P + 2, 2]``:
-row 0 = (counter, done); row ``1 + p`` = (claim of page ``p``, worklist slot ``p``); column 1 of
-row ``P + 1`` = the published count. Claims and slots share a row, and the count sits in a slot
-column, so that a prefix of a grown buffer keeps every claim of every ``P`` at zero.
-Should the copy launch raise (e.g. a compile error) after the mark ran, the scratch is zeroed
-before the error propagates. The kernels of the first design remain as
-:func:`mark_touched_pages` (the ``touched_page_mask`` API) and :func:`copy_sub_pages` with a mask
-(the tuning script's baseline).
-
-Measured (H200, 2026-11-30, torch 2.11, Triton 3.6; 7,168 source pages of 256 tokens, [64, 512]
-int32 indices, CUDA graph of 8 splits, per split; ``docs/benchmarks.md``): with
-:data:`WORKLIST_CONFIG` (16 copy programs of 16 warps per SM, dependent launch) 12.3 us = 2.42x
-ideal at 1% of pages (SGLang's split in the same run: 28.6 us, 5.62x; target 3x met) and 63.1 us =
-1.25x at 10% (SGLang's: 67.2 us, 1.33x; target 1.2x missed); a full split without indices runs at
-97.8% of a device copy's bandwidth. The sweeps behind the configuration (2026-11-29) are in the git
-history of ``docs/benchmarks.md``. A caller that touches most pages should split without indices.
+Grids depend on shapes only and nothing reads device memory on the host, so every split can be
+captured in a CUDA graph. Kernel design, the scratch layout and the H200 measurements behind the
+configurations: ``docs/design/page-split.md``.
 """
 
 from __future__ import annotations
@@ -476,7 +434,7 @@ def split_touched_pages(
     *,
     config: WorklistConfig | None = None,
 ) -> None:
-    """Touched split in two launches (mark + worklist copy; module docstring), no memset, no sync.
+    """Touched split in two launches (mark + worklist copy; ``docs/design/page-split.md``), no memset, no sync.
 
     Args:
         source: the validated source (``P`` pages, ``ratio`` sub-pages each).

@@ -4,28 +4,21 @@ Key scheme: ``f"{name}{key_suffix}:{device}"``, e.g. ``flash_mla_sm120_split:cud
 ``flash_mla_sm120_mask:cuda:0`` for the default ``key_suffix=""``: byte for byte the keys SGLang
 uses in its runtime resource registry (sgl-project/sglang
 ``python/sglang/kernels/ops/attention/flash_mla_sm120.py``, ``_split_kv_pages_to_64``). A non-empty
-suffix goes between the name and the colon, as the downstream ``buf_tag`` patch does
-(``flash_mla_sm120_split{buf_tag}:{dev}`` with ``buf_tag="_extra"`` for the second split of a call;
-the DeepSeek-V4.1 shim of flashinfer-ai/flashinfer #5095 splits a second cache). ``key_suffix`` is
-this package's name for
-that tag; it must not contain ``":"`` so a key always splits into name+suffix and device.
+suffix goes between the name and the colon (like a downstream ``buf_tag="_extra"`` for the second
+split of a call); it must not contain ``":"``.
 
-Allocation rules (each one fixes a reported bug):
+Allocation rules (each fixes a reported bug):
 
-* grow-only: a request for ``rows`` returns the prefix ``buffer[:rows]`` of the cached buffer when
-  it has that many rows, so the address stays stable for CUDA graphs; otherwise a new buffer of
-  ``rows`` rows replaces it (SGLang PR #29927; unit test of PR #39288);
-* zero-filled on every (re)allocation (``torch.zeros``): FlashInfer <= 0.6.18 gathers slot 0 of the
-  scratch for masked (-1) candidates, and NaN-encoded garbage there poisons whole rows
+* grow-only: a request for ``rows`` returns the prefix ``buffer[:rows]`` of the cached buffer when it
+  has that many rows (a stable address for CUDA graphs), else a new buffer replaces it (SGLang PR
+  #29927);
+* zero-filled on every (re)allocation: FlashInfer <= 0.6.18 gathers slot 0 for masked candidates
   (SGLang PR #39288, FlashInfer PR #5075);
-* allocated with ``torch.inference_mode(False)``: a buffer first created under inference mode
-  would later raise "Inplace update to inference tensor outside InferenceMode" when CUDA-graph
-  capture zeroes it (SGLang PR #32320 comment, PR #35116).
+* allocated with ``torch.inference_mode(False)`` (SGLang PR #35116).
 
-Backend scratch. A backend may need private buffers beyond SGLang's two (the Triton touched
-split's worklist, ``flash_mla_sm120_worklist{key_suffix}:{device}``). They live in a child
-registry, :attr:`BufferRegistry.backend_scratch`, with the same key scheme and allocation rules,
-so that :meth:`BufferRegistry.keys` lists the same SGLang key set whichever backend ran.
+Backend-private buffers (the Triton touched split's ``flash_mla_sm120_worklist{key_suffix}:{device}``)
+live in :attr:`BufferRegistry.backend_scratch`, same keys and rules, so :meth:`BufferRegistry.keys`
+lists SGLang's key set whichever backend ran. Why each rule: ``docs/design/page-split.md``.
 """
 
 from __future__ import annotations
@@ -90,7 +83,7 @@ def mask_buffer_key(device: torch.device | str, key_suffix: str = "") -> str:
 
 
 class BufferRegistry:
-    """A small registry of persistent scratch tensors (see the module docstring for the rules).
+    """A small registry of persistent scratch tensors (rules in the module docstring).
 
     Attributes:
         allocation_log: ``(key, shape, dtype)`` of every allocation this registry made, in order

@@ -1,4 +1,14 @@
+#!/usr/bin/env python3
 """Compare an installed FlashInfer's own dispatch tables with the bundled grids (CPU only).
+
+A CI tool of the checkout, not part of the installed package: the ``flashinfer-*`` tox lanes and
+``tests/test_flashinfer_introspection.py`` (which loads it from this folder) use it.
+
+    python scripts/flashinfer_introspect.py [--check NAME ...] [--load-only]
+
+prints one summary per check of :data:`CHECKS` and exits 0 (every check ok or skipped), 1 (a
+mismatch) or 2 (FlashInfer cannot be read here: :class:`IntrospectionUnavailable`); ``--load-only``
+prints the installed version and stops.
 
 Nothing here needs a GPU or compiles a kernel: it imports ``flashinfer.mla._sparse_mla_sm120``
 (pure Python on CPU with apache-tvm-ffi and CPU torch installed), reads the release's public
@@ -42,10 +52,12 @@ above (the constants and ``supported_sparse_mla_sm120_configs()`` import and run
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import importlib
 import importlib.metadata
 import re
+import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,6 +80,7 @@ __all__ = [
     "compare_error_texts",
     "compare_python_routing",
     "compare_tvm_error_type",
+    "main",
 ]
 
 CHECKS = ("decode_grid", "prefill_grid", "error_texts", "python_routing", "tvm_error_type")
@@ -410,7 +423,7 @@ def _parse_prefill_source(text: str) -> dict[str, Any]:
         "DSV4.single.num_heads": sorted(
             {int(h) for h in re.findall(_CASE + r"DISPATCH_MG_CM\(CM,\s*\d+", single)}
         ),
-        "DSV4.single.topk_compute_mode": {
+        "DSV4.single.topk_numeric_route": {
             int(k): cm
             for k, cm in re.findall(
                 r"topk\s*==\s*(\d+)\)\s*DISPATCH_BY_NH_CM\((\w+),\s*\d+\)", single
@@ -419,7 +432,7 @@ def _parse_prefill_source(text: str) -> dict[str, Any]:
         "DSV4.dual.num_heads": sorted(
             {int(h) for h, _ in re.findall(_CASE + r"DISPATCH_DUAL_MG_CM\((\w+),", dual_regular)}
         ),
-        "DSV4.dual.compute_modes": sorted(
+        "DSV4.dual.numeric_routes": sorted(
             {cm for _, cm in re.findall(_CASE + r"DISPATCH_DUAL_MG_CM\((\w+),", dual_regular)}
         ),
         "DSV4.dual.topk": sorted(
@@ -450,19 +463,19 @@ def _bundled_prefill_source_view(fam: grid.GridFamily) -> dict[str, Any]:
         view.update(
             {
                 "DSV4.single.num_heads": sorted(single["num_heads"]),
-                "DSV4.single.topk_compute_mode": {
-                    int(k): v for k, v in single["topk_compute_mode"].items()
+                "DSV4.single.topk_numeric_route": {
+                    int(k): v for k, v in single["topk_numeric_route"].items()
                 },
                 "DSV4.dual.num_heads": sorted(dual["num_heads"]),
-                "DSV4.dual.compute_modes": sorted(set(dual["topk_compute_mode"].values())),
-                "DSV4.dual.topk": sorted(int(k) for k in dual["topk_compute_mode"]),
-                "DSV3_2.single.topk": sorted(int(k) for k in v32["topk_compute_mode"]),
+                "DSV4.dual.numeric_routes": sorted(set(dual["topk_numeric_route"].values())),
+                "DSV4.dual.topk": sorted(int(k) for k in dual["topk_numeric_route"]),
+                "DSV3_2.single.topk": sorted(int(k) for k in v32["topk_numeric_route"]),
                 "DSV3_2.single.num_heads": sorted(v32["num_heads"]),
             }
         )
     else:
         view["DSV4.dual.num_heads"] = sorted(dual["num_heads"])
-        view["DSV4.dual.compute_modes"] = [dual["compute_mode"]]
+        view["DSV4.dual.numeric_routes"] = [dual["numeric_route"]]
     return view
 
 
@@ -895,3 +908,27 @@ def run_all(installed: InstalledFlashInfer | None = None) -> list[CheckResult]:
     :func:`load_installed`)."""
     installed = installed or load_installed()
     return [run_check(name, installed) for name in CHECKS]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line (module docstring); returns the exit status."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="append", choices=CHECKS, help="run this check only (repeatable)")
+    parser.add_argument("--load-only", action="store_true", help="print the installed version and stop")
+    args = parser.parse_args(argv)
+    try:
+        installed = load_installed()
+    except IntrospectionUnavailable as exc:
+        print(f"flashinfer_introspect: {exc}", file=sys.stderr)
+        return 2
+    print("flashinfer-python", installed.version, f"({installed.family.label} grid)")
+    if args.load_only:
+        return 0
+    results = [run_check(name, installed) for name in args.check or CHECKS]
+    for result in results:
+        print(result.summary())
+    return 1 if any(r.status == "mismatch" for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
