@@ -110,6 +110,15 @@ class FooterRecordsWarning(UserWarning):
     page holds one token. 0.7.4 reads inline records (``kv_scale_format="ue8m0_g32_inline"``)."""
 
 
+#: The 0.7.0+ Python ValueError (``_decode_dispatch_error_message``), the same in every 0.7.x family.
+_MISMATCH_TEMPLATE = (
+    "SM120 sparse-MLA has no decode kernel for this shape: num_tokens={num_tokens}, "
+    "num_heads={num_heads}, topk={topk}, d_qk={d_qk}, page_block_size={page_block_size}, "
+    "model_type={family}, extra_topk={topk_extra}. Mismatch: {mismatch}. The decode "
+    "instantiations (num_tokens <= 64) and the prefill envelope both reject it. Query "
+    "supported shapes at init time with flashinfer.mla.supported_sparse_mla_sm120_configs()."
+)
+
 #: The unsupported-configuration texts per release family: family -> ((path, upstream type, text)).
 ERROR_TEMPLATES: dict[str, tuple[tuple[str, str, str], ...]] = {
     "0.6.14": (
@@ -159,12 +168,7 @@ ERROR_TEMPLATES: dict[str, tuple[tuple[str, str, str], ...]] = {
         (
             "any miss (Python planner)",
             "ValueError",
-            "SM120 sparse-MLA has no decode kernel for this shape: num_tokens={num_tokens}, "
-            "num_heads={num_heads}, topk={topk}, d_qk={d_qk}, page_block_size={page_block_size}, "
-            "model_type={family}, extra_topk={topk_extra}. Mismatch: {mismatch}. The decode "
-            "instantiations (num_tokens <= 64) and the prefill envelope both reject it. Query "
-            "supported shapes at init time with "
-            "flashinfer.mla.supported_sparse_mla_sm120_configs().",
+            _MISMATCH_TEMPLATE,
         ),
         (
             "dual-cache prefill with extra_page_block_size not in {2, 64} (C++)",
@@ -179,12 +183,7 @@ ERROR_TEMPLATES: dict[str, tuple[tuple[str, str, str], ...]] = {
         (
             "any miss (Python resolver)",
             "ValueError",
-            "SM120 sparse-MLA has no decode kernel for this shape: num_tokens={num_tokens}, "
-            "num_heads={num_heads}, topk={topk}, d_qk={d_qk}, page_block_size={page_block_size}, "
-            "model_type={family}, extra_topk={topk_extra}. Mismatch: {mismatch}. The decode "
-            "instantiations (num_tokens <= 64) and the prefill envelope both reject it. Query "
-            "supported shapes at init time with "
-            "flashinfer.mla.supported_sparse_mla_sm120_configs().",
+            _MISMATCH_TEMPLATE,
         ),
         (
             "num_heads > 128 (C++ metadata check, re-raised by Python)",

@@ -317,6 +317,12 @@ def _release_text(release: str) -> str:
     return str(parse_release(release))
 
 
+def _refused(release: object, why: str) -> errors.UnsupportedReleaseError:
+    """``UnsupportedReleaseError("release=<release>: <why>")`` (a version object shown as its text)."""
+    shown = release if isinstance(release, (str, int, float)) else str(release)
+    return errors.UnsupportedReleaseError(f"release={shown!r}: {why}")
+
+
 def parse_release(release: object) -> Any:
     """Parse a FlashInfer version: ``"0.6.17"``, ``"flashinfer==0.6.17"`` or a ``Version``.
 
@@ -333,10 +339,7 @@ def parse_release(release: object) -> Any:
     if isinstance(release, Version):
         version = release
     elif not isinstance(release, str):
-        raise errors.UnsupportedReleaseError(
-            f"release={release!r}: expected a version string such as '0.6.17' (a float cannot "
-            "tell 0.6.17 from 0.617)"
-        )
+        raise _refused(release, "expected a version string such as '0.6.17' (a float cannot tell 0.6.17 from 0.617)")
     else:
         text = str(release).strip()
         for prefix in _PREFIXES:
@@ -345,22 +348,20 @@ def parse_release(release: object) -> Any:
         try:
             version = Version(text)
         except InvalidVersion:
-            raise errors.UnsupportedReleaseError(
-                f"release={release!r}: expected a flashinfer-python version such as '0.6.17' "
-                "or 'flashinfer==0.7.2.post1'"
+            raise _refused(
+                release, "expected a flashinfer-python version such as '0.6.17' or 'flashinfer==0.7.2.post1'"
             ) from None
     if version.is_prerelease or version.is_devrelease:
-        raise errors.UnsupportedReleaseError(
-            f"release={str(release)!r}: pre-releases are not covered (0.6.18rc1 lacks "
-            "flashinfer-ai/flashinfer PR #4380, 0.6.18rc2 has it); use a final release"
-        )
+        raise _refused(
+            release, "pre-releases are not covered (0.6.18rc1 lacks flashinfer-ai/flashinfer PR #4380, 0.6.18rc2 "
+            "has it); use a final release",
+        )  # fmt: skip
     first = Version(grid_data()["first_release"])
     if Version(version.public) < first:
-        raise errors.UnsupportedReleaseError(
-            f"release={str(release)!r}: flashinfer-python {version} has no SM120 sparse-MLA "
-            f"backend; the first release with it is {first} "
-            f"({grid_data()['first_release_note']})"
-        )
+        raise _refused(
+            release, f"flashinfer-python {version} has no SM120 sparse-MLA backend; the first release with it is "
+            f"{first} ({grid_data()['first_release_note']})",
+        )  # fmt: skip
     return version
 
 
@@ -384,11 +385,10 @@ def check_known_release(release: object) -> Any:
     version = parse_release(release)
     last = Version(grid_data()["last_examined_release"])
     if Version(version.public) > last:
-        raise errors.UnsupportedReleaseError(
-            f"release={str(release)!r}: flashinfer-python {version} is newer than the last release "
-            f"the bundled grids were read from ({last}); expected a release from "
-            f"{grid_data()['first_release']} to {last}"
-        )
+        raise _refused(
+            release, f"flashinfer-python {version} is newer than the last release the bundled grids were read from "
+            f"({last}); expected a release from {grid_data()['first_release']} to {last}",
+        )  # fmt: skip
     return version
 
 
@@ -410,9 +410,7 @@ def _family_of(release: str) -> GridFamily:
     for family in families():
         if version in SpecifierSet(family.specifier):
             return family
-    raise errors.UnsupportedReleaseError(  # pragma: no cover - the families cover >= 0.6.14
-        f"release={str(release)!r}: no grid family covers flashinfer-python {version}"
-    )
+    raise _refused(release, f"no grid family covers flashinfer-python {version}")  # pragma: no cover
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -761,10 +759,10 @@ def _check_model_release(model: str, release: str) -> None:
 
     first = grid_data()["model_first_release"][model]
     if Version(Version(release).public) < Version(first):
-        raise errors.UnsupportedReleaseError(
-            f"release={release!r}: flashinfer-python {release} has no {model} cache format "
-            f"(ModelType::{model} first ships in {first}: grids.json model_first_release_note)"
-        )
+        raise _refused(
+            release, f"flashinfer-python {release} has no {model} cache format (ModelType::{model} first ships in "
+            f"{first}: grids.json model_first_release_note)",
+        )  # fmt: skip
 
 
 def inline_v41_model(release: object) -> tuple[str, str | None]:
