@@ -255,7 +255,10 @@ def sparse_mla_envelope(request: pytest.FixtureRequest) -> Envelope:
     """
     from pytest_sparse_mla import guard, implementations
 
-    return guard.envelope_of(implementations.get_implementation(request.config))
+    impl = implementations.get_implementation(request.config)
+    with options.usage_errors():  # an unknown compute_mode (tolerances.profile_for)
+        env = guard.envelope_of(impl)
+    return env
 
 
 @pytest.fixture
@@ -322,11 +325,12 @@ def sparse_mla_tolerances(request: pytest.FixtureRequest, sparse_mla_envelope: E
     from pytest_sparse_mla import implementations, tolerances
 
     impl = implementations.get_implementation(request.config)
-    resolved = tolerances.resolve(
-        tolerances.profile_for(impl),
-        tolerances.ini_tolerances(request.config),
-        list(request.node.iter_markers(tolerances.MARKER)),
-    )
+    with options.usage_errors():  # an unknown compute_mode; a bad marker parameter
+        resolved = tolerances.resolve(
+            tolerances.profile_for(impl),
+            options.get_options(request.config).tolerances,
+            list(request.node.iter_markers(tolerances.MARKER)),
+        )
     return replace(resolved, bitwise_claims=frozenset(sparse_mla_envelope.bitwise_invariance))
 
 

@@ -216,7 +216,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> 
             if impl is not None:
                 tol = funcargs.get("sparse_mla_tolerances")
                 profiles = tolerances.DEFAULT_PROFILES
-                fallback = profiles.get(tolerances.profile_for(impl), profiles["kernel"])
+                with options.usage_errors():
+                    fallback = profiles.get(tolerances.profile_for(impl), profiles["kernel"])
                 model = tol.model if tol is not None else fallback
                 outcome = "xfailed" if hasattr(report, "wasxfail") else "failed"
                 spec = opts.impl if ":" in opts.impl else None  # an import string names the object itself
