@@ -8,9 +8,10 @@ that delegate to a logic module (the shape of pytest-xdist's ``src/xdist/plugin.
 logic module                       what the hooks ask it
 =================================  ===========================================================
 ``options``                        register and parse every option and ini key; activation
-``capabilities``                   the machine probe; capability markers -> skips
+``capabilities``                   the machine probe (pytest-free)
 ``xdist_gpu``                      one GPU and a CPU-thread share per xdist worker; the run report
-``selection``                      ``--sparse-mla-xfail-file`` / ``--sparse-mla-skip-file``
+``selection``                      capability markers -> skips; ``--sparse-mla-xfail-file`` /
+                                   ``--sparse-mla-skip-file``
 ``implementations``                resolve ``--sparse-mla-impl``; ``sparse_mla_needs`` -> skips
 ``snapshot_plugin``                the ``--snapshot-update`` guard and the session's golden root
 ``entry_points``                   implementations declared by installed packages
@@ -181,7 +182,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     from pytest_sparse_mla import coverage
 
     opts = options.get_options(config)
-    capabilities.skip_unmet(items, options.GPU_REQUIRED_MARKER if opts.require_gpu else None)
+    selection.skip_unmet(items, options.GPU_REQUIRED_MARKER if opts.require_gpu else None)
     selection.apply_files(config, items)
     implementations.skip_unservable(config, items)
     coverage.mark_intended(items)
