@@ -284,8 +284,9 @@ def sparse_mla_inputs(
     from dataclasses import replace
 
     from pytest_sparse_mla import coverage
-    from pytest_sparse_mla.attention.cases import case_classes, fit_case, inputs_on
+    from pytest_sparse_mla.attention.cases import case_classes, fit_case
     from pytest_sparse_mla.envelope import NotApplicable
+    from pytest_sparse_mla.parametrize import inputs_on
 
     env = sparse_mla_envelope
 
