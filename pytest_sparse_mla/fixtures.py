@@ -335,7 +335,7 @@ def sparse_mla_tolerances(request: pytest.FixtureRequest, sparse_mla_envelope: E
     return replace(resolved, bitwise_claims=frozenset(sparse_mla_envelope.bitwise_invariance))
 
 
-# --- golden snapshots (pytest_sparse_mla.snapshots) -------------------------------------------
+# --- golden snapshots (pytest_sparse_mla.snapshot) --------------------------------------------
 
 
 @pytest.fixture
@@ -359,12 +359,12 @@ def tensor_snapshot(request: pytest.FixtureRequest) -> SnapshotAssertion:
     Skips the test when syrupy is not installed (the reason names the version this package pins)
     or its plugin is disabled (``-p no:syrupy``).
     """
-    from pytest_sparse_mla import snapshot_plugin
+    from pytest_sparse_mla.snapshot import session as snapshot_session
 
     try:
-        from pytest_sparse_mla.snapshot_extension import TensorSnapshotExtension
+        from pytest_sparse_mla.snapshot.extension import TensorSnapshotExtension
     except ImportError as exc:
-        pytest.skip(snapshot_plugin.syrupy_missing_reason(exc))
+        pytest.skip(snapshot_session.syrupy_missing_reason(exc))
     if not request.config.pluginmanager.hasplugin("syrupy"):
         pytest.skip("golden snapshots need the syrupy pytest plugin (disabled with -p no:syrupy?)")
     snapshot: SnapshotAssertion = request.getfixturevalue("snapshot")
