@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from pytest_sparse_mla import options
 from pytest_sparse_mla.entry_points import ENTRY_POINT_GROUP, entry_point_specs
 from pytest_sparse_mla.options import SparseMlaOptions, get_options
+from pytest_sparse_mla.shipped import SUITES_PACKAGE, package_dir
 
 if TYPE_CHECKING:
     import pytest
@@ -41,10 +42,6 @@ __all__ = [
     "package_dir",
     "suites_dir",
 ]
-
-#: The importable package holding the shipped suites: ``pytest -p sparse_mla --pyargs`` it.
-SUITES_PACKAGE = "pytest_sparse_mla.suites"
-
 
 def is_active(config: pytest.Config) -> bool:
     """Whether pytest-sparse-mla is active in this session.
@@ -90,10 +87,10 @@ def golden_dir(config: pytest.Config) -> Path:
 
     ``--sparse-mla-golden-dir``, else the ini key ``sparse_mla_golden_dir``, else the packaged
     goldens (``golden/`` of a checkout, ``pytest_sparse_mla/golden`` of an installed wheel;
-    ``pytest_sparse_mla.snapshots.default_golden_dir``). Files are
+    ``pytest_sparse_mla.snapshot.location.default_golden_dir``). Files are
     ``<root>/<suite>/<module>/<test>[<name>].tensor.json``.
     """
-    from pytest_sparse_mla.snapshots import golden_root  # imports syrupy
+    from pytest_sparse_mla.snapshot.session import golden_root
 
     return golden_root(config)
 
@@ -108,21 +105,6 @@ def is_enforcing_grid(config: pytest.Config) -> bool:
     """Whether ``--sparse-mla-grid`` makes the reference raise each release's exact
     "unsupported configuration" error (``pytest_sparse_mla.dispatch``)."""
     return grid_release(config) is not None
-
-
-def package_dir(name: str) -> Path | None:
-    """Where the sub-package ``name`` (``"pytest_sparse_mla.suites"``, ``"pytest_sparse_mla.golden"``)
-    lives, as the import system finds it without importing it: ``pytest_sparse_mla/suites`` of a
-    wheel, the checkout's top-level ``suites/`` under an editable install (the build maps it there);
-    ``None`` when it is not installed."""
-    import importlib.util
-
-    try:
-        spec = importlib.util.find_spec(name)
-    except (ImportError, ValueError):
-        return None
-    locations = list(spec.submodule_search_locations or ()) if spec is not None else []
-    return Path(locations[0]).resolve() if locations else None
 
 
 def suites_dir() -> Path:

@@ -32,9 +32,12 @@ import functools
 import importlib
 import importlib.metadata
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
+
+from pytest_sparse_mla.errors import CapabilityMarkerError
 
 __all__ = [
     "Capabilities",
@@ -42,7 +45,7 @@ __all__ = [
     "probe",
     "evaluate_marker",
     "is_gpu_marker",
-    "skip_unmet",
+    "unmet_markers",
     "parse_sm_spec",
     "load_triton_kernels",
     "triton_unavailable_reason",
@@ -275,18 +278,22 @@ def is_gpu_marker(name: str) -> bool:
     return name in _GPU_MARKERS
 
 
-def skip_unmet(items: list[Any], gpu_required_marker: str | None = None) -> None:
-    """Mark each item whose capability markers this machine does not meet: ``skip`` with the
-    reason (``"<marker>: requires ...; found ..."``), or, for a GPU marker when
-    ``gpu_required_marker`` is given (``--sparse-mla-require-gpu``), that marker with the reason
-    (the test then fails at setup). Probes the machine only when an item carries a marker.
+def unmet_markers(items: Iterable[Any]) -> list[tuple[Any, str, str]]:
+    """The capability markers of ``items`` this machine does not meet, as ``(item, marker name,
+    reason)`` in item order (reason: ``"requires ...; found ..."``). Probes the machine only when
+    an item carries a capability marker. The plugin turns each into a skip, or, for a GPU marker
+    under ``--sparse-mla-require-gpu`` (:func:`is_gpu_marker`), a setup failure
+    (``pytest_sparse_mla.selection.skip_unmet``).
+
+    Args:
+        items: collected test items (anything with ``nodeid`` and ``iter_markers(name=...)``).
 
     Raises:
-        pytest.UsageError: a marker's spec is malformed (naming the test).
+        CapabilityMarkerError: a marker's spec is malformed (the message starts with the test's
+            node id).
     """
-    import pytest
-
     caps: Capabilities | None = None
+    unmet: list[tuple[Any, str, str]] = []
     for item in items:
         for name in MARKERS:
             for mark in item.iter_markers(name=name):
@@ -295,13 +302,10 @@ def skip_unmet(items: list[Any], gpu_required_marker: str | None = None) -> None
                 try:
                     reason = evaluate_marker(name, mark, caps)
                 except ValueError as exc:
-                    raise pytest.UsageError(f"{item.nodeid}: {exc}") from None
-                if reason is None:
-                    continue
-                if gpu_required_marker is not None and is_gpu_marker(name):
-                    item.add_marker(getattr(pytest.mark, gpu_required_marker)(reason=reason))
-                else:
-                    item.add_marker(pytest.mark.skip(reason=f"{name}: {reason}"))
+                    raise CapabilityMarkerError(f"{item.nodeid}: {exc}") from None
+                if reason is not None:
+                    unmet.append((item, name, reason))
+    return unmet
 
 
 def load_triton_kernels(module: str) -> ModuleType:

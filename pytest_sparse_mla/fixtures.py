@@ -255,7 +255,10 @@ def sparse_mla_envelope(request: pytest.FixtureRequest) -> Envelope:
     """
     from pytest_sparse_mla import guard, implementations
 
-    return guard.envelope_of(implementations.get_implementation(request.config))
+    impl = implementations.get_implementation(request.config)
+    with options.usage_errors():  # an unknown compute_mode (tolerances.profile_for)
+        env = guard.envelope_of(impl)
+    return env
 
 
 @pytest.fixture
@@ -281,8 +284,9 @@ def sparse_mla_inputs(
     from dataclasses import replace
 
     from pytest_sparse_mla import coverage
-    from pytest_sparse_mla.attention.cases import case_classes, fit_case, inputs_on
+    from pytest_sparse_mla.attention.cases import case_classes, fit_case
     from pytest_sparse_mla.envelope import NotApplicable
+    from pytest_sparse_mla.parametrize import inputs_on
 
     env = sparse_mla_envelope
 
@@ -322,15 +326,16 @@ def sparse_mla_tolerances(request: pytest.FixtureRequest, sparse_mla_envelope: E
     from pytest_sparse_mla import implementations, tolerances
 
     impl = implementations.get_implementation(request.config)
-    resolved = tolerances.resolve(
-        tolerances.profile_for(impl),
-        tolerances.ini_tolerances(request.config),
-        list(request.node.iter_markers(tolerances.MARKER)),
-    )
+    with options.usage_errors():  # an unknown compute_mode; a bad marker parameter
+        resolved = tolerances.resolve(
+            tolerances.profile_for(impl),
+            options.get_options(request.config).tolerances,
+            list(request.node.iter_markers(tolerances.MARKER)),
+        )
     return replace(resolved, bitwise_claims=frozenset(sparse_mla_envelope.bitwise_invariance))
 
 
-# --- golden snapshots (pytest_sparse_mla.snapshots) -------------------------------------------
+# --- golden snapshots (pytest_sparse_mla.snapshot) --------------------------------------------
 
 
 @pytest.fixture
@@ -354,12 +359,12 @@ def tensor_snapshot(request: pytest.FixtureRequest) -> SnapshotAssertion:
     Skips the test when syrupy is not installed (the reason names the version this package pins)
     or its plugin is disabled (``-p no:syrupy``).
     """
-    from pytest_sparse_mla import snapshot_plugin
+    from pytest_sparse_mla.snapshot import session as snapshot_session
 
     try:
-        from pytest_sparse_mla.snapshot_extension import TensorSnapshotExtension
+        from pytest_sparse_mla.snapshot.extension import TensorSnapshotExtension
     except ImportError as exc:
-        pytest.skip(snapshot_plugin.syrupy_missing_reason(exc))
+        pytest.skip(snapshot_session.syrupy_missing_reason(exc))
     if not request.config.pluginmanager.hasplugin("syrupy"):
         pytest.skip("golden snapshots need the syrupy pytest plugin (disabled with -p no:syrupy?)")
     snapshot: SnapshotAssertion = request.getfixturevalue("snapshot")

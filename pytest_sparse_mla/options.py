@@ -20,13 +20,16 @@ Nothing here imports torch.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from pytest_sparse_mla.errors import SparseMlaUsageError
 
 __all__ = [
     "DEVICES",
@@ -46,6 +49,7 @@ __all__ = [
     "marker_lines",
     "parse_device",
     "parse_grid",
+    "usage_errors",
 ]
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -275,6 +279,21 @@ def activation(config: pytest.Config) -> str | None:
     return None
 
 
+@contextlib.contextmanager
+def usage_errors() -> Iterator[None]:
+    """Re-raise the core's :class:`~pytest_sparse_mla.errors.SparseMlaUsageError` (a bad ini line,
+    marker or ``compute_mode``) as ``pytest.UsageError`` with the same message: the one place the
+    pytest-free modules' setting errors become pytest's (exit code 4 while the session configures).
+
+    Raises:
+        pytest.UsageError: the block raised a ``SparseMlaUsageError``.
+    """
+    try:
+        yield
+    except SparseMlaUsageError as exc:
+        raise pytest.UsageError(str(exc)) from None
+
+
 def parse_device(value: str) -> str:
     """Validate ``--sparse-mla-device``: one of ``auto``, ``cpu``, ``cuda``.
 
@@ -377,6 +396,14 @@ def _seed(config: pytest.Config) -> int:
         raise pytest.UsageError(f"--sparse-mla-seed={text!r}: expected an integer") from None
 
 
+def _tolerances(config: pytest.Config) -> dict[str, dict[str, Any]]:
+    from pytest_sparse_mla import tolerances
+
+    with usage_errors():
+        parsed = tolerances.parse_ini_lines(list(config.getini("sparse_mla_tolerances")))
+    return parsed
+
+
 def from_config(config: pytest.Config, activated_by: str = "") -> SparseMlaOptions:
     """Parse every option and ini key of ``config`` (command line first, then ini values).
 
@@ -385,8 +412,6 @@ def from_config(config: pytest.Config, activated_by: str = "") -> SparseMlaOptio
             report path in a missing directory, a golden directory that does not exist (unless
             ``--snapshot-update`` will create it), or a malformed ``sparse_mla_tolerances`` line.
     """
-    from pytest_sparse_mla import tolerances
-
     impl_option = config.getoption("sparse_mla_impl", None) or config.getini("sparse_mla_impl")
     return SparseMlaOptions(
         device=parse_device(config.getoption("sparse_mla_device", None) or "auto"),
@@ -405,7 +430,7 @@ def from_config(config: pytest.Config, activated_by: str = "") -> SparseMlaOptio
         gpu_per_worker=not config.getoption("sparse_mla_no_gpu_pinning", False),
         report_json=_report_json(config),
         repro_dir=_repro_dir(config),
-        tolerances=tolerances.parse_ini_lines(list(config.getini("sparse_mla_tolerances"))),
+        tolerances=_tolerances(config),
         activated_by=activated_by,
     )
 

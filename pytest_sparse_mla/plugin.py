@@ -8,11 +8,12 @@ that delegate to a logic module (the shape of pytest-xdist's ``src/xdist/plugin.
 logic module                       what the hooks ask it
 =================================  ===========================================================
 ``options``                        register and parse every option and ini key; activation
-``capabilities``                   the machine probe; capability markers -> skips
+``capabilities``                   the machine probe (pytest-free)
 ``xdist_gpu``                      one GPU and a CPU-thread share per xdist worker; the run report
-``selection``                      ``--sparse-mla-xfail-file`` / ``--sparse-mla-skip-file``
+``selection``                      capability markers -> skips; ``--sparse-mla-xfail-file`` /
+                                   ``--sparse-mla-skip-file``
 ``implementations``                resolve ``--sparse-mla-impl``; ``sparse_mla_needs`` -> skips
-``snapshot_plugin``                the ``--snapshot-update`` guard and the session's golden root
+``snapshot.session``               the ``--snapshot-update`` guard and the session's golden root
 ``entry_points``                   implementations declared by installed packages
 ``dispatch.report``                ``--sparse-mla-deployment-report`` (print, then exit)
 ``fixtures``                       the fixtures (registered as a plugin module; no hooks)
@@ -86,7 +87,8 @@ def pytest_configure(config: pytest.Config) -> None:
             if selection.names_shipped_suites(config):  # say it once, before xdist starts workers
                 raise pytest.UsageError(NEEDS_PLUGIN)
         return
-    from pytest_sparse_mla import implementations, snapshot_plugin, xdist_gpu
+    from pytest_sparse_mla import implementations, xdist_gpu
+    from pytest_sparse_mla.snapshot import session as snapshot_session
 
     opts = options.from_config(config, reason)
     config.stash[options.OPTIONS_KEY] = opts
@@ -106,7 +108,7 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     if config.option.reportchars == "fE":  # pytest's default: show why the suites skipped
         config.option.reportchars = "fEs"
-    snapshot_plugin.configure(config)
+    snapshot_session.configure(config)
     for name in FIXTURE_MODULES:
         module = importlib.import_module(name)
         if not config.pluginmanager.is_registered(module):
@@ -135,9 +137,10 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     """Forget the session's golden root and stop recording calls (pytester nests sessions in one
     process)."""
     if options.is_active(config):
-        from pytest_sparse_mla import repro, snapshot_plugin
+        from pytest_sparse_mla import repro
+        from pytest_sparse_mla.snapshot import session as snapshot_session
 
-        snapshot_plugin.unconfigure(config)
+        snapshot_session.unconfigure(config)
         repro.enable(False)
 
 
@@ -146,7 +149,8 @@ def pytest_report_header(config: pytest.Config) -> list[str] | None:
     goldens, and why the plugin is active."""
     if not options.is_active(config):
         return None
-    from pytest_sparse_mla import selection, snapshot_plugin
+    from pytest_sparse_mla import selection
+    from pytest_sparse_mla.snapshot import session as snapshot_session
 
     opts = options.get_options(config)
     caps = capabilities.probe()
@@ -159,7 +163,7 @@ def pytest_report_header(config: pytest.Config) -> list[str] | None:
     )
     lines += [f"sparse-mla: probe error: {err}" for err in caps.errors]
     lines += selection.header_lines(config)
-    lines += snapshot_plugin.header_lines(config)
+    lines += snapshot_session.header_lines(config)
     return lines
 
 
@@ -181,7 +185,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     from pytest_sparse_mla import coverage
 
     opts = options.get_options(config)
-    capabilities.skip_unmet(items, options.GPU_REQUIRED_MARKER if opts.require_gpu else None)
+    selection.skip_unmet(items, options.GPU_REQUIRED_MARKER if opts.require_gpu else None)
     selection.apply_files(config, items)
     implementations.skip_unservable(config, items)
     coverage.mark_intended(items)
@@ -216,7 +220,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> 
             if impl is not None:
                 tol = funcargs.get("sparse_mla_tolerances")
                 profiles = tolerances.DEFAULT_PROFILES
-                fallback = profiles.get(tolerances.profile_for(impl), profiles["kernel"])
+                with options.usage_errors():
+                    fallback = profiles.get(tolerances.profile_for(impl), profiles["kernel"])
                 model = tol.model if tol is not None else fallback
                 outcome = "xfailed" if hasattr(report, "wasxfail") else "failed"
                 spec = opts.impl if ":" in opts.impl else None  # an import string names the object itself

@@ -28,8 +28,12 @@ test: it is reported once per session with :class:`SparseMlaSelectionWarning` (a
 ``pytest.PytestWarning``, shown in the warnings summary; ``-W error::pytest.PytestWarning`` turns it
 into an error). Under pytest-xdist each worker collects, so each worker warns.
 
-The hooks module (``pytest_sparse_mla.plugin``) calls :func:`apply_files` and :func:`header_lines`;
-this module imports neither torch nor triton.
+Capability markers. :func:`skip_unmet` turns the ``sparse_mla_requires_*`` markers this machine
+does not meet (``pytest_sparse_mla.capabilities.unmet_markers``, which is pytest-free) into skips,
+or into setup failures under ``--sparse-mla-require-gpu``.
+
+The hooks module (``pytest_sparse_mla.plugin``) calls :func:`skip_unmet`, :func:`apply_files` and
+:func:`header_lines`; this module imports neither torch nor triton.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ __all__ = [
     "apply_selection",
     "apply_files",
     "header_lines",
+    "skip_unmet",
     "SUITES_ID_PREFIX",
 ]
 
@@ -233,3 +238,23 @@ def header_lines(config: pytest.Config) -> list[str]:
         if path is not None:
             lines.append(f"sparse-mla: {kind} file: {path} ({len(read_id_file(path))} ids)")
     return lines
+
+
+def skip_unmet(items: list[pytest.Item], gpu_required_marker: str | None = None) -> None:
+    """Mark each item whose capability markers this machine does not meet: ``skip`` with the
+    reason (``"<marker>: requires ...; found ..."``), or, for a GPU marker when
+    ``gpu_required_marker`` is given (``--sparse-mla-require-gpu``), that marker with the reason
+    (the test then fails at setup). Probes the machine only when an item carries a marker.
+
+    Raises:
+        pytest.UsageError: a marker's spec is malformed (naming the test).
+    """
+    from pytest_sparse_mla import capabilities
+
+    with options.usage_errors():
+        unmet = capabilities.unmet_markers(items)
+    for item, name, reason in unmet:
+        if gpu_required_marker is not None and capabilities.is_gpu_marker(name):
+            item.add_marker(getattr(pytest.mark, gpu_required_marker)(reason=reason))
+        else:
+            item.add_marker(pytest.mark.skip(reason=f"{name}: {reason}"))

@@ -1,67 +1,51 @@
-"""Golden snapshots of tensors: a syrupy single-file extension, one readable JSON file per snapshot.
+"""Golden snapshots of tensors: the stable public names (a re-export module).
 
-A test states how each tensor is compared, per snapshot:
+The goldens live in the package ``pytest_sparse_mla.snapshot``, by concern: ``file_format`` (what
+a test asserts and the ``*.tensor.json`` file), ``location`` (where files live), ``session`` (a
+session's golden root and the ``--snapshot-update`` guard) and ``extension`` (the syrupy
+extension). This module only re-exports their public names, so that tests keep one import::
 
-* :func:`exact` for byte layouts (packed caches, split pages, index tensors): the file holds shape,
-  dtype, strides, the byte count, the SHA-256 of the raw bytes and a short SHA-256 of every slice
-  along dim 0 (so a diff names the page that changed); a match needs all of them equal.
-* :func:`close` for float outputs: the file holds shape, dtype, strides, a few rounded statistics
-  and the values themselves (base64 of the raw little-endian bytes, row-major, 57 bytes a line); a
-  match needs the same shape and dtype and values within ``atol + rtol * |golden|``
-  (``torch.testing.assert_close``). A mismatch report gives the number of mismatched elements,
-  the greatest absolute and relative differences, their indices and the values there.
-
-Use through the ``tensor_snapshot`` fixture (``pytest_sparse_mla.fixtures``)::
+    from pytest_sparse_mla.snapshots import close, exact
 
     assert tensor_snapshot(name="packed") == exact(cache.packed)
     assert tensor_snapshot(name="output") == close(res.output, atol=2e-3, rtol=1e-2)
 
-Files live at ``<golden root>/<suite>/<test module>/<test name>[<name>].tensor.json``: the root is
-``--sparse-mla-golden-dir`` / ini ``sparse_mla_golden_dir`` or :func:`default_golden_dir`; the
-suite is the name of the directory holding the test module. The extra ``<suite>`` level keeps two
-test modules of the same name in different suites from claiming each other's files.
+* :func:`exact`: shape, dtype, strides and the SHA-256 of the raw bytes must match.
+* :func:`close`: same shape and dtype, values within ``atol + rtol * |golden|``.
+* Files: ``<golden root>/<suite>/<test module>/<test name>[<name>].tensor.json``
+  (:func:`golden_file`); the root is ``--sparse-mla-golden-dir`` / ini ``sparse_mla_golden_dir``
+  or :func:`default_golden_dir` (:func:`golden_root` of a session).
 
-syrupy facts this module relies on (syrupy-project/syrupy ``src/syrupy/extensions/single_file.py``,
-``extensions/base.py``, ``assertion.py``, ``location.py``, ``report.py``; the gotchas are also
-recorded in AntoineD/syrupy-matplotlib ``src/syrupy_matplotlib/_extension.py``):
-
-* ``matches()`` gets no test context: the tolerance of the current assertion is stashed on the
-  extension instance by ``serialize()`` (syrupy calls both on the same instance, in that order).
-* An exception inside ``serialize()`` / ``matches()`` is caught by syrupy and turned into a failed
-  assertion whose diff is the traceback; wrong arguments are therefore rejected earlier, by
-  :func:`exact` and :func:`close`, with a plain exception in the test body.
-* Files under a suite's directory that no test claims are reported as unused and deleted by
-  ``--snapshot-update``; :meth:`TensorSnapshotExtension.matches_test_location` claims a file only
-  from its own ``<suite>/<module>`` directory.
-
-syrupy versions: checking and writing goldens works from 4.6 (``file_extension`` became public in
-5.0; both spellings are set). Unused detection outside ``__snapshots__`` directories needs 4.7.2,
-unused detection under pytest-xdist 5.5 (syrupy PR #1132), and the per-directory ownership above
-7.0 (older releases never ask the extension, so a skipped test of a same-named module in another
-suite can keep an orphan from being reported). Goldens of a *deleted* test module are reported
-only when pytest runs without path arguments and still collects another module of that suite
-(syrupy scans the suite directory of each collected module, and its ``report.py`` cleans up after
-deleted modules only inside a directory named on the command line, which the golden root is not).
-torch is imported lazily and syrupy not at all (the extension class lives in
-``pytest_sparse_mla.snapshot_extension`` and is loaded on first use of
-``snapshots.TensorSnapshotExtension``), so this module imports, and the helpers below work, where
-syrupy is not installed.
+Importing this module imports neither syrupy nor torch; ``TensorSnapshotExtension`` (which needs
+syrupy) and :func:`golden_root` (which reads pytest's config) are imported on first use.
 """
 
 from __future__ import annotations
 
-import base64
-import hashlib
-import json
-import math
-import sys
-from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
-    import pytest
-    import torch
+from pytest_sparse_mla.snapshot.file_format import (
+    FILE_EXTENSION,
+    FORMAT_TAG,
+    TensorRecord,
+    TensorSnapshot,
+    close,
+    compare_close,
+    exact,
+    read_tensor_snapshot,
+)
+from pytest_sparse_mla.snapshot.location import (
+    default_golden_dir,
+    golden_file,
+    pop_session_root,
+    push_session_root,
+    session_roots,
+    suite_name,
+)
+
+if TYPE_CHECKING:  # for type checkers; at run time __getattr__ imports them on first use
+    from pytest_sparse_mla.snapshot.extension import TensorSnapshotExtension
+    from pytest_sparse_mla.snapshot.session import golden_root
 
 __all__ = [
     "FORMAT_TAG",
@@ -77,417 +61,25 @@ __all__ = [
     "suite_name",
     "read_tensor_snapshot",
     "compare_close",
+    "TensorSnapshotExtension",
+    "pop_session_root",
+    "push_session_root",
 ]
 
-#: First field of every snapshot file; bump the number when the file layout changes.
-FORMAT_TAG = "pytest-sparse-mla/tensor-snapshot/1"
-#: File name suffix of tensor snapshots (distinct from syrupy's own ``.json`` extension).
-FILE_EXTENSION = "tensor.json"
-_B64_BYTES_PER_LINE = 57  # 76 base64 characters, the MIME line length
-_DIM0_HASH_MAX_ROWS = 256
-_DIM0_HASH_HEX = 16
-_COMPARES = ("exact", "close")
-
-
-# ---------------------------------------------------------------------------------------------
-# Where goldens live
-# ---------------------------------------------------------------------------------------------
-
-
-def default_golden_dir() -> Path:
-    """The golden root used when neither ``--sparse-mla-golden-dir`` nor the ini key is given.
-
-    The package data ``pytest_sparse_mla/golden`` wherever the import system finds it (a wheel's
-    copy; the checkout's top-level ``golden/`` under an editable install, which the build maps
-    there); from a bare checkout (the package directory's parent holds ``pyproject.toml``), its
-    ``golden/``. Change the rule here, in one place.
-    """
-    from pytest_sparse_mla import api
-
-    package = Path(__file__).resolve().parent
-    checkout = package.parent
-    if (checkout / "pyproject.toml").is_file() and (checkout / "golden").is_dir():
-        return checkout / "golden"
-    found = api.package_dir("pytest_sparse_mla.golden")
-    return found if found is not None else package / "golden"
-
-
-def golden_root(config: pytest.Config) -> Path:
-    """The golden root of a session: ``--sparse-mla-golden-dir`` (CLI), else the ini key
-    ``sparse_mla_golden_dir``, else :func:`default_golden_dir` (an absolute path)."""
-    from pytest_sparse_mla import options
-
-    chosen = options.get_options(config).golden_dir
-    return chosen if chosen is not None else default_golden_dir()
-
-
-# Roots of the sessions configured in this process (innermost last). Read only where syrupy hands
-# the extension a test location without a pytest config: the pytest-xdist controller rebuilds
-# test locations from the workers' reports (syrupy >= 5.5 ``session._ReconstructedItem``).
-_SESSION_ROOTS: list[Path] = []
-
-
-def push_session_root(root: Path) -> None:
-    """Record the golden root of a session being configured (``snapshot_plugin.configure``)."""
-    _SESSION_ROOTS.append(Path(root))
-
-
-def session_roots() -> tuple[Path, ...]:
-    """The golden roots of the sessions configured in this process, innermost last."""
-    return tuple(_SESSION_ROOTS)
-
-
-def pop_session_root() -> None:
-    """Forget the innermost session root (called at ``pytest_unconfigure``)."""
-    if _SESSION_ROOTS:
-        _SESSION_ROOTS.pop()
-
-
-def suite_name(test_file: str | Path) -> str:
-    """The suite a test module belongs to: the name of the directory that holds it
-    (``suites/test_golden.py`` -> ``"suites"``, the same for a checkout and an installed package)."""
-    return Path(test_file).parent.name
-
-
-def _sanitize(name: str) -> str:
-    # The characters syrupy's single-file extension drops from file names (single_file.py,
-    # ``_sanitize_filename``/``__clean_filename``), so golden_file() names files as syrupy does.
-    import unicodedata
-
-    kept = (c for c in name if c not in '\\/?*:|"<>' and not unicodedata.category(c).startswith("C"))
-    return "".join(kept)[: 255 - len(FILE_EXTENSION) - 1]
-
-
-def golden_file(
-    root: str | Path, test_file: str | Path, test_name: str, name: str | None = None
-) -> Path:
-    """Path of the snapshot that test ``test_name`` of module ``test_file`` writes under ``root``.
-
-    Args:
-        root: the golden root (see :func:`golden_root`).
-        test_file: path of the test module (only its parent directory name and stem are used).
-        test_name: the test's name with its parameter id, e.g. ``"test_attention[decode-h8]"``
-            (``"TestClass.test_x[id]"`` for a method).
-        name: the ``name=`` given to ``tensor_snapshot(name=...)``, or ``None`` for the first
-            unnamed assertion of the test.
-    """
-    test_file = Path(test_file)
-    stem = test_name if name is None else f"{test_name}[{name}]"
-    return (
-        Path(root) / suite_name(test_file) / test_file.stem / f"{_sanitize(stem)}.{FILE_EXTENSION}"
-    )
-
-
-# ---------------------------------------------------------------------------------------------
-# What a test asserts
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class TensorSnapshot:
-    """A tensor and how it is compared with its golden (build it with :func:`exact` / :func:`close`).
-
-    Attributes:
-        tensor: any strided ``torch.Tensor`` on any device (copied to the CPU to serialize).
-        compare: ``"exact"`` (bytes, shape, dtype, strides) or ``"close"`` (values within tolerance).
-        atol, rtol: tolerances of ``"close"`` (ignored by ``"exact"``).
-    """
-
-    tensor: Any
-    compare: str
-    atol: float = 0.0
-    rtol: float = 0.0
-
-
-def _check_tensor(tensor: object, func: str) -> torch.Tensor:
-    import torch
-
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{func}(tensor={type(tensor).__name__}): expected a torch.Tensor")
-    if tensor.layout != torch.strided:
-        raise ValueError(f"{func}(tensor): layout {tensor.layout} is not supported; expected strided")
-    if tensor.device.type == "meta":
-        raise ValueError(f"{func}(tensor): a meta tensor has no values to snapshot")
-    return tensor
-
-
-def exact(tensor: torch.Tensor) -> TensorSnapshot:
-    """Compare ``tensor`` bit for bit: shape, dtype, strides and the SHA-256 of its raw bytes.
-
-    For packed caches (uint8 ``[P, ps, 1, 584]`` and other forms, page stride kept), split pages,
-    index tensors and anything else whose exact bytes are the contract. The bytes hashed are the
-    tensor's elements in row-major order (padding between pages is not an element and is not
-    hashed; the page stride is recorded in ``strides``, in elements).
-
-    Raises:
-        TypeError: ``tensor`` is not a ``torch.Tensor``.
-        ValueError: a sparse or meta tensor.
-    """
-    return TensorSnapshot(_check_tensor(tensor, "exact"), "exact")
-
-
-def close(tensor: torch.Tensor, *, atol: float, rtol: float) -> TensorSnapshot:
-    """Compare the floating-point ``tensor`` with its golden within ``atol + rtol * |golden|``.
-
-    Shape and dtype must match exactly; strides are recorded but not compared. The comparison is
-    ``torch.testing.assert_close(received, golden, atol=atol, rtol=rtol, equal_nan=False)`` in
-    float64 (NaN never matches; equal infinities do).
-
-    Args:
-        tensor: a floating-point tensor (e.g. attention output ``[T, H, 512]`` BF16, lse ``[T, H]``
-            fp32).
-        atol: absolute tolerance, same units as the values, finite and ``>= 0``.
-        rtol: relative tolerance (a fraction), finite and ``>= 0``.
-
-    Raises:
-        TypeError: not a tensor, or not a floating-point dtype.
-        ValueError: a negative or non-finite tolerance; a sparse or meta tensor.
-    """
-    t = _check_tensor(tensor, "close")
-    if not t.is_floating_point():
-        raise TypeError(
-            f"close(tensor): dtype {t.dtype} is not floating point; use exact() for integer, "
-            "boolean and byte tensors"
-        )
-    for arg, value in (("atol", atol), ("rtol", rtol)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"close({arg}={value!r}): expected a float")
-        if not math.isfinite(value) or value < 0:
-            raise ValueError(f"close({arg}={value!r}): expected a finite value >= 0")
-    return TensorSnapshot(t, "close", float(atol), float(rtol))
-
-
-# ---------------------------------------------------------------------------------------------
-# The file format
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class TensorRecord:
-    """A snapshot file, decoded (see :func:`read_tensor_snapshot`).
-
-    Attributes:
-        compare: ``"exact"`` or ``"close"``.
-        dtype: the ``torch.dtype``.
-        shape, strides: as recorded (strides in elements).
-        sha256: hex SHA-256 of the raw bytes.
-        values: the stored values as a CPU tensor of ``dtype`` (``"close"`` snapshots), else ``None``.
-        fields: every field of the file, parsed.
-    """
-
-    compare: str
-    dtype: Any
-    shape: tuple[int, ...]
-    strides: tuple[int, ...]
-    sha256: str
-    values: Any
-    fields: dict[str, Any]
-
-
-def _raw_bytes(t: torch.Tensor) -> bytes:
-    """Row-major raw bytes of ``t``'s elements (little-endian; copied to the CPU)."""
-    import torch
-
-    if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
-        raise RuntimeError("tensor snapshots store little-endian bytes; this machine is big-endian")
-    flat = t.detach().to("cpu").contiguous().reshape(-1)
-    if flat.dtype == torch.bool:
-        flat = flat.to(torch.uint8)
-    u8 = flat.view(torch.uint8)
-    try:
-        return u8.numpy().tobytes()
-    except (RuntimeError, TypeError, ImportError):  # torch built without numpy
-        return bytes(u8.tolist())
-
-
-def _dtype_from_name(name: object) -> torch.dtype:
-    import torch
-
-    attr = str(name).removeprefix("torch.")
-    dtype = getattr(torch, attr, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"dtype {name!r} in a tensor snapshot is not a torch dtype")
-    return dtype
-
-
-def _decode_values(fields: dict[str, Any]) -> torch.Tensor:
-    import torch
-
-    dtype = _dtype_from_name(fields["dtype"])
-    shape = tuple(int(v) for v in fields["shape"])
-    raw = base64.b64decode("".join(fields["values"]), validate=True)
-    if len(raw) != int(fields["nbytes"]):
-        raise ValueError(f"values hold {len(raw)} bytes; the header says nbytes={fields['nbytes']}")
-    if not raw:
-        return torch.empty(shape, dtype=dtype)
-    as_bytes = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-    if dtype == torch.bool:
-        return as_bytes.to(torch.bool).reshape(shape)
-    return as_bytes.view(dtype).reshape(shape)
-
-
-def _round(x: float) -> float:
-    return float(f"{x:.6g}")
-
-
-def _stats(t: torch.Tensor) -> dict[str, Any]:
-    import torch
-
-    x = t.detach().to("cpu", torch.float64).reshape(-1)
-    finite = x[torch.isfinite(x)]
-    stats: dict[str, Any] = {}
-    if finite.numel():
-        stats.update(
-            min=_round(finite.min().item()),
-            max=_round(finite.max().item()),
-            mean=_round(finite.mean().item()),
-            rms=_round(finite.square().mean().sqrt().item()),
-        )
-    stats.update(
-        nan=int(torch.isnan(x).sum().item()),
-        posinf=int((x == math.inf).sum().item()),
-        neginf=int((x == -math.inf).sum().item()),
-    )
-    return stats
-
-
-def _fields(snap: TensorSnapshot) -> dict[str, Any]:
-    """The fields of a snapshot file, in file order."""
-    t = snap.tensor
-    raw = _raw_bytes(t)
-    fields: dict[str, Any] = {
-        "format": FORMAT_TAG,
-        "compare": snap.compare,
-        "dtype": str(t.dtype),
-        "shape": list(t.shape),
-        "strides": list(t.stride()),
-        "nbytes": len(raw),
-        "sha256": hashlib.sha256(raw).hexdigest(),
-    }
-    if snap.compare == "exact":
-        if t.dim() >= 2 and 1 < t.shape[0] <= _DIM0_HASH_MAX_ROWS:
-            row = len(raw) // t.shape[0]
-            fields["sha256_dim0"] = [
-                hashlib.sha256(raw[i * row : (i + 1) * row]).hexdigest()[:_DIM0_HASH_HEX]
-                for i in range(t.shape[0])
-            ]
-    else:
-        fields["stats"] = _stats(t)
-        fields["values_encoding"] = "base64 of the raw little-endian bytes, row-major"
-        fields["values"] = [
-            base64.b64encode(raw[i : i + _B64_BYTES_PER_LINE]).decode("ascii")
-            for i in range(0, len(raw), _B64_BYTES_PER_LINE)
-        ]
-    return fields
-
-
-def _render(fields: dict[str, Any], *, omit_values: bool = False) -> str:
-    """One field a line; lists of strings one element a line (so a diff shows what changed)."""
-    lines = ["{"]
-    items = list(fields.items())
-    for i, (key, value) in enumerate(items):
-        comma = "," if i < len(items) - 1 else ""
-        if key == "values" and omit_values:
-            lines.append(f'  "values": "<{len(value)} lines of base64>"{comma}')
-        elif isinstance(value, list) and value and all(isinstance(v, str) for v in value):
-            lines.append(f"  {json.dumps(key)}: [")
-            lines.extend(
-                f"    {json.dumps(v)}{',' if j < len(value) - 1 else ''}" for j, v in enumerate(value)
-            )
-            lines.append(f"  ]{comma}")
-        else:
-            lines.append(f"  {json.dumps(key)}: {json.dumps(value)}{comma}")
-    lines.append("}")
-    return "\n".join(lines) + "\n"
-
-
-def _parse(text: object) -> dict[str, Any] | None:
-    """The fields of a snapshot text, or ``None`` when it is not a tensor snapshot."""
-    if not isinstance(text, str) or not text.strip():
-        return None
-    try:
-        fields = json.loads(text)
-    except ValueError:
-        return None
-    if not isinstance(fields, dict) or fields.get("format") != FORMAT_TAG:
-        return None
-    if fields.get("compare") not in _COMPARES:
-        return None
-    return fields
-
-
-def read_tensor_snapshot(path: str | Path) -> TensorRecord:
-    """Read and decode a tensor snapshot file.
-
-    Args:
-        path: a ``*.tensor.json`` file written by :class:`TensorSnapshotExtension`.
-
-    Raises:
-        FileNotFoundError: no such file.
-        ValueError: not a tensor snapshot of this format, or corrupt values.
-    """
-    text = Path(path).read_text(encoding="utf-8")
-    fields = _parse(text)
-    if fields is None:
-        raise ValueError(f"{path}: not a tensor snapshot (expected format {FORMAT_TAG!r})")
-    values = _decode_values(fields) if fields["compare"] == "close" else None
-    return TensorRecord(
-        compare=fields["compare"],
-        dtype=_dtype_from_name(fields["dtype"]),
-        shape=tuple(fields["shape"]),
-        strides=tuple(fields["strides"]),
-        sha256=fields["sha256"],
-        values=values,
-        fields=fields,
-    )
-
-
-def compare_close(
-    received: torch.Tensor, golden: torch.Tensor, *, atol: float, rtol: float
-) -> list[str] | None:
-    """Compare two same-shape float tensors; ``None`` if close, else the lines of a report.
-
-    The decision is ``torch.testing.assert_close`` in float64 (``equal_nan=False``); the report
-    repeats its message (mismatched elements, greatest absolute and relative difference and their
-    indices) and adds the golden and received values at those indices.
-    """
-    import torch
-
-    r = received.detach().to("cpu", torch.float64)
-    g = golden.detach().to("cpu", torch.float64)
-    try:
-        torch.testing.assert_close(r, g, atol=atol, rtol=rtol, equal_nan=False)
-    except AssertionError as exc:
-        lines = [f"tensor values differ from the golden beyond atol={atol:g}, rtol={rtol:g}:"]
-        lines += [f"  {line}" for line in str(exc).splitlines()[1:] if line.strip()]
-        diff = (r - g).abs()
-        diff = torch.where(torch.isnan(diff), torch.full_like(diff, math.inf), diff)
-        rel = diff / g.abs()
-        rel = torch.where(torch.isnan(rel), torch.full_like(rel, math.inf), rel)
-        seen: set[tuple[int, ...]] = set()
-        for what, err in (("absolute", diff), ("relative", rel)):
-            flat = int(torch.argmax(err.reshape(-1)).item()) if err.numel() else 0
-            index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), r.shape))
-            if index in seen:
-                continue
-            seen.add(index)
-            lines.append(
-                f"  at index {index} (greatest {what} difference): golden {g[index].item()!r}, "
-                f"received {r[index].item()!r}"
-            )
-        return lines
-    return None
-
-
 def __getattr__(name: str) -> Any:
-    """``TensorSnapshotExtension`` is imported on first use (it subclasses syrupy's extension).
+    """``TensorSnapshotExtension`` (``snapshot.extension``, subclasses syrupy's extension) and
+    ``golden_root`` (``snapshot.session``, reads the session's options) are imported on first use.
 
     Raises:
-        ImportError: syrupy is not installed.
+        ImportError: ``TensorSnapshotExtension`` where syrupy is not installed.
         AttributeError: any other missing name.
     """
     if name == "TensorSnapshotExtension":
-        from pytest_sparse_mla.snapshot_extension import TensorSnapshotExtension
+        from pytest_sparse_mla.snapshot.extension import TensorSnapshotExtension
 
         return TensorSnapshotExtension
+    if name == "golden_root":
+        from pytest_sparse_mla.snapshot.session import golden_root
+
+        return golden_root
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -91,7 +91,9 @@ the ``profile=`` of a ``sparse_mla_tolerance`` marker, per-parameter values from
 A profile named only in the ini starts from ``"kernel"``. Parameters: the fields of
 :class:`Profile`. The marker takes ``@pytest.mark.sparse_mla_tolerance(profile="kernel", lse_abs=1e-3)``.
 
-This module imports torch only inside functions.
+This module imports torch only inside functions and never imports pytest: a malformed setting raises
+:class:`~pytest_sparse_mla.errors.ToleranceSpecError` (a ``ValueError``), which the plugin reports as
+``pytest.UsageError`` with the same message.
 """
 
 from __future__ import annotations
@@ -101,7 +103,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-import pytest
+from pytest_sparse_mla.errors import ToleranceSpecError
 
 __all__ = [
     "COMPUTE_MODES",
@@ -109,6 +111,7 @@ __all__ = [
     "PARAMETERS",
     "Profile",
     "SparseMlaTolerances",
+    "ToleranceSpecError",
     "assert_equal",
     "compare_lse",
     "compare_output",
@@ -177,7 +180,7 @@ def profile_for(impl: Any) -> str:
     ``compute_mode`` (:data:`COMPUTE_MODES`), else ``"kernel"``.
 
     Raises:
-        pytest.UsageError: an unknown ``compute_mode``.
+        ToleranceSpecError: an unknown ``compute_mode``.
     """
     explicit = getattr(impl, "tolerance_profile", None)
     if isinstance(explicit, str) and explicit:
@@ -186,7 +189,7 @@ def profile_for(impl: Any) -> str:
     if mode is None:
         return "kernel"
     if mode not in COMPUTE_MODES:
-        raise pytest.UsageError(f"implementation compute_mode={mode!r}: expected one of {', '.join(COMPUTE_MODES)}")
+        raise ToleranceSpecError(f"implementation compute_mode={mode!r}: expected one of {', '.join(COMPUTE_MODES)}")
     return COMPUTE_MODES[mode]
 
 
@@ -788,13 +791,13 @@ def _parse_value(param: str, text: Any, where: str) -> Any:
             return True
         if lowered in ("false", "0", "no"):
             return False
-        raise pytest.UsageError(f"{where}: expected true or false, got {text!r}")
+        raise ToleranceSpecError(f"{where}: expected true or false, got {text!r}")
     try:
         value = float(text)
     except (TypeError, ValueError):
-        raise pytest.UsageError(f"{where}: expected a number, got {text!r}") from None
+        raise ToleranceSpecError(f"{where}: expected a number, got {text!r}") from None
     if not math.isfinite(value) or value < 0:
-        raise pytest.UsageError(f"{where}: expected a non-negative finite number, got {text!r}")
+        raise ToleranceSpecError(f"{where}: expected a non-negative finite number, got {text!r}")
     return value
 
 
@@ -802,7 +805,7 @@ def parse_ini_lines(lines: list[str]) -> dict[str, dict[str, Any]]:
     """Parse ``sparse_mla_tolerances`` ini lines (``PROFILE.PARAMETER = VALUE``; ``#`` comments).
 
     Raises:
-        pytest.UsageError: a malformed line, an unknown parameter, or a bad value.
+        ToleranceSpecError: a malformed line, an unknown parameter, or a bad value.
     """
     out: dict[str, dict[str, Any]] = {}
     for raw in lines:
@@ -813,9 +816,9 @@ def parse_ini_lines(lines: list[str]) -> dict[str, dict[str, Any]]:
         name, sep, value = line.partition("=")
         profile, dot, param = name.strip().rpartition(".")
         if not sep or not dot or not profile:
-            raise pytest.UsageError(f"{where}: expected 'PROFILE.PARAMETER = VALUE'")
+            raise ToleranceSpecError(f"{where}: expected 'PROFILE.PARAMETER = VALUE'")
         if param not in PARAMETERS:
-            raise pytest.UsageError(f"{where}: unknown parameter {param!r}; expected one of {', '.join(PARAMETERS)}")
+            raise ToleranceSpecError(f"{where}: unknown parameter {param!r}; expected one of {', '.join(PARAMETERS)}")
         out.setdefault(profile, {})[param] = _parse_value(param, value.strip(), where)
     return out
 
@@ -833,7 +836,7 @@ def resolve(
         marks: ``sparse_mla_tolerance`` marks, closest first (``item.iter_markers`` order).
 
     Raises:
-        pytest.UsageError: a marker with an unknown parameter or a bad value.
+        ToleranceSpecError: a marker with an unknown parameter or a bad value.
     """
     profile = impl_profile or "kernel"
     for mark in reversed(marks):
@@ -848,16 +851,9 @@ def resolve(
             if key == "profile":
                 continue
             if key not in PARAMETERS:
-                raise pytest.UsageError(
+                raise ToleranceSpecError(
                     f"@pytest.mark.{MARKER}: unknown parameter {key!r}; expected one of {', '.join(PARAMETERS)}"
                 )
             updates[key] = _parse_value(key, value, f"@pytest.mark.{MARKER}({key}=...)")
     return SparseMlaTolerances(profile, replace(model, **updates))
 
-
-def ini_tolerances(config: pytest.Config) -> dict[str, dict[str, Any]]:
-    """The parsed ``sparse_mla_tolerances`` ini lines of this session (parsed once, with the other
-    options, by ``pytest_sparse_mla.options.from_config``)."""
-    from pytest_sparse_mla import options
-
-    return {profile: dict(values) for profile, values in options.get_options(config).tolerances.items()}

@@ -184,13 +184,15 @@ def finish(config: pytest.Config) -> None:
 
     records = config.stash.get(_RECORDS, {}) or {"controller": _device_record(config)}
     impl = implementations.get_implementation(config)
+    with options.usage_errors():  # an unknown compute_mode (tolerances.profile_for)
+        envelope = guard.envelope_of(impl)
     report = {
         "capabilities": asdict(capabilities.probe()),
         "options": {"device": opts.device, "seed": opts.seed, "impl": opts.impl, "grid": opts.grid},
         "workers": records,
         "envelope": {
             "declared": guard.declared_envelope(impl) is not None,
-            **guard.envelope_of(impl).as_dict(),
+            **envelope.as_dict(),
         },
         "coverage": coverage.get(config).rows(),
     }

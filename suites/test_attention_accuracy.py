@@ -40,9 +40,9 @@ from pytest_sparse_mla.attention.cases import (
     FLASHINFER_CASES,
     AttentionCase,
     AttentionInputs,
-    case_params,
     deployment_cases,
 )
+from pytest_sparse_mla.parametrize import case_params
 
 pytestmark = pytest.mark.sparse_mla_needs("sparse_mla_forward")
 

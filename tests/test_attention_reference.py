@@ -21,7 +21,8 @@ import torch
 
 from pytest_sparse_mla import formats
 from pytest_sparse_mla.attention import oracle_forward, sparse_mla_forward
-from pytest_sparse_mla.attention.cases import AttentionCase, case_params, inputs_on
+from pytest_sparse_mla.attention.cases import AttentionCase
+from pytest_sparse_mla.parametrize import case_params, inputs_on
 
 _FP32_CASES = (
     AttentionCase("Flash-C4-TP1-T65", 65, 64, 128, masked_fraction=0.0, topk_extra=512,

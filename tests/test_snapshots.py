@@ -1,4 +1,4 @@
-"""Self-tests of the golden snapshots (``pytest_sparse_mla.snapshots`` + ``snapshot_plugin``).
+"""Self-tests of the golden snapshots (``pytest_sparse_mla.snapshot``, through ``pytest_sparse_mla.snapshots``).
 
 Throwaway projects run through pytester write goldens with ``--snapshot-update`` into their own
 golden directory, then change one byte or one float and read the failure. Expected hashes and
@@ -21,7 +21,8 @@ import pytest
 import torch
 from packaging.version import Version
 
-from pytest_sparse_mla import snapshot_plugin, snapshots
+from pytest_sparse_mla import snapshots
+from pytest_sparse_mla.snapshot import session as snapshot_session
 from pytest_sparse_mla.snapshots import close, exact
 
 GOLDEN = "golden"
@@ -248,7 +249,7 @@ def test_snapshot_update_is_refused_with_several_xdist_workers(project: pytest.P
     ],
 )
 def test_xdist_worker_count(config: SimpleNamespace, expected: int) -> None:
-    assert snapshot_plugin.xdist_worker_count(config) == expected  # type: ignore[arg-type]
+    assert snapshot_session.xdist_worker_count(config) == expected  # type: ignore[arg-type]
 
 
 def test_snapshot_update_is_refused_on_a_worker_of_several() -> None:
@@ -256,7 +257,7 @@ def test_snapshot_update_is_refused_on_a_worker_of_several() -> None:
         workerinput={"workercount": 2}, option=SimpleNamespace(update_snapshots=True)
     )
     with pytest.raises(pytest.UsageError, match="--snapshot-update with 2 pytest-xdist workers"):
-        snapshot_plugin.configure(worker)  # type: ignore[arg-type]
+        snapshot_session.configure(worker)  # type: ignore[arg-type]
 
 
 TWO_TESTS = """
@@ -392,8 +393,8 @@ def test_syrupy_skip_message_names_the_metadata_pin() -> None:
 
     pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
     (pin,) = [d for d in pyproject["project"]["dependencies"] if d.startswith("syrupy")]
-    assert snapshot_plugin.syrupy_requirement() == pin.replace(" ", "")
-    reason = snapshot_plugin.syrupy_missing_reason(ImportError("x"))
+    assert snapshot_session.syrupy_requirement() == pin.replace(" ", "")
+    reason = snapshot_session.syrupy_missing_reason(ImportError("x"))
     assert reason.startswith(f"golden snapshots need {pin} (pip install '{pin}')")
 
 
@@ -404,7 +405,7 @@ def test_without_syrupy_golden_tests_skip_with_the_pinned_version(
     ``tensor_snapshot`` skip, saying which syrupy to install; the header says so too."""
     _no_syrupy(pytester, monkeypatch)
     pytester.makepyfile(test_x="def test_x(tensor_snapshot):\n    raise AssertionError('must not run')\n")
-    pin = snapshot_plugin.syrupy_requirement()
+    pin = snapshot_session.syrupy_requirement()
     # importlib import mode: an installed suite must not put site-packages (the real syrupy) first.
     blocked = ("-p", "sparse_mla", "-p", "no:syrupy", "-p", "no:cacheprovider", "-rs", "--import-mode=importlib")
     suite = pytester.runpytest_subprocess(*blocked, "--pyargs", "pytest_sparse_mla.suites.test_golden")

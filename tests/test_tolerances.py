@@ -7,6 +7,7 @@ back from the code under test.
 from __future__ import annotations
 
 import math
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -44,7 +45,7 @@ def test_profile_follows_the_compute_mode(attrs: dict[str, str], profile: str) -
 
 
 def test_unknown_compute_mode_is_a_usage_error() -> None:
-    with pytest.raises(pytest.UsageError, match="compute_mode='bf8'"):
+    with pytest.raises(tolerances.ToleranceSpecError, match="compute_mode='bf8'"):
         tolerances.profile_for(SimpleNamespace(compute_mode="bf8"))
 
 
@@ -124,9 +125,40 @@ def test_lse_in_natural_log_units_and_causes() -> None:
 def test_ini_lines_parse_and_reject_garbage() -> None:
     parsed = tolerances.parse_ini_lines(["kernel.row_sigmas = 6", "  # comment", "mine.lse_abs=1e-3", ""])
     assert parsed == {"kernel": {"row_sigmas": 6.0}, "mine": {"lse_abs": 1e-3}}
-    for bad in ["row_sigmas = 1", "kernel.nope = 1", "kernel.lse_abs = lots", "kernel.lse_abs = -1"]:
-        with pytest.raises(pytest.UsageError):
+    bad_lines = {
+        "row_sigmas = 1": "expected 'PROFILE.PARAMETER = VALUE'",
+        "kernel.nope = 1": "unknown parameter 'nope'",
+        "kernel.lse_abs = lots": "expected a number, got 'lots'",
+        "kernel.lse_abs = -1": "expected a non-negative finite number, got '-1'",
+        "kernel.bitwise_invariants = maybe": "expected true or false, got 'maybe'",
+    }
+    for bad, message in bad_lines.items():
+        with pytest.raises(tolerances.ToleranceSpecError, match=re.escape(f"line {bad!r}: {message}")):
             tolerances.parse_ini_lines([bad])
+
+
+def test_a_bad_ini_line_stops_the_session_with_a_usage_error(pytester: pytest.Pytester) -> None:
+    """The pytest-free parser's error reaches the user as pytest's usage error (exit code 4)."""
+    pytester.makeini("[pytest]\nsparse_mla_tolerances =\n    kernel.nope = 1\n")
+    pytester.makepyfile("def test_x():\n    pass\n")
+    result = pytester.runpytest("-p", "sparse_mla")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["ERROR: ini sparse_mla_tolerances line 'kernel.nope = 1': unknown parameter 'nope'*"])
+
+
+def test_a_bad_marker_parameter_errors_the_test(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.sparse_mla_tolerance(rowsigmas=1)
+        def test_x(sparse_mla_tolerances):
+            pass
+        """
+    )
+    result = pytester.runpytest("-p", "sparse_mla")
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(["*UsageError: @pytest.mark.sparse_mla_tolerance: unknown parameter 'rowsigmas'*"])
 
 
 def test_resolution_order_impl_then_marker_profile_then_ini_then_marker_values() -> None:
@@ -141,7 +173,7 @@ def test_resolution_order_impl_then_marker_profile_then_ini_then_marker_values()
     assert keyed.model.row_sigmas == 8.0 and keyed.profile == "tight"
     custom = tolerances.resolve("mine", {"mine": {"lse_abs": 0.5}}, [])
     assert custom.model.lse_abs == 0.5 and custom.model.p_unit_roundoff == 2.0**-8  # starts at kernel
-    with pytest.raises(pytest.UsageError):
+    with pytest.raises(tolerances.ToleranceSpecError, match="unknown parameter 'rowsigmas'"):
         tolerances.resolve("tight", {}, [mark(args=(), kwargs={"rowsigmas": 1})])
 
 

@@ -16,7 +16,9 @@ Two families:
   V4-Flash C4 prefill.
 
 Cases are plain frozen data; :func:`make_inputs` draws the tensors from a CPU generator and moves
-them to the device, so a seed gives the same inputs on CPU and CUDA.
+them to the device, so a seed gives the same inputs on CPU and CUDA. This module does not import
+pytest: the suites parametrise over the cases with ``pytest_sparse_mla.parametrize.case_params``
+(ids ``case.name``) and draw inputs with ``pytest_sparse_mla.parametrize.inputs_on``.
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-import pytest
 import torch
 
 from pytest_sparse_mla import data, deployments, formats
@@ -40,10 +41,8 @@ __all__ = [
     "STALE_INDEX",
     "REQUIREMENTS",
     "case_classes",
-    "case_params",
     "fit_case",
     "deployment_cases",
-    "inputs_on",
     "make_inputs",
 ]
 
@@ -549,19 +548,6 @@ def deployment_cases() -> tuple[AttentionCase, ...]:
         )
     )  # fmt: skip
     return tuple(out)
-
-
-def case_params(cases: tuple[AttentionCase, ...]) -> list[Any]:
-    """``pytest.param`` per case, id = ``case.name``; large cases carry ``sparse_mla_requires_cuda``."""
-    return [pytest.param(c, id=c.name, marks=[pytest.mark.sparse_mla_requires_cuda] if c.large else []) for c in cases]
-
-
-def inputs_on(case: AttentionCase, generator: torch.Generator, device: torch.device) -> AttentionInputs:
-    """:func:`make_inputs` on ``device``; skips a large case unless ``device`` is CUDA (a CUDA
-    machine run with ``--sparse-mla-device=cpu`` keeps its CPU suite small)."""
-    if case.large and device.type != "cuda":
-        pytest.skip(f"{case.name}: large case, run on CUDA only")
-    return make_inputs(case, generator, device=device)
 
 
 # --- envelopes ------------------------------------------------------------------------------------

@@ -22,8 +22,10 @@ import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from types import ModuleType
+from typing import TYPE_CHECKING
 
-import pytest
+if TYPE_CHECKING:  # annotations only: this module does not import pytest at run time
+    import pytest
 
 __all__ = ["ModuleMissing", "search_dirs", "import_module", "miss_message", "is_module_path"]
 

@@ -1,9 +1,33 @@
 """The syrupy extension of the tensor goldens: ``TensorSnapshotExtension`` (imports syrupy).
 
-Kept apart from ``pytest_sparse_mla.snapshots`` (the file format, :func:`~pytest_sparse_mla.snapshots.exact`,
-:func:`~pytest_sparse_mla.snapshots.close`, the golden paths) so those import where syrupy is not
-installed; reach the class as ``pytest_sparse_mla.snapshots.TensorSnapshotExtension``. The syrupy
-facts it relies on are listed in the ``snapshots`` module docstring.
+The ``tensor_snapshot`` fixture (``pytest_sparse_mla.fixtures``) hands it to syrupy's ``snapshot``.
+It writes the file format of ``pytest_sparse_mla.snapshot.file_format`` at the place
+``pytest_sparse_mla.snapshot.location`` names, under the session's root
+(``pytest_sparse_mla.snapshot.session.golden_root``). Only this module of the package imports
+syrupy, so the others import where syrupy is not installed; the class is also reachable, imported
+on first use, as ``pytest_sparse_mla.snapshots.TensorSnapshotExtension``.
+
+syrupy facts this extension relies on (syrupy-project/syrupy ``src/syrupy/extensions/single_file.py``,
+``extensions/base.py``, ``assertion.py``, ``location.py``, ``report.py``; the gotchas are also
+recorded in AntoineD/syrupy-matplotlib ``src/syrupy_matplotlib/_extension.py``):
+
+* ``matches()`` gets no test context: the tolerance of the current assertion is stashed on the
+  extension instance by ``serialize()`` (syrupy calls both on the same instance, in that order).
+* An exception inside ``serialize()`` / ``matches()`` is caught by syrupy and turned into a failed
+  assertion whose diff is the traceback; wrong arguments are therefore rejected earlier, by
+  ``file_format.exact`` and ``file_format.close``, with a plain exception in the test body.
+* Files under a suite's directory that no test claims are reported as unused and deleted by
+  ``--snapshot-update``; :meth:`TensorSnapshotExtension.matches_test_location` claims a file only
+  from its own ``<suite>/<module>`` directory.
+
+syrupy versions: checking and writing goldens works from 4.6 (``file_extension`` became public in
+5.0; both spellings are set). Unused detection outside ``__snapshots__`` directories needs 4.7.2,
+unused detection under pytest-xdist 5.5 (syrupy PR #1132), and the per-directory ownership above
+7.0 (older releases never ask the extension, so a skipped test of a same-named module in another
+suite can keep an orphan from being reported). Goldens of a *deleted* test module are reported
+only when pytest runs without path arguments and still collects another module of that suite
+(syrupy scans the suite directory of each collected module, and its ``report.py`` cleans up after
+deleted modules only inside a directory named on the command line, which the golden root is not).
 """
 
 from __future__ import annotations
@@ -14,7 +38,7 @@ from typing import Any
 
 from syrupy.extensions.single_file import SingleFileSnapshotExtension, WriteMode
 
-from pytest_sparse_mla.snapshots import (
+from pytest_sparse_mla.snapshot.file_format import (
     FILE_EXTENSION,
     TensorSnapshot,
     _decode_values,
@@ -22,11 +46,9 @@ from pytest_sparse_mla.snapshots import (
     _parse,
     _render,
     compare_close,
-    default_golden_dir,
-    golden_root,
-    session_roots,
-    suite_name,
 )
+from pytest_sparse_mla.snapshot.location import default_golden_dir, session_roots, suite_name
+from pytest_sparse_mla.snapshot.session import golden_root
 
 __all__ = ["TensorSnapshotExtension"]
 
@@ -44,8 +66,8 @@ def _root_for(test_location: Any) -> Path:
 class TensorSnapshotExtension(SingleFileSnapshotExtension):
     """syrupy extension storing one ``.tensor.json`` file per snapshot under the golden root.
 
-    Accepts only :class:`TensorSnapshot` values (:func:`exact`, :func:`close`). See the module
-    docstring for the file layout and the comparison rules.
+    Accepts only :class:`TensorSnapshot` values (``file_format.exact``, ``file_format.close``).
+    See ``pytest_sparse_mla.snapshot.file_format`` for the file layout and the comparison rules.
     """
 
     _write_mode = WriteMode.TEXT

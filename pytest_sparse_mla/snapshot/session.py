@@ -1,4 +1,4 @@
-"""Golden snapshots around syrupy: the ``--snapshot-update`` guard, the session's golden root, and
+"""The goldens' session plumbing: the session's golden root, the ``--snapshot-update`` guard, and
 what to say when syrupy is missing.
 
 Logic only: the hooks module (``pytest_sparse_mla.plugin``) calls :func:`configure`,
@@ -7,24 +7,33 @@ Logic only: the hooks module (``pytest_sparse_mla.plugin``) calls :func:`configu
 syrupy nor torch: where syrupy is not installed (a GPU image without it), only the golden tests
 skip, with :func:`syrupy_missing_reason`.
 
+* :func:`golden_root`: ``--sparse-mla-golden-dir`` (CLI), else the ini key
+  ``sparse_mla_golden_dir`` (both parsed by ``pytest_sparse_mla.options``), else
+  ``snapshot.location.default_golden_dir``.
+
 * ``--snapshot-update`` is refused with a ``UsageError`` when more than one pytest-xdist worker
   would run: syrupy's writes are not coordinated between workers (syrupy-project/syrupy #1237,
   data loss under ``--snapshot-update -n N``); the guard follows daaain/claude-code-log PR #304.
   Regenerate goldens with one process: ``pytest -p sparse_mla suites/test_golden.py
   --snapshot-update -n 0``.
-* The session's golden root (``--sparse-mla-golden-dir``) is handed to
-  ``pytest_sparse_mla.snapshots`` for test locations that carry no config (xdist controller).
+* The session's golden root is recorded in ``snapshot.location`` (:func:`configure`) for the test
+  locations syrupy builds without a config (the xdist controller).
 """
 
 from __future__ import annotations
 
 import importlib.metadata
 import os
+from pathlib import Path
 
 import pytest
 
+from pytest_sparse_mla import options
+from pytest_sparse_mla.snapshot import location
+
 __all__ = [
     "configure",
+    "golden_root",
     "header_lines",
     "syrupy_missing_reason",
     "syrupy_requirement",
@@ -35,8 +44,14 @@ __all__ = [
 #: Distribution name of this package (its metadata holds the syrupy pin).
 DISTRIBUTION = "pytest-sparse-mla"
 
-#: Set when this session pushed its golden root onto ``snapshots``' stack (popped at unconfigure).
+#: Set when this session pushed its golden root onto ``location``'s stack (popped at unconfigure).
 _ROOT_PUSHED = pytest.StashKey[bool]()
+
+
+def golden_root(config: pytest.Config) -> Path:
+    """The golden root of a session: ``--sparse-mla-golden-dir`` (CLI), else the ini key
+    ``sparse_mla_golden_dir``, else ``snapshot.location.default_golden_dir()`` (an absolute path)."""
+    return location.resolve_root(options.get_options(config).golden_dir)
 
 
 def syrupy_requirement() -> str:
@@ -107,25 +122,19 @@ def configure(config: pytest.Config) -> None:
                 "snapshot writes between workers (syrupy #1237). Update goldens in one process, "
                 "e.g. `pytest -p sparse_mla suites/test_golden.py --snapshot-update -n 0`."
             )
-    from pytest_sparse_mla import snapshots
-
-    snapshots.push_session_root(snapshots.golden_root(config))
+    location.push_session_root(golden_root(config))
     config.stash[_ROOT_PUSHED] = True
 
 
 def unconfigure(config: pytest.Config) -> None:
     """Forget this session's golden root (pytester runs nest sessions in one process)."""
     if config.stash.get(_ROOT_PUSHED, False):
-        from pytest_sparse_mla import snapshots
-
-        snapshots.pop_session_root()
+        location.pop_session_root()
 
 
 def header_lines(config: pytest.Config) -> list[str]:
     """Say where goldens are read from (and whether syrupy is there to read them)."""
-    from pytest_sparse_mla import snapshots
-
-    root = snapshots.golden_root(config)
+    root = golden_root(config)
     try:
         import syrupy  # noqa: F401
     except ImportError:
