@@ -30,15 +30,8 @@ from dataclasses import dataclass
 
 from pytest_sparse_mla.dispatch.grid import SparseMlaConfig
 
-__all__ = [
-    "MODELS",
-    "TENSOR_PARALLEL_SIZES",
-    "PHASES",
-    "PREFILL_NUM_TOKENS",
-    "Deployment",
-    "DEPLOYMENTS",
-    "deployments",
-]
+__all__ = ["MODELS", "TENSOR_PARALLEL_SIZES", "PHASES", "PREFILL_NUM_TOKENS", "Deployment", "DEPLOYMENTS",
+           "deployments"]  # fmt: skip
 
 #: total query heads per model (sources in the module docstring).
 MODELS: dict[str, int] = {"DeepSeek-V4-Flash": 64, "DeepSeek-V4-Pro": 128}

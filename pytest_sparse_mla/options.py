@@ -358,28 +358,28 @@ def _golden_dir(config: pytest.Config) -> Path | None:
     return path
 
 
-def _report_json(config: pytest.Config) -> Path | None:
-    value = config.getoption("sparse_mla_report_json", None)
+def _output_path(config: pytest.Config, option: str) -> Path | None:
+    """The resolved path of an output option (``--sparse-mla-report-json`` / ``--sparse-mla-repro-dir``),
+    or ``None`` when not given.
+
+    Raises:
+        pytest.UsageError: the report's folder does not exist; a file stands where the repro dir
+            or one of its parents should be.
+    """
+    value = config.getoption(option.lstrip("-").replace("-", "_"), None)
     if not value:
         return None
     path = Path(value).resolve()
-    if not path.parent.is_dir():
-        raise pytest.UsageError(
-            f"--sparse-mla-report-json={value!r}: no such directory {path.parent}; "
-            "expected a file path in an existing directory"
-        )
-    return path
-
-
-def _repro_dir(config: pytest.Config) -> Path | None:
-    value = config.getoption("sparse_mla_repro_dir", None)
-    if not value:
-        return None
-    path = Path(value).resolve()
+    if option == "--sparse-mla-report-json":
+        if not path.parent.is_dir():
+            raise pytest.UsageError(
+                f"{option}={value!r}: no such directory {path.parent}; expected a file path in an existing directory"
+            )
+        return path
     blocking = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
     if blocking is not None:
         raise pytest.UsageError(
-            f"--sparse-mla-repro-dir={value!r}: {blocking} exists and is not a directory; expected a directory "
+            f"{option}={value!r}: {blocking} exists and is not a directory; expected a directory "
             "(created with its parents when a reproducer is written; use a fresh one per run: a run adds to "
             "its index.jsonl)"
         )
@@ -428,8 +428,8 @@ def from_config(config: pytest.Config, activated_by: str = "") -> SparseMlaOptio
             "--sparse-mla-skip-file", config.getoption("sparse_mla_skip_file", None), config.rootpath
         ),
         gpu_per_worker=not config.getoption("sparse_mla_no_gpu_pinning", False),
-        report_json=_report_json(config),
-        repro_dir=_repro_dir(config),
+        report_json=_output_path(config, "--sparse-mla-report-json"),
+        repro_dir=_output_path(config, "--sparse-mla-repro-dir"),
         tolerances=_tolerances(config),
         activated_by=activated_by,
     )
