@@ -23,7 +23,9 @@ from pytest_sparse_mla import options, plugin
 
 PACKAGE = Path(plugin.__file__).resolve().parent
 HOOKS_MODULE = PACKAGE / "plugin.py"
-ALLOWED = {HOOKS_MODULE, PACKAGE / "hookspecs.py"}
+#: ``alias.py`` (the entry point ``sparse-mla``) has one hook, ``pytest_addhooks``, that only loads the
+#: plugin under its own name: ``-p sparse-mla`` works like ``-p sparse_mla``.
+ALLOWED = {HOOKS_MODULE, PACKAGE / "hookspecs.py", PACKAGE / "alias.py"}
 
 
 def _package_modules() -> list[Path]:

@@ -97,7 +97,8 @@ def test_a_foreign_project_sees_what_it_sees_without_the_package(
         monkeypatch.delenv(name, raising=False)
     _foreign_project(pytester)
     installed_lines, installed_env = _run(pytester, pytester.path / "installed")
-    absent_lines, absent_env = _run(pytester, pytester.path / "absent", "-p", "no:sparse_mla")
+    # absent: neither the plugin nor the alias entry point behind ``-p sparse-mla`` (alias.py) is loaded
+    absent_lines, absent_env = _run(pytester, pytester.path / "absent", "-p", "no:sparse_mla", "-p", "no:sparse-mla")
 
     expected = {"CUDA_VISIBLE_DEVICES": "0,1", "OMP_NUM_THREADS": None, "TRITON_INTERPRET": None}
     # Which worker ran which case is xdist's choice and differs between runs: compare by case.
@@ -110,7 +111,9 @@ def test_a_foreign_project_sees_what_it_sees_without_the_package(
 
     for listing in ("--markers", "--fixtures"):
         installed = pytester.runpytest_subprocess(listing, "-p", "no:cacheprovider").stdout.lines
-        absent = pytester.runpytest_subprocess(listing, "-p", "no:cacheprovider", "-p", "no:sparse_mla").stdout.lines
+        absent = pytester.runpytest_subprocess(
+            listing, "-p", "no:cacheprovider", "-p", "no:sparse_mla", "-p", "no:sparse-mla"
+        ).stdout.lines
         assert _without_plugins_line(installed, installed=True) == _without_plugins_line(absent), listing
 
 

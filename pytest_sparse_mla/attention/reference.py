@@ -47,8 +47,8 @@ state. ``"triton"`` (CUDA default when triton imports; interpreted on the CPU un
 zero row; in the other each program (a token and 16 heads) decides the validity of its lanes from
 the index rows and lengths, runs the online softmax in 64-lane tiles on BF16 tensor cores with
 exact products and fp32 accumulation (keys and probabilities split into BF16 pieces), and
-finalises; its docstring says why it stays within 1e-5 of the oracle and why the same invariants
-hold.
+finalises. Why it stays within 1e-5 of the oracle and why the same invariants hold:
+``docs/design/reference-kernel.md``.
 H200 timings of both: ``docs/benchmarks.md``.
 
 CUDA graphs: a call makes no host synchronisation and no host decision on device values except
