@@ -159,14 +159,15 @@ class SparseMlaForward(Protocol):
         lse_convention: str = "flashinfer",
         lse_scale: float = 1.0,
     ) -> SparseMlaResult:
-        """Attend.
+        """Attend. ``attention.call.SparseMlaCall.read`` reads these arguments into one object (the
+        bundled reference, the oracle, the built-in adapters and the envelope check all use it).
 
         Args:
             q: ``[T, H, d_qk]`` BF16 queries; ``T <= 64`` is decode, larger is prefill.
             kv_cache: packed uint8 main cache (any form ``formats.parse_cache`` accepts).
             indices: ``[T, topk]`` int32 flat token indices into ``kv_cache``; ``-1`` skips a lane.
             sm_scale: softmax scale (``d_qk ** -0.5`` typically).
-            fmt: ``"dsv4"`` or ``"dsv3_2"``.
+            fmt: ``"dsv4"``, ``"dsv3_2"`` or ``"dsv4_1"`` (``formats.CALL_FORMATS``).
             page_block_size: tokens per page, only needed for a 2-D cache.
             topk_length: ``[T]`` int32 valid prefix of each index row, or ``None`` (all lanes).
             attn_sink: ``[H]`` fp32 per-head sink logit (natural-log units), or ``None``.
