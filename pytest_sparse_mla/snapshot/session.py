@@ -10,7 +10,6 @@ skip, with :func:`syrupy_missing_reason`.
 * :func:`golden_root`: ``--sparse-mla-golden-dir`` (CLI), else the ini key
   ``sparse_mla_golden_dir`` (both parsed by ``pytest_sparse_mla.options``), else
   ``snapshot.location.default_golden_dir``.
-
 * ``--snapshot-update`` is refused with a ``UsageError`` when more than one pytest-xdist worker
   would run: syrupy's writes are not coordinated between workers (syrupy-project/syrupy #1237,
   data loss under ``--snapshot-update -n N``); the guard follows daaain/claude-code-log PR #304.
