@@ -34,6 +34,7 @@ each gate test's ``user_properties``, which pytest-xdist carries from the worker
 
 from __future__ import annotations
 
+import gc
 import os
 import shlex
 import time
@@ -161,8 +162,15 @@ def run_suite(
     for key in _XDIST_ENV:  # the inner session is not an xdist worker
         monkeypatch.delenv(key, raising=False)
     start = time.perf_counter()
-    with memoized(_ORACLE_RESULTS):
-        ret = pytest.main([*suite_args(name, report, maxfail), "--basetemp", str(tmp_path / "basetemp")])
+    # The inner session ends with full garbage collections (pytest's unraisable-exception cleanup);
+    # frozen, this process's own objects (torch, the outer session) are not scanned by them, which
+    # saves about half a second per kernel. Objects of the inner run are collected as before.
+    gc.freeze()
+    try:
+        with memoized(_ORACLE_RESULTS):
+            ret = pytest.main([*suite_args(name, report, maxfail), "--basetemp", str(tmp_path / "basetemp")])
+    finally:
+        gc.unfreeze()
     seconds = time.perf_counter() - start
     captured = capsys.readouterr()
     output = (captured.out + captured.err)[-4000:]
