@@ -16,16 +16,18 @@ used: they drop modules imported during a run, and re-importing torch's operator
   at least one item run. A kernel that breaks the harness is not counted as caught.
 
 Cost (the 2-core CPU machine). The float64 oracle's results are shared by a worker's inner runs
-(``oracle.memoized``, keyed by the bytes of the oracle's arguments: each test draws the same
-inputs for every kernel). An approximate kernel's run is the whole suite, every time. A wrong
-kernel's run stops at its first failure (``--maxfail=1``) and runs breadth-first over the suite's
-test functions (``tests/gate_order.py``), so a kernel caught by one rule only is reached after one
-case of every test function, not after every case of the functions before it; the run is the whole
-suite only when the kernel survives. The kill table therefore gives, per wrong kernel, the first
-failing test and how many items ran before it (``ran``); ``failed`` reads ``1+`` (stopped at the
-first). ``SPARSE_MLA_GATE_MAXFAIL=0`` runs every wrong kernel whole for exact failure counts
-(``=N`` stops after N). ``SPARSE_MLA_GATE_PYTEST_ARGS`` passes extra arguments to every inner run
-(e.g. an ``--ignore`` of a suite file being rewritten). Under ``-n 2`` two kernels run at a time.
+(``oracle.memoized``, keyed by the bytes of the oracle's arguments: each test draws the same inputs
+for every kernel). An approximate kernel's run is the whole suite, every time. A wrong kernel's run
+stops at its first failure (``--maxfail=1``) and runs breadth-first over the suite's test functions
+(``tests/gate_order.py``), so a kernel caught by one rule only is reached after one case of every
+test function, not after every case of the functions before it; a kernel that only a late case
+catches gets that case first (``kernel_catalogue.FIRST_TESTS``, where its kill was found: an order,
+never a selection). The run is the whole suite only when the kernel survives. The kill table
+therefore gives, per wrong kernel, the first failing test and how many items ran before it
+(``ran``); ``failed`` reads ``1+`` (stopped at the first). ``SPARSE_MLA_GATE_MAXFAIL=0`` runs every
+wrong kernel whole for exact failure counts (``=N`` stops after N). ``SPARSE_MLA_GATE_PYTEST_ARGS``
+passes extra arguments to every inner run (e.g. an ``--ignore`` of a suite file being rewritten).
+Under ``-n 2`` two kernels run at a time.
 
 The kill table (kernel, outcome, failing count, items run, seconds, first failing test, rule, the
 first line of the first failure) is printed at the end of the session by ``tests/conftest.py`` from
@@ -42,6 +44,7 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
 
+import gate_order
 import kernel_catalogue as catalogue
 import pytest
 import torch
@@ -161,6 +164,7 @@ def run_suite(
     monkeypatch.chdir(tmp_path)
     for key in _XDIST_ENV:  # the inner session is not an xdist worker
         monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv(gate_order.FIRST_ENV, "\n".join(catalogue.first_tests(name)))
     start = time.perf_counter()
     # The inner session ends with full garbage collections (pytest's unraisable-exception cleanup);
     # frozen, this process's own objects (torch, the outer session) are not scanned by them, which
@@ -281,6 +285,33 @@ def test_catalogue_kernel_inside_flashmla_envelope(
     else:
         listing = "\n".join(f"  {tid}: {msg}" for tid, msg in run.failures[:20])
         assert not run.failed, f"approximate kernel {spec!r} FAILED {run.failed} items inside the envelope:\n{listing}"
+
+
+def test_first_tests_are_suite_tests(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test the gate runs first for a kernel (``kernel_catalogue.FIRST_TESTS``) is an item the
+    suite collects, for a kernel of the catalogue: a renamed case would make a hint silently miss."""
+    collected: list[str] = []
+
+    class Listing:
+        def pytest_collection_finish(self, session: pytest.Session) -> None:
+            collected.extend(item.nodeid for item in session.items)
+
+    for key in _XDIST_ENV:  # the inner session is not an xdist worker
+        monkeypatch.delenv(key, raising=False)
+    gc.freeze()
+    try:
+        ret = pytest.main(
+            ["-p", "sparse_mla", str(SUITES), "--co", "-qq", "-p", "no:cacheprovider", "-p", "no:xdist",
+             "--rootdir", str(ROOT), "--sparse-mla-device", "cpu"],
+            plugins=[Listing()],
+        )  # fmt: skip
+    finally:
+        gc.unfreeze()
+    assert int(ret) == 0 and collected
+    for spec, nodes in catalogue.FIRST_TESTS.items():
+        assert spec.removesuffix(catalogue.FLASHMLA_SUFFIX) in catalogue.CATALOGUE, spec
+        missing = sorted(set(nodes) - set(collected))
+        assert not missing, f"FIRST_TESTS[{spec!r}] names tests the suite does not collect: {missing}"
 
 
 def test_catalogue_has_the_promised_breadth() -> None:
