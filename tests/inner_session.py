@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import copy
 import gc
-from collections.abc import Callable, Iterator
+import os
+import sys
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -125,6 +127,17 @@ def _frozen() -> Iterator[None]:
         gc.unfreeze()
 
 
+def _modules_under(paths: list[Path]) -> list[str]:
+    """Names of the imported modules whose files lie under one of ``paths``."""
+    roots = [str(p.resolve()) + os.sep for p in paths]
+    names = []
+    for name, module in list(sys.modules.items()):
+        file = getattr(module, "__file__", None)
+        if file and any(os.path.realpath(file).startswith(root) for root in roots):
+            names.append(name)
+    return names
+
+
 def run(
     args: list[str],
     *,
@@ -132,17 +145,32 @@ def run(
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
     plugins: list[Any] | None = None,
+    syspath: Sequence[Path] = (),
+    env: dict[str, str] | None = None,
 ) -> tuple[int, str]:
     """``pytest.main(args)`` in this process, from ``cwd``, not as an xdist worker, with the
     oracle's results and the drawn inputs shared with this worker's other inner runs. Returns the
-    exit status and the run's terminal output (stdout + stderr)."""
-    monkeypatch.chdir(cwd)
-    for key in XDIST_ENV:
-        monkeypatch.delenv(key, raising=False)
+    exit status and the run's terminal output (stdout + stderr).
+
+    ``syspath``: folders put first on ``sys.path`` for the run (a ``PYTHONPATH``); the modules
+    imported from them are unloaded afterwards, so the next run (or test) imports its own.
+    ``env``: environment variables set for the run only.
+    """
     capsys.readouterr()  # what the test printed before belongs to the test
     with monkeypatch.context() as patch, _frozen(), memoized(ORACLE_RESULTS):
+        patch.chdir(cwd)
+        for key in XDIST_ENV:  # the inner session is not an xdist worker
+            patch.delenv(key, raising=False)
+        for key, value in (env or {}).items():
+            patch.setenv(key, value)
+        for folder in reversed(list(syspath)):
+            patch.syspath_prepend(str(folder))
         patch.setattr(cases, "make_inputs", memoized_inputs(cases.make_inputs, INPUTS))
-        ret = pytest.main(args, plugins=plugins)
+        try:
+            ret = pytest.main(args, plugins=plugins)
+        finally:
+            for name in _modules_under(list(syspath)):
+                del sys.modules[name]
     captured = capsys.readouterr()
     return int(ret), captured.out + captured.err
 

@@ -132,10 +132,10 @@ def run_suite(
     oracle's results and the drawn inputs are shared with this worker's other runs) and read the
     outcome of every item from its JUnit XML."""
     report = tmp_path / "junit.xml"
-    monkeypatch.setenv(gate_order.FIRST_ENV, "\n".join(catalogue.first_tests(name)))
+    first = {gate_order.FIRST_ENV: "\n".join(catalogue.first_tests(name))}
     start = time.perf_counter()
     args = [*suite_args(name, report, maxfail), "--basetemp", str(tmp_path / "basetemp")]
-    returncode, output = inner_session.run(args, cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
+    returncode, output = inner_session.run(args, cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys, env=first)
     seconds = time.perf_counter() - start
     output = output[-4000:]
     if not report.exists():
