@@ -28,6 +28,7 @@ import copy
 import gc
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -35,10 +36,11 @@ from typing import Any
 
 import pytest
 import torch
+from _pytest.pathlib import make_numbered_dir
 
 from pytest_sparse_mla import formats
 from pytest_sparse_mla.attention import cases
-from pytest_sparse_mla.attention.oracle import OracleOutput, memoized
+from pytest_sparse_mla.attention.oracle import memoized
 
 #: What marks a process as an xdist worker, or passes options to it: the inner session is neither.
 XDIST_ENV = ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID", "PYTEST_ADDOPTS")
@@ -175,4 +177,25 @@ def run(
     return int(ret), captured.out + captured.err
 
 
-__all__ = ["ORACLE_RESULTS", "INPUTS", "BoundedStore", "OracleOutput", "XDIST_ENV", "memoized_inputs", "run"]
+def runpytest(
+    pytester: pytest.Pytester,
+    *args: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    plugins: list[Any] | None = None,
+    env: dict[str, str] | None = None,
+) -> pytest.RunResult:
+    """What ``pytester.runpytest_subprocess(*args)`` does, in this process through :func:`run`:
+    from ``pytester.path``, which is also first on ``sys.path`` (a subprocess gets it on
+    ``PYTHONPATH``), with a fresh ``--basetemp`` under it. The result takes pytester's assertions
+    (``assert_outcomes``, ``stdout.fnmatch_lines``, ...)."""
+    basetemp = make_numbered_dir(root=pytester.path, prefix="runpytest-", mode=0o700)
+    start = time.perf_counter()
+    ret, output = run(
+        [f"--basetemp={basetemp}", *args], cwd=pytester.path, monkeypatch=monkeypatch, capsys=capsys,
+        plugins=plugins, syspath=[pytester.path], env=env,
+    )  # fmt: skip
+    return pytest.RunResult(ret, output.splitlines(), [], time.perf_counter() - start)
+
+
+__all__ = ["ORACLE_RESULTS", "INPUTS", "BoundedStore", "XDIST_ENV", "memoized_inputs", "run", "runpytest"]
