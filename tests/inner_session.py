@@ -149,6 +149,7 @@ def run(
     plugins: list[Any] | None = None,
     syspath: Sequence[Path] = (),
     env: dict[str, str] | None = None,
+    unload: Sequence[Path] = (),
 ) -> tuple[int, str]:
     """``pytest.main(args)`` in this process, from ``cwd``, not as an xdist worker, with the
     oracle's results and the drawn inputs shared with this worker's other inner runs. Returns the
@@ -156,7 +157,8 @@ def run(
 
     ``syspath``: folders put first on ``sys.path`` for the run (a ``PYTHONPATH``); the modules
     imported from them are unloaded afterwards, so the next run (or test) imports its own.
-    ``env``: environment variables set for the run only.
+    ``env``: environment variables set for the run only. ``unload``: more folders whose modules
+    are unloaded after the run (test modules of a throwaway project, imported by their basename).
     """
     capsys.readouterr()  # what the test printed before belongs to the test
     with monkeypatch.context() as patch, _frozen(), memoized(ORACLE_RESULTS):
@@ -171,7 +173,7 @@ def run(
         try:
             ret = pytest.main(args, plugins=plugins)
         finally:
-            for name in _modules_under(list(syspath)):
+            for name in _modules_under([*syspath, *unload]):
                 del sys.modules[name]
     captured = capsys.readouterr()
     return int(ret), captured.out + captured.err
