@@ -812,10 +812,9 @@ def unpack_dequantize(
         raise TypeError(f"dtype={dtype!r}: expected a floating torch.dtype (torch.float32, torch.bfloat16, ...)")
     fields = unpack_fields(cache, f, page_block_size=page_block_size)
     p, ps, _ = fields.codes.shape
-    if f.code == "e2m1":
-        table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=fields.codes.device)
-        magnitude = table[(fields.codes & 7).long()]
-        values = torch.where((fields.codes & 8) != 0, -magnitude, magnitude)
+    if f.code == "e2m1":  # codes 0..7 the magnitudes, 8..15 the same negated (-0.0 for code 8)
+        table = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), device=fields.codes.device)
+        values = table[fields.codes.to(torch.int32)]
     else:
         values = fields.codes.view(torch.float8_e4m3fn).to(torch.float32)
     groups = values.reshape(p, ps, f.num_scales, f.group_size)
@@ -827,7 +826,7 @@ def unpack_dequantize(
     else:
         scale = fields.scale_bytes.view(torch.float32)
     nope = (groups * scale.unsqueeze(-1)).reshape(p, ps, f.d_nope)
-    out = torch.cat([nope, fields.rope.to(torch.float32)], dim=-1)
+    out = torch.cat([nope, fields.rope.to(torch.float32)], dim=-1) if f.d_rope else nope
     return out.to(dtype)
 
 

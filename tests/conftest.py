@@ -1,8 +1,9 @@
 """Self-test settings: ``tests/`` is importable as a directory of helper modules, the
 wrong-kernel gate's kill table is printed at the end of the session, and the longest self-tests
 (marked ``sparse_mla_selftest_long``: whole-suite runs of about 10 to 25 s each on the 2-core CPU
-machine) are collected first, so pytest-xdist hands them out before the short ones and ``-n 2``
-does not end with one worker running a long test while the other idles.
+machine, the million-row V4.1 comparisons) are collected first and ``-n`` distributes by work
+stealing, so they start early and ``-n 2`` does not end with one worker running a long test while
+the other idles.
 
 The gate (``test_wrong_implementations.py``) stores one row per catalogue kernel in the test's
 ``user_properties`` under ``sparse_mla_kill_row``; pytest-xdist carries ``user_properties`` from
@@ -26,6 +27,18 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Long self-tests first (a stable sort: the order within each group is kept)."""
     items.sort(key=lambda item: item.get_closest_marker(_LONG) is None)
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)  # optional: a session may run with -p no:xdist
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Work stealing where ``-n`` would use ``load``: ``load`` hands each worker a first block of
+    consecutive items (a quarter of its share), so one worker would get every long test; work
+    stealing splits the items in two halves and an idle worker takes half of the other's queue."""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import WorkStealingScheduling
+
+    return WorkStealingScheduling(config, log)
 
 
 _COLUMNS = (("kernel", "kernel"), ("outcome", "outcome"), ("failed", "failed"), ("ran", "ran"),

@@ -2,11 +2,11 @@
 
 The suites under ``suites/`` (``pytest_sparse_mla.suites``) judge whatever ``--sparse-mla-impl``
 names, the way array-api-tests runs every test through ``xp``; a test that exercised bundled code
-instead would judge nothing of a user's kernel. This runs the suites in a fresh pytest process with
-``tests/recording_impl.py`` (the bundled reference, logging each ``pack`` / ``page_split`` /
-``sparse_mla_forward`` call with the node id of the test that made it) and requires at least one
-call from every test that passed. The dispatch-grid suite runs a second time with a declared
-FlashInfer release (without one it skips by design).
+instead would judge nothing of a user's kernel. This runs the suites in a fresh pytest session (in
+this process: ``tests/inner_session.py``) with ``tests/recording_impl.py`` (the bundled reference,
+logging each ``pack`` / ``page_split`` / ``sparse_mla_forward`` call with the node id of the test
+that made it) and requires at least one call from every test that passed. The dispatch-grid suite
+runs a second time with a declared FlashInfer release (without one it skips by design).
 
 Cost: the suites whole take minutes on a 2-core CPU, so by default one item per test function is
 run (its first parametrization that is not skipped at collection: the call-or-not property belongs
@@ -16,12 +16,11 @@ to the function's body). ``SPARSE_MLA_CONFORMANCE_FULL=1`` runs every item.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import inner_session
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,14 +58,33 @@ class Recording:
         return [n for n in self.with_outcome("passed") if not self.calls.get(n)]
 
 
-def _pytest(args: list[str], env: dict[str, str], rootdir: Path, cwd: Path) -> subprocess.CompletedProcess[str]:
-    """``python -m pytest -p sparse_mla -p recording_impl <args>`` on the CPU, in a fresh process."""
+def _pytest(
+    args: list[str], env: dict[str, str], rootdir: Path, cwd: Path, session: Session
+) -> tuple[int, str]:
+    """``pytest -p sparse_mla -p recording_impl <args>`` on the CPU, a fresh session in this process
+    (``tests/inner_session.py``); the modules of a suite outside this checkout are unloaded after it."""
     command = [
-        sys.executable, "-m", "pytest", "-p", "sparse_mla", "-p", "recording_impl",
+        "-p", "sparse_mla", "-p", "recording_impl",
         "--sparse-mla-impl", IMPL, "--sparse-mla-device", "cpu",
         "-p", "no:cacheprovider", "-p", "no:xdist", "-q", "--rootdir", str(rootdir), *args,
     ]  # fmt: skip
-    return subprocess.run(command, env=env, cwd=cwd, capture_output=True, text=True, timeout=900)
+    unload = [] if rootdir == ROOT else [rootdir]
+    return inner_session.run(
+        command, cwd=cwd, monkeypatch=session.monkeypatch, capsys=session.capsys, env=env, unload=unload
+    )
+
+
+@dataclass
+class Session:
+    """What an inner session needs from the test that starts it."""
+
+    monkeypatch: pytest.MonkeyPatch
+    capsys: pytest.CaptureFixture[str]
+
+
+@pytest.fixture
+def session(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> Session:
+    return Session(monkeypatch, capsys)
 
 
 def _read(path: Path) -> list[tuple[str, str]]:
@@ -87,37 +105,34 @@ def _one_item_per_function(collected: list[tuple[str, str]]) -> list[str]:
     return chosen
 
 
-def record_suites(suites: Path, rootdir: Path, logs: Path, *, full: bool) -> Recording:
+def record_suites(suites: Path, rootdir: Path, logs: Path, session: Session, *, full: bool) -> Recording:
     """Collect ``suites`` (a directory under ``rootdir``), run every item (``full``) or one per
     function with the recording implementation, the dispatch-grid module a second time with a
     declared release, and read back what was called."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), env.get("PYTHONPATH")]))
-    for inherited in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_ADDOPTS", "PYTEST_CURRENT_TEST"):
-        env.pop(inherited, None)
     files = {name: logs / f"{name}.log" for name in ("collected", "calls", "outcomes")}
-    env["SPARSE_MLA_COLLECT_LOG"] = str(files["collected"])
-    env["SPARSE_MLA_CALL_LOG"] = str(files["calls"])
-    env["SPARSE_MLA_OUTCOME_LOG"] = str(files["outcomes"])
+    env = {
+        "SPARSE_MLA_COLLECT_LOG": str(files["collected"]),
+        "SPARSE_MLA_CALL_LOG": str(files["calls"]),
+        "SPARSE_MLA_OUTCOME_LOG": str(files["outcomes"]),
+    }
 
     dispatch_module = suites / DISPATCH
     if full:  # each run collects what it runs: no separate collection
         others = [str(suites), f"--ignore={dispatch_module}"]
         dispatch = [str(dispatch_module)] if dispatch_module.is_file() else []
     else:
-        listing = _pytest([str(suites), "--collect-only"], env, rootdir, logs)
-        assert listing.returncode == 0, listing.stdout[-3000:] + listing.stderr[-3000:]
+        ret, output = _pytest([str(suites), "--collect-only"], env, rootdir, logs, session)
+        assert ret == 0, output[-3000:]
         chosen = _one_item_per_function(_read(files["collected"]))
         files["collected"].rename(logs / "listing.log")
         # Node ids are relative to the rootdir, so they are valid arguments from it.
         dispatch = [str(rootdir / n) for n in chosen if n.split("::")[0].endswith(DISPATCH)]
         others = [str(rootdir / n) for n in chosen if not n.split("::")[0].endswith(DISPATCH)]
-    runs = [_pytest(others, env, rootdir, logs)] if others else []
+    runs = [_pytest(others, env, rootdir, logs, session)] if others else []
     if dispatch:
-        env["SPARSE_MLA_RECORD_RELEASE"] = RELEASE
-        runs.append(_pytest(dispatch, env, rootdir, logs))
-    for run in runs:
-        assert run.returncode in (0, 1), run.stdout[-3000:] + run.stderr[-3000:]  # tests ran (1: some failed)
+        runs.append(_pytest(dispatch, {**env, "SPARSE_MLA_RECORD_RELEASE": RELEASE}, rootdir, logs, session))
+    for ret, output in runs:
+        assert ret in (0, 1), output[-3000:]  # tests ran (1: some failed)
     nodes = [node for node, _ in _read(files["collected"])]
     collected = _read(logs / "listing.log") if not full else _read(files["collected"])
     assert collected, "nothing was collected"
@@ -129,8 +144,8 @@ def record_suites(suites: Path, rootdir: Path, logs: Path, *, full: bool) -> Rec
 
 
 @pytest.mark.sparse_mla_selftest_long
-def test_every_suite_test_calls_the_selected_implementation(tmp_path: Path, record_property) -> None:  # type: ignore[no-untyped-def]
-    rec = record_suites(SUITES, ROOT, tmp_path, full=FULL)
+def test_every_suite_test_calls_the_selected_implementation(tmp_path: Path, session: Session, record_property) -> None:  # type: ignore[no-untyped-def]
+    rec = record_suites(SUITES, ROOT, tmp_path, session, full=FULL)
     passed = rec.with_outcome("passed")
     failed = rec.with_outcome("failed", "error")
     silent = rec.silent()
@@ -180,7 +195,7 @@ def test_judges_bundled_code(n):
 """
 
 
-def test_a_suite_test_that_bypasses_the_implementation_is_found(tmp_path: Path) -> None:
+def test_a_suite_test_that_bypasses_the_implementation_is_found(tmp_path: Path, session: Session) -> None:
     """A fake suite, every item run: calls made in the test and in its fixture count; both items of
     a test that calls the bundled packer instead are reported."""
     suite = tmp_path / "fake_suites"
@@ -188,7 +203,7 @@ def test_a_suite_test_that_bypasses_the_implementation_is_found(tmp_path: Path) 
     (suite / "test_fake.py").write_text(FAKE_SUITE)
     logs = tmp_path / "logs"
     logs.mkdir()
-    rec = record_suites(suite, tmp_path, logs, full=True)
+    rec = record_suites(suite, tmp_path, logs, session, full=True)
     assert len(rec.collected) == 5 and len(rec.with_outcome("passed")) == 5
     assert rec.silent() == [f"fake_suites/test_fake.py::test_judges_bundled_code[{n}]" for n in (1, 2)]
     assert rec.calls["fake_suites/test_fake.py::test_calls_through_a_fixture"] == {"pack"}

@@ -23,6 +23,7 @@ import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
+import inner_session
 import pytest
 
 from pytest_sparse_mla import deployments
@@ -709,38 +710,50 @@ class ClaimsOldRelease(ReferenceImplementation):
 """
 
 
-def test_suite_holds_the_reference_to_the_release_it_enforces(pytester: pytest.Pytester) -> None:
+def test_suite_holds_the_reference_to_the_release_it_enforces(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """0.7.0 rejects shapes both in C++ (RuntimeError) and in Python (ValueError), serves 11 and the empty
     batch, and has no DeepSeek-V4.1 format (its 4 shapes skip); 0.7.4 serves two V4.1 shapes and rejects two
     (128-head and ragged-topk prefill)."""
-    result = pytester.runpytest_subprocess(
+    result = inner_session.runpytest(
+        pytester,
         "-p", "sparse_mla", str(SUITE), "--sparse-mla-grid", "flashinfer==0.7.0",
-        "--sparse-mla-device", "cpu", "-p", "no:cacheprovider", "-q",
+        "--sparse-mla-device", "cpu", "-p", "no:cacheprovider", "-q", monkeypatch=monkeypatch, capsys=capsys,
     )  # fmt: skip
     result.assert_outcomes(passed=17, skipped=4)
-    result = pytester.runpytest_subprocess(
+    result = inner_session.runpytest(
+        pytester,
         "-p", "sparse_mla", str(SUITE), "--sparse-mla-grid", "flashinfer==0.7.4",
-        "--sparse-mla-device", "cpu", "-p", "no:cacheprovider", "-q", "-k", "v41",
+        "--sparse-mla-device", "cpu", "-p", "no:cacheprovider", "-q", "-k", "v41", monkeypatch=monkeypatch,
+        capsys=capsys,
     )  # fmt: skip
     result.assert_outcomes(passed=4)
 
 
-def test_suite_skips_an_implementation_without_a_release(pytester: pytest.Pytester) -> None:
-    result = pytester.runpytest_subprocess(
+def test_suite_skips_an_implementation_without_a_release(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    result = inner_session.runpytest(
+        pytester,
         "-p", "sparse_mla", str(SUITE), "--sparse-mla-device", "cpu", "-p", "no:cacheprovider", "-rs",
+        monkeypatch=monkeypatch, capsys=capsys,
     )  # fmt: skip
     result.assert_outcomes(skipped=21)
     result.stdout.fnmatch_lines(["*declares no flashinfer_release*"])
 
 
-def test_suite_fails_an_implementation_that_claims_another_release(pytester: pytest.Pytester) -> None:
+def test_suite_fails_an_implementation_that_claims_another_release(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """8-head prefill must raise 0.6.17's C++ error (0.7.4 serves it); 256 heads must raise
     0.6.17's orchestrator check, not 0.7.4's ValueError; 16-head decode runs in both."""
     pytester.makepyfile(claims_old=CLAIMS_AN_OLDER_RELEASE)
-    result = pytester.runpytest_subprocess(
+    result = inner_session.runpytest(
+        pytester,
         "-p", "sparse_mla", str(SUITE), "--sparse-mla-impl", "claims_old:ClaimsOldRelease",
         "--sparse-mla-device", "cpu", "-p", "no:cacheprovider", "-q",
-        "-k", "flash-tp8-prefill-h8] or decode-h256 or decode-h8-topk128",
+        "-k", "flash-tp8-prefill-h8] or decode-h256 or decode-h8-topk128", monkeypatch=monkeypatch, capsys=capsys,
     )  # fmt: skip
     result.assert_outcomes(passed=1, failed=2)
     result.stdout.fnmatch_lines_random([

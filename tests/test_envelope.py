@@ -8,12 +8,16 @@ output-only wrapper, a wrapper that zeroes the output, and the example project's
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
+import inner_session
 import pytest
 import torch
 
@@ -23,7 +27,6 @@ from pytest_sparse_mla.envelope import UNIVERSAL, NotApplicable
 from pytest_sparse_mla.implementations.flashmla import ENVELOPE as FLASHMLA
 
 ROOT = Path(__file__).resolve().parents[1]
-PYTEST = Path(sys.executable).with_name("pytest")
 
 
 # --- the type ---------------------------------------------------------------------------------------
@@ -209,26 +212,47 @@ class RefusesUndeclared(RefusesDeclared):
 """
 
 
-def _run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+@dataclass(frozen=True)
+class Run:
+    """An inner pytest session's exit status and terminal output."""
+
+    returncode: int
+    stdout: str
+
+
+@pytest.fixture
+def run_pytest(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> Callable[..., Run]:
+    """``run_pytest(project, *args, pythonpath=project)``: a downstream project's session (its own
+    rootdir, no ini file) in this process (``tests/inner_session.py``), ``pythonpath`` first on
+    ``sys.path`` as ``PYTHONPATH`` would put it."""
+
+    def run(project: Path, *args: str, pythonpath: Path | None = None) -> Run:
+        command = ["-p", "sparse_mla", "-p", "no:cacheprovider", "-p", "no:xdist", "-q", "--tb=line", "-rs",
+                   "--rootdir", str(project), "-c", os.devnull, "--sparse-mla-device", "cpu", *args]  # fmt: skip
+        returncode, output = inner_session.run(
+            command, cwd=project, monkeypatch=monkeypatch, capsys=capsys, syspath=[pythonpath or project]
+        )
+        return Run(returncode, output)
+
+    return run
+
+
+@pytest.fixture
+def _run(tmp_path: Path, run_pytest: Callable[..., Run]) -> Callable[..., Run]:
+    """The suites against a kernel of ``KERNELS`` (module ``envelope_kernels`` in ``tmp_path``)."""
     (tmp_path / "envelope_kernels.py").write_text(KERNELS)
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTEST_ADDOPTS", "PYTEST_XDIST_WORKER")}
-    env["PYTHONPATH"] = str(tmp_path)
-    return subprocess.run(
-        [str(PYTEST), "-p", "sparse_mla", "-p", "no:cacheprovider", "-p", "no:xdist", "-q", "--tb=line", "-rs",
-         "--rootdir", str(tmp_path), "-c", os.devnull, "--sparse-mla-device", "cpu", *args],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    return functools.partial(run_pytest, tmp_path)
 
 
 def _counts(stdout: str) -> str:
     return stdout.strip().splitlines()[-1]
 
 
-def test_a_kernel_is_only_called_inside_its_envelope(tmp_path: Path) -> None:
+def test_a_kernel_is_only_called_inside_its_envelope(_run: Callable[..., Run]) -> None:
     """FlashMLA's envelope around the reference: the accuracy suite passes although the kernel raises
     for every shape outside it; the fitted cases say what changed; the coverage table is printed."""
     suite = ROOT / "suites" / "test_attention_accuracy.py"
-    result = _run(tmp_path, str(suite), "--sparse-mla-impl", "envelope_kernels:Strict", "-k", "error_classes or lse")
+    result = _run(str(suite), "--sparse-mla-impl", "envelope_kernels:Strict", "-k", "error_classes or lse")
     out = result.stdout
     assert result.returncode == 0, out[-4000:]
     assert "failed" not in _counts(out) and "passed" in _counts(out)
@@ -237,40 +261,38 @@ def test_a_kernel_is_only_called_inside_its_envelope(tmp_path: Path) -> None:
     assert "classes that never ran:" in out
 
 
-def test_an_output_only_kernel_is_judged_on_its_output(tmp_path: Path) -> None:
+def test_an_output_only_kernel_is_judged_on_its_output(_run: Callable[..., Run]) -> None:
     suite = ROOT / "suites" / "test_attention_accuracy.py"
-    good = _run(tmp_path, str(suite), "--sparse-mla-impl", "envelope_kernels:OutputOnly", "-k", "error_classes")
+    good = _run(str(suite), "--sparse-mla-impl", "envelope_kernels:OutputOnly", "-k", "error_classes")
     assert good.returncode == 0 and "failed" not in _counts(good.stdout), good.stdout[-4000:]
-    bad = _run(tmp_path, str(suite), "--sparse-mla-impl", "envelope_kernels:OutputOnlyZero", "-k", "error_classes")
+    bad = _run(str(suite), "--sparse-mla-impl", "envelope_kernels:OutputOnlyZero", "-k", "error_classes")
     assert bad.returncode == 1 and "failed" in _counts(bad.stdout), bad.stdout[-4000:]
 
 
-def test_a_refusal_inside_a_declared_envelope_fails_and_without_one_skips(tmp_path: Path) -> None:
+def test_a_refusal_inside_a_declared_envelope_fails_and_without_one_skips(_run: Callable[..., Run]) -> None:
     suite = ROOT / "suites" / "test_attention_accuracy.py"
     select = ("-k", "cf-peaked-dual-c4 or cf-heads-5")  # 16 heads, then 5
-    declared = _run(tmp_path, str(suite), "--sparse-mla-impl", "envelope_kernels:RefusesDeclared", *select)
+    declared = _run(str(suite), "--sparse-mla-impl", "envelope_kernels:RefusesDeclared", *select)
     refused = "refuses-declared refused a call inside its declared envelope: 16 heads are not compiled in"
     assert refused in declared.stdout
     assert "1 failed, 1 passed" in _counts(declared.stdout), declared.stdout[-3000:]
-    undeclared = _run(tmp_path, str(suite), "--sparse-mla-impl", "envelope_kernels:RefusesUndeclared", *select)
+    undeclared = _run(str(suite), "--sparse-mla-impl", "envelope_kernels:RefusesUndeclared", *select)
     assert "refuses-undeclared refused the call: 16 heads are not compiled in" in undeclared.stdout
     assert "1 passed, 1 skipped" in _counts(undeclared.stdout), undeclared.stdout[-3000:]
 
 
 @pytest.mark.sparse_mla_selftest_long
-def test_the_example_head64_kernel_runs_every_class_its_envelope_admits(tmp_path: Path) -> None:
+def test_the_example_head64_kernel_runs_every_class_its_envelope_admits(
+    tmp_path: Path, run_pytest: Callable[..., Run]
+) -> None:
     """The example project's 64/128-head kernel (``examples/downstream/chunked_mla/head64.py``), run
     as its README says: no failure, at least 200 tests, and every class that did not run is ruled
     out by a field of its envelope (no LSE in the FlashInfer convention, lengths within the row,
     ``num_tokens >= 1``, only ``-1`` masked)."""
     report = tmp_path / "report.json"
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTEST_ADDOPTS", "PYTEST_XDIST_WORKER")}
-    env["PYTHONPATH"] = str(ROOT / "examples" / "downstream")
-    result = subprocess.run(
-        [str(PYTEST), "-p", "sparse_mla", "-p", "no:cacheprovider", "-p", "no:xdist", "-q", "--tb=line",
-         "--rootdir", str(tmp_path), "-c", os.devnull, str(ROOT / "suites"), "--sparse-mla-device", "cpu",
-         "--sparse-mla-impl", "chunked_mla.head64:Head64SparseMla", "--sparse-mla-report-json", str(report)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900,
+    result = run_pytest(
+        tmp_path, str(ROOT / "suites"), "--sparse-mla-impl", "chunked_mla.head64:Head64SparseMla",
+        "--sparse-mla-report-json", str(report), pythonpath=ROOT / "examples" / "downstream",
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-4000:]
     passed = int(_counts(result.stdout).split(" passed")[0].split()[-1])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import inner_session
 import pytest
 
 # Imported up front on purpose: pytester's in-process runs restore sys.modules afterwards, so a
@@ -34,18 +35,20 @@ def _downstream_package(pytester: pytest.Pytester) -> None:
     (package / "impl.py").write_text(EXTERNAL.read_text())
 
 
-# --- the suites against an implementation defined elsewhere (subprocess, as a user runs them) ---
+# --- the suites against an implementation defined elsewhere (a fresh session, as a user runs them) ---
 
 
 @pytest.mark.sparse_mla_selftest_long
-def test_suites_run_against_an_external_implementation(pytester: pytest.Pytester) -> None:
+def test_suites_run_against_an_external_implementation(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     _downstream_package(pytester)
-    result = pytester.runpytest_subprocess(
-        "-p", "sparse_mla",
+    result = inner_session.runpytest(
+        pytester, "-p", "sparse_mla",
         str(SUITES / "test_attention_accuracy.py"), str(SUITES / "test_attention_invariants.py"),
         "--sparse-mla-impl", "downstream_kernels.impl:impl", "--sparse-mla-device", "cpu",
         "-k", "boundary or padding_with or (heads and decode) or lse_conventions",
-        "-p", "no:cacheprovider",
+        "-p", "no:cacheprovider", monkeypatch=monkeypatch, capsys=capsys,
     )  # fmt: skip
     result.stdout.fnmatch_lines(["*impl=downstream_kernels.impl:impl*"])
     outcomes = result.parseoutcomes()
@@ -55,12 +58,15 @@ def test_suites_run_against_an_external_implementation(pytester: pytest.Pytester
     assert len(calls) >= outcomes["passed"]  # every test ran the downstream forward
 
 
-def test_suites_catch_a_broken_external_implementation(pytester: pytest.Pytester) -> None:
+def test_suites_catch_a_broken_external_implementation(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     _downstream_package(pytester)
-    result = pytester.runpytest_subprocess(
-        "-p", "sparse_mla", str(SUITES / "test_attention_accuracy.py"),
+    result = inner_session.runpytest(
+        pytester, "-p", "sparse_mla", str(SUITES / "test_attention_accuracy.py"),
         "--sparse-mla-impl", "downstream_kernels.impl:NoSinkImpl", "--sparse-mla-device", "cpu",
         "-k", "lse_conventions and flashinfer-1.0 and not dsv4_1", "-p", "no:cacheprovider", "-q",
+        monkeypatch=monkeypatch, capsys=capsys,
     )  # fmt: skip
     # lse_conventions[<fmt>-no-sink-flashinfer-1.0] pass, [<fmt>-sink-flashinfer-1.0] must fail.
     result.assert_outcomes(passed=2, failed=2)

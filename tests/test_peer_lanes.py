@@ -2,18 +2,19 @@
 
 SGLang's PyTorch decode (``sglang-torch``, the sglang 0.5.23 wheel) and FlashInfer's pure-torch
 references (``flashinfer-reference``, the flashinfer-python 0.7.2.post1 wheel) need no GPU, so the
-README's test command installs both (``--no-deps``) and this module runs the suites against each in a
-subprocess, exactly as the xfail file's header says to. Under ``xfail_strict`` an adapter or suite
+README's test command installs both (``--no-deps``) and this module runs the suites against each
+with the command the xfail file's header gives, in-process (``tests/inner_session.py``: a fresh
+pytest session whose oracle results and drawn inputs are shared with the worker's other whole-suite
+runs). Under ``xfail_strict`` an adapter or suite
 change that makes a listed discrepancy pass, or a new one appear, fails here the same day instead
 of on the next GPU run. Skipped (saying what to install) where the peer's wheel is missing.
 """
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
+import inner_session
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,18 +33,19 @@ def _missing(name: str) -> str | None:
     return impl.skip_reason("sparse_mla_forward", "cpu")
 
 
+@pytest.mark.sparse_mla_selftest_long
 @pytest.mark.parametrize("name", sorted(LANES))
-def test_peer_meets_the_suite_with_its_xfail_file(name, tmp_path):
+def test_peer_meets_the_suite_with_its_xfail_file(name, tmp_path, monkeypatch, capsys):
     reason = _missing(name)
     if reason is not None:
         pytest.skip(f"{reason}; install it with: {LANES[name][1]}")
-    cmd = [
-        sys.executable, "-m", "pytest", "-p", "sparse_mla", "suites", "--sparse-mla-impl", name,
+    args = [
+        "-p", "sparse_mla", str(ROOT / "suites"), "--sparse-mla-impl", name,
         "--sparse-mla-device", "cpu", "--sparse-mla-xfail-file", str(XFAIL / f"{name}.txt"),
         "-o", "xfail_strict=true", "-p", "no:xdist", "-p", "no:cacheprovider", "-q", "-rfE",
         "--basetemp", str(tmp_path / "base"),
     ]  # fmt: skip
-    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    tail = "\n".join((run.stdout + run.stderr).splitlines()[-40:])
-    assert run.returncode == 0, f"{name}: the suite against its xfail file exited {run.returncode}\n{tail}"
+    returncode, output = inner_session.run(args, cwd=ROOT, monkeypatch=monkeypatch, capsys=capsys)
+    tail = "\n".join(output.splitlines()[-40:])
+    assert returncode == 0, f"{name}: the suite against its xfail file exited {returncode}\n{tail}"
     assert " passed" in tail and "xfailed" in tail, f"{name}: expected passes and listed xfails\n{tail}"

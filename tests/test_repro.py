@@ -1,8 +1,9 @@
 """``--sparse-mla-repro-dir``: the scripts fail on a wrong kernel, pass on the reference, and need
 neither pytest nor this package when a peer adapter made the call.
 
-Each test runs a small slice of the suites in a subprocess (the way a user runs them), then runs
-the written ``repro.py`` files as a maintainer would.
+Each test runs a small slice of the suites in a fresh pytest session (in this process:
+``tests/inner_session.py``), then runs the written ``repro.py`` files in subprocesses, as a
+maintainer would.
 """
 
 from __future__ import annotations
@@ -12,8 +13,11 @@ import os
 import runpy
 import subprocess
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
+import inner_session
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,12 +35,30 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _suite(tmp_path: Path, impl: str, *selection: str) -> tuple[subprocess.CompletedProcess[str], Path]:
-    out = tmp_path / "repro"
-    cmd = [sys.executable, "-m", "pytest", "-p", "sparse_mla", *selection, "--sparse-mla-impl", impl,
-           "--sparse-mla-device", "cpu", "--sparse-mla-repro-dir", str(out), "-p", "no:xdist",
-           "-p", "no:cacheprovider", "-q", "--basetemp", str(tmp_path / "base")]  # fmt: skip
-    return subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600), out
+@dataclass(frozen=True)
+class Run:
+    """A suite session's exit status and terminal output."""
+
+    returncode: int
+    stdout: str
+
+
+@pytest.fixture
+def _suite(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> Callable[..., tuple[Run, Path]]:
+    """``_suite(impl, *selection)``: the selected suite items against ``impl``, reproducers to
+    ``tmp_path / "repro"``; a fresh pytest session in this process (``tests/inner_session.py``)."""
+
+    def run(impl: str, *selection: str) -> tuple[Run, Path]:
+        out = tmp_path / "repro"
+        args = ["-p", "sparse_mla", *selection, "--sparse-mla-impl", impl,
+                "--sparse-mla-device", "cpu", "--sparse-mla-repro-dir", str(out), "-p", "no:xdist",
+                "-p", "no:cacheprovider", "-q", "--basetemp", str(tmp_path / "base")]  # fmt: skip
+        returncode, output = inner_session.run(args, cwd=ROOT, monkeypatch=monkeypatch, capsys=capsys)
+        return Run(returncode, output), out
+
+    return run
 
 
 def _script(path: Path, *args: str, isolated: bool = False) -> subprocess.CompletedProcess[str]:
@@ -44,9 +66,9 @@ def _script(path: Path, *args: str, isolated: bool = False) -> subprocess.Comple
     return subprocess.run(cmd, cwd=path.parent, env=_env(), capture_output=True, text=True, timeout=600)
 
 
-def test_a_wrong_kernel_gets_a_script_that_fails_on_it_and_passes_on_the_reference(tmp_path):
+def test_a_wrong_kernel_gets_a_script_that_fails_on_it_and_passes_on_the_reference(_suite):
     run, out = _suite(
-        tmp_path, "kernel_catalogue:sm_scale_x2",
+        "kernel_catalogue:sm_scale_x2",
         "suites/test_attention_accuracy.py::test_flashinfer_configurations_match_oracle[fi-decode-h8-k1024]",
     )  # fmt: skip
     assert run.returncode == 1, run.stdout[-3000:]
@@ -68,9 +90,9 @@ def test_a_wrong_kernel_gets_a_script_that_fails_on_it_and_passes_on_the_referen
     assert "OK" in ref.stdout
 
 
-def test_a_bad_input_the_kernel_accepts_gets_a_script(tmp_path):
+def test_a_bad_input_the_kernel_accepts_gets_a_script(_suite):
     run, out = _suite(
-        tmp_path, "kernel_catalogue:accepts_fp32_q",
+        "kernel_catalogue:accepts_fp32_q",
         "suites/test_attention_inputs.py::test_bad_input_raises_a_clear_error[q-float32]",
     )  # fmt: skip
     assert run.returncode == 1, run.stdout[-3000:]
@@ -82,23 +104,23 @@ def test_a_bad_input_the_kernel_accepts_gets_a_script(tmp_path):
     assert ref.returncode == 0 and ref.stdout.startswith("OK: raised TypeError"), ref.stdout
 
 
-def test_a_passing_test_writes_nothing(tmp_path):
+def test_a_passing_test_writes_nothing(_suite):
     run, out = _suite(
-        tmp_path, "reference",
+        "reference",
         "suites/test_attention_accuracy.py::test_flashinfer_configurations_match_oracle[fi-decode-h8-k1024]",
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:]
     assert not out.exists() or not any(out.iterdir())
 
 
-def test_a_peer_script_calls_the_peer_without_pytest_or_this_package(tmp_path):
+def test_a_peer_script_calls_the_peer_without_pytest_or_this_package(_suite):
     from pytest_sparse_mla.implementations import BUILTINS
 
     reason = BUILTINS["flashinfer-reference"](None).skip_reason("sparse_mla_forward", "cpu")
     if reason is not None:
         pytest.skip(reason)
     run, out = _suite(
-        tmp_path, "flashinfer-reference",
+        "flashinfer-reference",
         "suites/test_attention_invariants.py::test_poisoned_rows_never_reach_the_output[nan-e4m3-0x7f-decode-dsv3_2]",
         "suites/test_attention_invariants.py::test_candidate_permutation_invariance[dsv4]",
     )  # fmt: skip
@@ -114,14 +136,14 @@ def test_a_peer_script_calls_the_peer_without_pytest_or_this_package(tmp_path):
         assert ref.returncode == 0, ref.stdout + ref.stderr
 
 
-def test_page_split_scripts_call_sglangs_split_and_start_from_poisoned_memory(tmp_path):
+def test_page_split_scripts_call_sglangs_split_and_start_from_poisoned_memory(_suite):
     from pytest_sparse_mla.implementations import BUILTINS
 
     reason = BUILTINS["sglang-torch"](None).skip_reason("page_split", "cpu")
     if reason is not None:
         pytest.skip(reason)
     run, out = _suite(
-        tmp_path, "sglang-torch",
+        "sglang-torch",
         "suites/test_page_split.py::test_refuses_a_pool_it_cannot_split[page-96]",
         "suites/test_split_buffers.py::test_grown_destination_is_zero_where_no_split_wrote",
     )  # fmt: skip

@@ -3,10 +3,9 @@ and pass every approximate one (``tests/kernel_catalogue.py``).
 
 Each catalogue kernel gets one fresh pytest session running ``suites`` whole
 (``-p sparse_mla suites --sparse-mla-impl kernel_catalogue:<name> --sparse-mla-device cpu``),
-started in-process with ``pytest.main`` (its own config, plugins and collection), so torch, the
-plugin and the suite modules are imported once per worker, not once per kernel; the outcome of
-every suite item is read from that session's JUnit XML. (``pytester``'s in-process runs are not
-used: they drop modules imported during a run, and re-importing torch's operator libraries fails.)
+started in-process with ``pytest.main`` (``tests/inner_session.py``: its own config, plugins and
+collection), so torch, the plugin and the suite modules are imported once per worker, not once per
+kernel; the outcome of every suite item is read from that session's JUnit XML.
 
 * A **wrong** kernel passes the gate when at least one item fails. It **survives** (the gate test
   fails) when none does; the message names the rule it breaks.
@@ -15,15 +14,17 @@ used: they drop modules imported during a run, and re-importing torch's operator
 * Either way the run itself must be sound: exit status 0 or 1, no suite file that fails to import,
   at least one item run. A kernel that breaks the harness is not counted as caught.
 
-Cost (the 2-core CPU machine). The float64 oracle's results are shared by a worker's inner runs
-(``oracle.memoized``, keyed by the bytes of the oracle's arguments: each test draws the same
-inputs for every kernel). An approximate kernel's run is the whole suite, every time. A wrong
-kernel's run stops at its first failure (``--maxfail=1``) and runs breadth-first over the suite's
-test functions (``tests/gate_order.py``), so a kernel caught by one rule only is reached after one
-case of every test function, not after every case of the functions before it; the run is the whole
-suite only when the kernel survives. The kill table therefore gives, per wrong kernel, the first
-failing test and how many items ran before it (``ran``); ``failed`` reads ``1+`` (stopped at the
-first). ``SPARSE_MLA_GATE_MAXFAIL=0`` runs every wrong kernel whole for exact failure counts
+Cost (the 2-core CPU machine). The float64 oracle's results and the drawn inputs are shared by a
+worker's inner runs (``inner_session``: keyed by the bytes of the oracle's arguments, and by the
+case and the generator's state: each test draws the same inputs for every kernel). An approximate
+kernel's run is the whole suite, every time. A wrong kernel's run stops at its first failure
+(``--maxfail=1``) and runs breadth-first over the suite's test functions (``tests/gate_order.py``),
+so a kernel caught by one rule only is reached after one case of every test function, not after
+every case of the functions before it; a kernel that only a late case catches gets that case first
+(``kernel_catalogue.FIRST_TESTS``, where its kill was found: an order, never a selection). The run
+is the whole suite only when the kernel survives. The kill table therefore gives, per wrong kernel,
+the first failing test and how many items ran before it (``ran``); ``failed`` reads ``1+`` (stopped
+at the first). ``SPARSE_MLA_GATE_MAXFAIL=0`` runs every wrong kernel whole for exact failure counts
 (``=N`` stops after N). ``SPARSE_MLA_GATE_PYTEST_ARGS`` passes extra arguments to every inner run
 (e.g. an ``--ignore`` of a suite file being rewritten). Under ``-n 2`` two kernels run at a time.
 
@@ -41,11 +42,10 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
 
+import gate_order
+import inner_session
 import kernel_catalogue as catalogue
 import pytest
-import torch
-
-from pytest_sparse_mla.attention.oracle import OracleOutput, memoized
 
 ROOT = Path(__file__).resolve().parents[1]
 SUITES = ROOT / "suites"
@@ -101,9 +101,6 @@ def _first_line(case: ET.Element) -> str:
     return ""
 
 
-_XDIST_ENV = ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID", "PYTEST_ADDOPTS")
-
-
 def suite_args(name: str, report: Path, maxfail: int) -> list[str]:
     """Arguments of one inner run: the whole suite against ``kernel_catalogue:<name>`` on the CPU,
     breadth-first over test functions (``gate_order``), results to ``report`` (JUnit XML),
@@ -128,45 +125,19 @@ def _message(case: ET.Element, lines: int = 2) -> str:
     return ""
 
 
-class _BoundedStore(dict[bytes, OracleOutput]):
-    """Oracle results up to ``limit`` bytes of tensors; later results are not kept."""
-
-    def __init__(self, limit: int) -> None:
-        super().__init__()
-        self.limit, self.size = limit, 0
-
-    def __setitem__(self, key: bytes, value: OracleOutput) -> None:
-        tensors = [value.output, value.lse, *(vars(value.scales).values() if value.scales else ())]
-        size = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
-        if self.size + size <= self.limit:
-            self.size += size
-            super().__setitem__(key, value)
-
-
-#: The oracle's results, shared by this worker's inner runs (``oracle.memoized``): every kernel's
-#: run draws each test's inputs from the same seed, so the float64 oracle of a test is computed
-#: once per worker, not once per kernel (about a third of an approximate kernel's run).
-_ORACLE_RESULTS = _BoundedStore(2 << 30)
-
-
 def run_suite(
     name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], maxfail: int
 ) -> SuiteRun:
-    """Run the suite against ``kernel_catalogue:<name>`` in this process (``pytest.main``: a fresh
-    config, plugin manager and collection; modules already imported, torch and the suite modules
-    included, are reused, which saves seconds per kernel) and read the outcome of every item from
-    its JUnit XML."""
+    """Run the suite against ``kernel_catalogue:<name>`` in this process (``inner_session.run``: the
+    oracle's results and the drawn inputs are shared with this worker's other runs) and read the
+    outcome of every item from its JUnit XML."""
     report = tmp_path / "junit.xml"
-    monkeypatch.chdir(tmp_path)
-    for key in _XDIST_ENV:  # the inner session is not an xdist worker
-        monkeypatch.delenv(key, raising=False)
+    first = {gate_order.FIRST_ENV: "\n".join(catalogue.first_tests(name))}
     start = time.perf_counter()
-    with memoized(_ORACLE_RESULTS):
-        ret = pytest.main([*suite_args(name, report, maxfail), "--basetemp", str(tmp_path / "basetemp")])
+    args = [*suite_args(name, report, maxfail), "--basetemp", str(tmp_path / "basetemp")]
+    returncode, output = inner_session.run(args, cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys, env=first)
     seconds = time.perf_counter() - start
-    captured = capsys.readouterr()
-    output = (captured.out + captured.err)[-4000:]
-    returncode = int(ret)
+    output = output[-4000:]
     if not report.exists():
         return SuiteRun(returncode, 0, 0, 0, (), seconds, False, (), output)
     cases = list(ET.parse(report).getroot().iter("testcase"))
@@ -273,6 +244,27 @@ def test_catalogue_kernel_inside_flashmla_envelope(
     else:
         listing = "\n".join(f"  {tid}: {msg}" for tid, msg in run.failures[:20])
         assert not run.failed, f"approximate kernel {spec!r} FAILED {run.failed} items inside the envelope:\n{listing}"
+
+
+def test_first_tests_are_suite_tests(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every test the gate runs first for a kernel (``kernel_catalogue.FIRST_TESTS``) is an item the
+    suite collects, for a kernel of the catalogue: a renamed case would make a hint silently miss."""
+    collected: list[str] = []
+
+    class Listing:
+        def pytest_collection_finish(self, session: pytest.Session) -> None:
+            collected.extend(item.nodeid for item in session.items)
+
+    args = ["-p", "sparse_mla", str(SUITES), "--co", "-qq", "-p", "no:cacheprovider", "-p", "no:xdist",
+            "--rootdir", str(ROOT), "--sparse-mla-device", "cpu"]  # fmt: skip
+    ret, _ = inner_session.run(args, cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys, plugins=[Listing()])
+    assert ret == 0 and collected
+    for spec, nodes in catalogue.FIRST_TESTS.items():
+        assert spec.removesuffix(catalogue.FLASHMLA_SUFFIX) in catalogue.CATALOGUE, spec
+        missing = sorted(set(nodes) - set(collected))
+        assert not missing, f"FIRST_TESTS[{spec!r}] names tests the suite does not collect: {missing}"
 
 
 def test_catalogue_has_the_promised_breadth() -> None:
