@@ -12,6 +12,8 @@ the workers to the controller, so the table is complete under ``-n 2`` too.
 
 from __future__ import annotations
 
+import itertools
+import os
 from typing import Any
 
 import pytest
@@ -25,8 +27,25 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Long self-tests first (a stable sort: the order within each group is kept)."""
-    items.sort(key=lambda item: item.get_closest_marker(_LONG) is None)
+    """Long self-tests first (the order within each group is kept). Under ``-n N``, work stealing
+    starts worker ``k`` on the ``k``-th of ``N`` consecutive blocks of items and later takes tests
+    from the end of a busy worker's queue: the long tests are dealt round-robin to the front of the
+    blocks, so every worker starts on its share of them and what is left to steal is short."""
+    long = [item for item in items if item.get_closest_marker(_LONG) is not None]
+    short = [item for item in items if item.get_closest_marker(_LONG) is None]
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers <= 1 or not long:
+        items[:] = long + short
+        return
+    rest = iter(short)
+    ordered: list[pytest.Item] = []
+    remaining = len(items)
+    for k in range(workers):  # the blocks' sizes as WorkStealingScheduling's first split makes them
+        size = remaining // (workers - k)
+        remaining -= size
+        dealt = long[k::workers]
+        ordered += dealt + list(itertools.islice(rest, max(0, size - len(dealt))))
+    items[:] = ordered + list(rest)
 
 
 @pytest.hookimpl(tryfirst=True, optionalhook=True)  # optional: a session may run with -p no:xdist

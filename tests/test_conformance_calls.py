@@ -143,7 +143,6 @@ def record_suites(suites: Path, rootdir: Path, logs: Path, session: Session, *, 
     return Recording(collected, nodes, dict(_read(files["outcomes"])), dict(calls))
 
 
-@pytest.mark.sparse_mla_selftest_long
 def test_every_suite_test_calls_the_selected_implementation(tmp_path: Path, session: Session, record_property) -> None:  # type: ignore[no-untyped-def]
     rec = record_suites(SUITES, ROOT, tmp_path, session, full=FULL)
     passed = rec.with_outcome("passed")

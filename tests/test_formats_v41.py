@@ -56,29 +56,38 @@ def _random_rows(n: int, generator: torch.Generator) -> torch.Tensor:
     return x.to(torch.bfloat16)
 
 
+#: The million rows come in parts of 2**18 (two xdist workers share them); each part draws its rows
+#: from its own seed and packs them as both records, so each row is drawn once for both kinds.
+PARTS = 4
+
+
 @pytest.mark.sparse_mla_selftest_long  # tens of seconds each: collected first (tests/conftest.py)
-@pytest.mark.parametrize("kind", ["swa", "indexed"])
-def test_a_million_rows_pack_and_unpack_byte_for_byte_as_flashinfers_reference(kind: str) -> None:
+@pytest.mark.parametrize("part", range(PARTS), ids=[f"rows-{p}-of-{PARTS}" for p in range(PARTS)])
+def test_a_million_rows_pack_and_unpack_byte_for_byte_as_flashinfers_reference(part: int) -> None:
+    """Rows ``part * 2**18`` to ``(part + 1) * 2**18`` of the million (2**20) random rows, packed as
+    SWA and as indexed records by FlashInfer's reference encoder and by ``formats.quantize_pack``:
+    the same bytes; FlashInfer's decoder and ``formats.unpack_dequantize`` read the same values."""
     from pytest_sparse_mla.implementations.flashinfer_reference import flashinfer_source, references
 
     if flashinfer_source() is None:
         pytest.skip("flashinfer-python is not installed (pip install --no-deps flashinfer-python==0.7.2.post1)")
     reference, _ = references()
-    fmt = f"dsv4_1_{kind}"
-    generator = torch.Generator().manual_seed(41)
-    chunk, page = 1 << 16, 64
-    for start in range(0, MILLION, chunk):
+    generator = torch.Generator().manual_seed(41 + part)
+    chunk, page, rows_per_part = 1 << 16, 64, MILLION // PARTS
+    for start in range(part * rows_per_part, (part + 1) * rows_per_part, chunk):
         rows = _random_rows(chunk, generator)
         if start == 0:  # exact E2M1 midpoints, saturation and signed zeros in every group
             ties = [6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -0.75, -6.0, 5.5, -0.0, 0.4, 2.9, 1.0]
             rows[:64] = torch.tensor(ties * 32, dtype=torch.bfloat16)
-        theirs = reference.pack_deepseek_v41_cache_reference(rows, page_size=page, cache_kind=kind)
-        ours = formats.quantize_pack(rows.reshape(chunk // page, page, 512), fmt, form="2d")
-        if not torch.equal(theirs, ours):
-            mismatch = (theirs != ours).nonzero()
-            pytest.fail(f"rows {start}+: first differing byte at [page, byte] = {mismatch[0].tolist()}")
-        decoded = reference.unpack_deepseek_v41_cache_reference(theirs, page_size=page, cache_kind=kind)
-        assert torch.equal(formats.unpack_dequantize(ours, fmt).reshape(-1, 512), decoded)
+        for kind in ("swa", "indexed"):
+            fmt = f"dsv4_1_{kind}"
+            theirs = reference.pack_deepseek_v41_cache_reference(rows, page_size=page, cache_kind=kind)
+            ours = formats.quantize_pack(rows.reshape(chunk // page, page, 512), fmt, form="2d")
+            if not torch.equal(theirs, ours):
+                mismatch = (theirs != ours).nonzero()
+                pytest.fail(f"{kind}, rows {start}+: first differing byte at [page, byte] = {mismatch[0].tolist()}")
+            decoded = reference.unpack_deepseek_v41_cache_reference(theirs, page_size=page, cache_kind=kind)
+            assert torch.equal(formats.unpack_dequantize(ours, fmt).reshape(-1, 512), decoded), f"{kind}, rows {start}+"
 
 
 # ----------------------------------------------------------------------------------- bad records

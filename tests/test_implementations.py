@@ -38,7 +38,6 @@ def _downstream_package(pytester: pytest.Pytester) -> None:
 # --- the suites against an implementation defined elsewhere (a fresh session, as a user runs them) ---
 
 
-@pytest.mark.sparse_mla_selftest_long
 def test_suites_run_against_an_external_implementation(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
