@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from pytest_sparse_mla import implementations
+from pytest_sparse_mla.implementations import registry
 from pytest_sparse_mla.implementations.protocol import (
     CAPABILITY_PROTOCOLS,
     Packer,
@@ -61,7 +62,7 @@ def test_capabilities_are_read_through_the_protocols(obj: object, provides: list
     assert found == provides
     if not provides:
         with pytest.raises(pytest.UsageError, match="provides none of pack, page_split, sparse_mla_forward"):
-            implementations._check_provides_something(obj, "x")  # noqa: SLF001
+            registry._check_provides_something(obj, "x")  # noqa: SLF001
 
 
 GOOD = """
