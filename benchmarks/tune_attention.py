@@ -1,11 +1,13 @@
-"""Config sweep of the Triton attention kernel (``attention._triton_forward``) on CUDA.
+"""Config sweep of the reference's Triton attention kernel (``attention._triton_forward``) on CUDA.
 
-For each ``(head_group, dv_block, num_warps, num_stages)`` it times the kernel alone and the whole forward
-(``sparse_mla_forward(..., backend="triton")`` with the config patched in) at the benchmark shape
-(T=4096, H=64, topk 128 + extra 512, page 64, sink), median of CUDA-event timings after warm-up,
-and the error of the fp32 output / LSE against the float64 oracle on 8 tokens. Prints one table
-row per config; ``--out`` writes JSON. Used to choose ``_triton_forward.DEFAULT_CONFIG``
-(``docs/benchmarks.md``). Usage: ``python benchmarks/tune_attention.py [--out FILE]``.
+For each ``(head_group, num_warps, num_stages, chunk)`` and split threshold it replays the
+reference's CUDA graph at every decode shape of ``test_bench_replay.SHAPES`` (median CUDA-event
+time, 30 reps after warm-up; FlashMLA's replay once per shape beside it when importable) and
+checks the fp32 output of 8 tokens against the float64 oracle. Prints one line per config and
+shape; ``--out`` writes JSON. Used to choose ``_triton_forward.DEFAULT_CONFIG``
+(``docs/benchmarks.md``). Usage::
+
+    python benchmarks/tune_attention.py [--out FILE] [--configs 'h,w,s,c;...'] [--waves 0,2,8]
 """
 
 from __future__ import annotations
@@ -13,60 +15,65 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_utils import cuda_median_ms  # noqa: E402
-from test_bench_attention import CHECK_TOKENS, _inputs, _slice  # noqa: E402
+from bench_utils import interleaved_median_ms  # noqa: E402
+from test_bench_replay import SHAPES, build_inputs, flashmla_graph, oracle_errors, reference_graph  # noqa: E402
 
-from pytest_sparse_mla.attention import oracle_forward, sparse_mla_forward  # noqa: E402
 from pytest_sparse_mla.attention import reference as ref  # noqa: E402
 
-CONFIGS = [(16, 512, 8, 1), (16, 512, 16, 1), (32, 512, 16, 1), (32, 256, 8, 1), (64, 256, 16, 1), (64, 512, 16, 1)]
+CONFIGS = [(16, 4, 1, 512), (16, 8, 1, 512), (32, 4, 1, 512), (32, 8, 1, 512), (64, 4, 1, 512), (64, 8, 1, 512)]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--configs", default=None, help="';'-separated h,dv,warps,stages tuples")
+    parser.add_argument("--configs", default=None, help="';'-separated h,warps,stages,chunk tuples")
+    parser.add_argument("--waves", default="2", help="comma-separated SPLIT_BELOW_WAVES values")
+    parser.add_argument("--shapes", default=None, help="comma-separated shape names")
     args = parser.parse_args()
     configs = CONFIGS
     if args.configs:
         configs = [tuple(int(v) for v in c.split(",")) for c in args.configs.split(";")]
-    dev = torch.device("cuda")
+    shapes = [s for s in SHAPES if args.shapes is None or s.name in args.shapes.split(",")]
     module = ref.triton_forward_module()
-    kwargs = _inputs(dev, args.tokens)
-    check = _slice(kwargs, CHECK_TOKENS, dev)
-    oracle = oracle_forward(**_slice(kwargs, CHECK_TOKENS, "cpu"))
-    shipped = module.DEFAULT_CONFIG
+    shipped, shipped_waves = dict(module.DEFAULT_CONFIG), module.SPLIT_BELOW_WAVES
     results = []
-    for config in configs:
-        module.DEFAULT_CONFIG = config
-        try:
-            res = sparse_mla_forward(**check, backend="triton", return_fp32=True)
-            out_err = (res.output_fp32.cpu().double() - oracle.output).abs()
-            rel = float(out_err.norm() / oracle.output.norm())
-            lse_rel = float(((res.lse.cpu().double() - oracle.lse).abs() / oracle.lse.abs()).max())
-            ms = cuda_median_ms(lambda: sparse_mla_forward(**kwargs, backend="triton"), warmup=2, reps=10)
-        except Exception as exc:  # a config that does not compile (registers, shared memory)
-            print(f"{config}: failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
-            results.append({"config": config, "error": str(exc)[:500]})
-            continue
-        row = {"config": config, "forward_ms": ms, "out_rel_norm": rel, "out_max_abs": float(out_err.max()),
-               "lse_max_rel": lse_rel}  # fmt: skip
-        results.append(row)
-        print(f"{config}: forward {ms:.3f} ms, out rel {rel:.2e} (max abs {row['out_max_abs']:.1e}), "
-              f"lse rel {lse_rel:.1e}", flush=True)  # fmt: skip
-    module.DEFAULT_CONFIG = shipped
-    if args.out:
-        args.out.write_text(json.dumps(results, indent=1))
-    ok = [r for r in results if "forward_ms" in r and r["out_rel_norm"] < 1e-5]
-    if ok:
-        best = min(ok, key=lambda r: r["forward_ms"])
-        print("best:", ",".join(str(v) for v in best["config"]))
+    for shape in shapes:
+        kwargs = build_inputs(shape)
+        theirs = flashmla_graph(kwargs)
+        fm_ms = None
+        if not isinstance(theirs, str):
+            fm_ms = interleaved_median_ms(theirs[0].replay, theirs[0].replay, reps=30)[0]
+        print(f"{shape.name}: flashmla {fm_ms if fm_ms is None else round(1e3 * fm_ms, 1)} us", flush=True)
+        for config in configs:
+            for waves in (int(w) for w in args.waves.split(",")):
+                module.DEFAULT_CONFIG = {True: config, False: config}
+                module.SPLIT_BELOW_WAVES = waves
+                t0 = time.perf_counter()
+                try:
+                    graph, holder = reference_graph(kwargs)
+                    compile_s = time.perf_counter() - t0
+                    ms = interleaved_median_ms(graph.replay, graph.replay, reps=30)[0]
+                    rel, abs_err = oracle_errors(kwargs, holder["result"].output_fp32)
+                except Exception as exc:  # a config that does not compile (registers, shared memory)
+                    print(f"  {config} waves {waves}: failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+                    results.append({"shape": shape.name, "config": config, "waves": waves, "error": str(exc)[:500]})
+                    continue
+                row = {"shape": shape.name, "config": config, "waves": waves, "us": 1e3 * ms,
+                       "flashmla_us": None if fm_ms is None else 1e3 * fm_ms,
+                       "x_flashmla": None if fm_ms is None else ms / fm_ms, "rel": rel, "max_abs": abs_err,
+                       "setup_s": compile_s}  # fmt: skip
+                results.append(row)
+                ratio = "" if fm_ms is None else f" = {ms / fm_ms:.2f}x flashmla"
+                print(f"  {config} waves {waves}: {1e3 * ms:.1f} us{ratio}; err {rel:.1e} rel, {abs_err:.1e} abs; "
+                      f"setup {compile_s:.1f} s", flush=True)  # fmt: skip
+                if args.out:
+                    args.out.write_text(json.dumps(results, indent=1))
+        del kwargs, theirs
+    module.DEFAULT_CONFIG, module.SPLIT_BELOW_WAVES = shipped, shipped_waves
 
 
 if __name__ == "__main__":

@@ -162,7 +162,8 @@ def test_triton_backend_dsv32_with_arbitrary_fp32_scales(
 ):
     """DSV3.2 scales are any fp32 (the packers write powers of two): with scales times ``1 + u``
     the dequantized values are no longer BF16 numbers, so the kernel runs on three BF16 pieces per
-    value (``_triton_forward.bf16_pieces``); still within 1e-5 of the float64 oracle. Scale bytes
+    value: scores scale each group's exact code products, ``P V`` splits ``p * scale`` in three BF16
+    pieces (``_triton_forward._chunk_dsv32``); still within 1e-5 of the float64 oracle. Scale bytes
     by hand: DSV3.2 row ``t`` of a page holds its four little-endian fp32 scales at bytes
     ``[t*656 + 512, t*656 + 528)``."""
     _triton_or_skip(sparse_mla_device)
@@ -176,7 +177,7 @@ def test_triton_backend_dsv32_with_arbitrary_fp32_scales(
     factor = 1 + torch.rand(scales.shape, generator=sparse_mla_generator).to(sparse_mla_device)
     scale_bytes.copy_((scales * factor).view(torch.uint8))
     table = formats.unpack_dequantize(packed, "dsv3_2", page_block_size=ps)
-    assert not torch.equal(table.to(torch.bfloat16).float(), table)  # the three-piece path runs
+    assert not torch.equal(table.to(torch.bfloat16).float(), table)  # values that are not BF16 numbers
     res = inputs.run(sparse_mla_forward, backend="triton", return_fp32=True)
     expected = inputs.run(oracle_forward)
     sparse_mla_tolerances.check_output(res.output_fp32, expected, what="fp32 output")
@@ -214,6 +215,33 @@ def test_triton_backend_padding_and_head_count_are_bitwise_neutral(sparse_mla_ge
         **inputs.kwargs(attn_sink=inputs.attn_sink[:8].contiguous()), backend="triton",
     )  # fmt: skip
     assert torch.equal(few.output, base.output[:, :8]) and torch.equal(few.lse, base.lse[:, :8])
+
+
+@pytest.mark.parametrize("fmt", ["dsv4", "dsv3_2"])
+def test_triton_split_and_unsplit_launches_give_the_same_bits(fmt, sparse_mla_generator, sparse_mla_device, monkeypatch):
+    """The kernel splits a call's 64-lane chunks over programs when the unsplit launch would leave
+    the GPU idle (decode) and folds the chunk states in one combine launch; the unsplit launch
+    folds the same chunk states in registers. Both, at a chunk of 64 lanes (five chunks, one
+    past ``topk_length``, two of the extra row), give the same bits: a token's result does not
+    depend on the batch size that picks the launch."""
+    from pytest_sparse_mla.attention.reference import triton_forward_module
+
+    _triton_or_skip(sparse_mla_device)
+    module = triton_forward_module()
+    case = AttentionCase("tri-split", 3, 20, 192, masked_fraction=0.25, topk_extra=128, extra_page_block_size=2,
+                         extra_num_pages=64, topk_length=70, fmt=fmt)  # fmt: skip
+    inputs = inputs_on(case, sparse_mla_generator, sparse_mla_device)
+    launch = module.sparse_mla
+    results = []
+    for split in (False, True):
+        monkeypatch.setattr(module, "sparse_mla", lambda *a, split=split, **k: launch(*a, **k, split=split,
+                                                                                        config=(16, 4, 1, 64)))
+        results.append(inputs.run(sparse_mla_forward, backend="triton", return_fp32=True))
+    unsplit, split = results
+    assert torch.equal(split.output_fp32, unsplit.output_fp32) and torch.equal(split.lse, unsplit.lse)
+    assert torch.equal(split.output, unsplit.output) and torch.equal(split.out_of_range, unsplit.out_of_range)
+    expected = inputs.run(oracle_forward)
+    assert (split.output_fp32.double() - expected.output.to(split.output_fp32.device)).abs().max() < 1e-5
 
 
 def test_backend_argument(sparse_mla_generator, sparse_mla_device):

@@ -5,8 +5,10 @@
   ``ps*576 + t*8``; DSV3.2 inline: row ``t`` at ``t*token_stride``, scales at +512, RoPE at +528).
 * The in-kernel E4M3 decode (all 256 code bytes; the hardware conversion on CUDA, integer
   operations in the interpreter) times every UE8M0 scale byte the packers write (3 to 254),
-  against torch's ``float8_e4m3fn`` conversion and ``ldexp``: the table kernel's dequantization
+  against torch's ``float8_e4m3fn`` conversion and ``ldexp``: the kernel's dequantization
   must equal ``formats.unpack_dequantize`` exactly.
+* The attention kernel's loaders (``gather_rows``): packed bytes to the values of
+  ``formats.unpack_dequantize``, and nothing read for invalid lanes.
 * The in-kernel fp32 -> BF16 rounding against torch's ``.to(torch.bfloat16)`` (round to nearest
   even) on ties, NaN, infinities, the largest finite values and random bits: the reference
   promises ``output == output_fp32.to(torch.bfloat16)`` bit for bit.
@@ -67,7 +69,7 @@ def test_cache_geometry_by_hand(fmt, ps, stride, form, expected) -> None:
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in multiply:RuntimeWarning")  # 448 * 2**127 = inf
 def test_e4m3_decode_times_ue8m0_scale_is_exact() -> None:
-    """The decode the table kernel uses here: the hardware conversion on CUDA, integer operations
+    """The decode the attention kernel uses here: the hardware conversion on CUDA, integer operations
     in the CPU interpreter."""
     hw = not tf.INTERPRETED
     codes = torch.arange(256, dtype=torch.int32).repeat_interleave(252).to(torch.uint8)
@@ -102,9 +104,11 @@ def test_bf16_rounding_matches_torch() -> None:
 
 
 @pytest.mark.parametrize("fmt", ["dsv4", "dsv3_2"])
-def test_table_equals_unpack_dequantize_with_a_zero_row(fmt) -> None:
-    """Both caches (different page sizes and strides), then the zero row: every value exactly
-    ``formats.unpack_dequantize`` (DSV3.2 with arbitrary fp32 scales: the three pieces sum to it)."""
+def test_kernel_loaders_equal_unpack_dequantize(fmt) -> None:
+    """The attention kernel's own loaders (``gather_rows``) on two caches of different page sizes,
+    strides and forms: every token exactly ``formats.unpack_dequantize`` (DSV3.2 with arbitrary
+    fp32 scales: ``code * scale`` rounded once in fp32, as the packer's spec), and a zero row for a
+    ``-1`` lane and for an index past the cache."""
     g = torch.Generator().manual_seed(9)
     main = data.make_packed_cache(g, fmt=fmt, num_pages=3, page_block_size=64, page_stride="padded", device=DEVICE)
     extra = data.make_packed_cache(g, fmt=fmt, num_pages=40, page_block_size=2, page_stride="tight", form="3d",
@@ -116,17 +120,13 @@ def test_table_equals_unpack_dequantize_with_a_zero_row(fmt) -> None:
         factor = 1 + torch.rand(scales.shape, generator=g).to(DEVICE)
         rows[..., 512:528] = (scales * factor).view(torch.uint8)  # DSV3.2 row: scales at bytes 512-527
     f = formats.get_format(fmt)
-    table = tf.dequantize_table(
-        main.packed, tf.cache_geometry(formats.parse_cache(main.packed, f)),
-        extra.packed, tf.cache_geometry(formats.parse_cache(extra.packed, f)), fmt == "dsv4",
-    )  # fmt: skip
-    values = table.float().sum(0).cpu()
-    expected = torch.cat([
-        formats.unpack_dequantize(main.packed, f).reshape(-1, f.d_qk).cpu(),
-        formats.unpack_dequantize(extra.packed, f).reshape(-1, f.d_qk).cpu(),
-        torch.zeros(1, f.d_qk),
-    ])  # fmt: skip
-    assert table.shape == (1 if fmt == "dsv4" else 3, 3 * 64 + 40 * 2 + 1, f.d_qk)
-    if fmt == "dsv3_2":
-        assert not torch.equal(expected.to(torch.bfloat16).float(), expected)  # three pieces needed
-    assert torch.equal(values, expected)
+    for cache, n in ((main, 3 * 64), (extra, 40 * 2)):
+        expected = formats.unpack_dequantize(cache.packed, f).reshape(-1, f.d_qk).cpu()
+        rows = torch.cat([torch.arange(n), torch.tensor([-1, n, n + 7])]).to(torch.int32)
+        got = tf.gather_rows(cache.packed, tf.cache_geometry(formats.parse_cache(cache.packed, f)), rows.to(DEVICE),
+                             fmt == "dsv4").cpu()  # fmt: skip
+        assert got.shape == (n + 3, f.d_qk)
+        assert torch.equal(got[:n], expected)
+        assert torch.equal(got[n:], torch.zeros(3, f.d_qk))
+        if fmt == "dsv3_2" and cache is main:
+            assert not torch.equal(expected.to(torch.bfloat16).float(), expected)  # not BF16 numbers

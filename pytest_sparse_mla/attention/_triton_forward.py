@@ -25,6 +25,7 @@ Derivations, the online-softmax steps and H200 measurements: ``docs/design/refer
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -36,26 +37,31 @@ __all__ = [
     "INTERPRETED",
     "DEFAULT_CONFIG",
     "LANE_TILE",
+    "SPLIT_BELOW_WAVES",
     "CacheGeometry",
     "cache_geometry",
-    "dequantize_table",
+    "gather_rows",
     "sparse_mla",
+    "split_chunks",
 ]
 
 #: True when this module's kernel was decorated under ``TRITON_INTERPRET=1`` (CPU tensors).
 INTERPRETED: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
-#: ``(head_group, dv_block, num_warps, num_stages)`` of the attention kernel, fixed for every shape
-#: (the bitwise invariants compare calls of different shapes). ``_SPARSE_MLA_ATTN_CONFIG`` (four
-#: comma-separated ints, read at import) overrides it for tuning runs only
+#: ``(head_group, num_warps, num_stages, chunk)`` of the attention kernel per format (key: DSV4),
+#: fixed for every shape (the bitwise invariants compare calls of different shapes): heads per
+#: program, and candidate lanes per chunk (a multiple of :data:`LANE_TILE`). ``_SPARSE_MLA_ATTN_CONFIG``
+#: (four comma-separated ints, read at import) overrides both for tuning runs only
 #: (``benchmarks/tune_attention.py``).
-_h, _dv, _w, _s = (int(v) for v in os.environ.get("_SPARSE_MLA_ATTN_CONFIG", "16,512,4,2").split(","))
-DEFAULT_CONFIG: tuple[int, int, int, int] = (_h, _dv, _w, _s)
+_ENV_CONFIG = os.environ.get("_SPARSE_MLA_ATTN_CONFIG")
+DEFAULT_CONFIG: dict[bool, tuple[int, int, int, int]] = {True: (16, 4, 1, 512), False: (16, 4, 1, 512)}
+if _ENV_CONFIG:
+    _h, _w, _s, _c = (int(v) for v in _ENV_CONFIG.split(","))
+    DEFAULT_CONFIG = {True: (_h, _w, _s, _c), False: (_h, _w, _s, _c)}
+#: A call splits its chunks over programs when its unsplit launch would have fewer programs than
+#: this many times the device's multiprocessors (:func:`split_chunks`).
+SPLIT_BELOW_WAVES = 2
 #: Candidate lanes per tile (FlashInfer's DSV4 candidate tile ``BI``).
 LANE_TILE = 64
-#: Dims per score chunk of the unfused (DSV3.2) path (divides 512 and 576).
-_D_CHUNK = 64
-#: Cache rows per program of the table kernel.
-_TABLE_ROWS = 64
 _FP32_LOWEST = float(torch.finfo(torch.float32).min)
 _INT32_MAX = 2**31 - 1
 
@@ -127,9 +133,27 @@ def _e4m3_to_f32(code, HW: tl.constexpr):
 
 
 @triton.jit
+def _ue8m0_to_f32(byte):
+    """A UE8M0 scale byte to ``2**(byte - 127)`` in fp32 (byte 0: the subnormal ``2**-127``)."""
+    b = byte.to(tl.int32)
+    return tl.where(b == 0, 5.877471754111438e-39, (b << 23).to(tl.float32, bitcast=True))
+
+
+@triton.jit
 def _hi_bf16(x):
     """``x`` with its low 16 bits cleared (an exact BF16 value), as fp32."""
     return (x.to(tl.int32, bitcast=True) & -65536).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _pieces(p):
+    """``p = p1 + p2 + p3`` exactly, three BF16 tensors: each piece is the next 8 significant bits of
+    the fp32 ``p``, cut with a mask of its bits, so every conversion is exact whatever its rounding
+    mode (the CPU interpreter's fp32 -> BF16 truncates)."""
+    p1 = _hi_bf16(p)
+    rest = p - p1
+    p2 = _hi_bf16(rest)
+    return p1.to(tl.bfloat16), p2.to(tl.bfloat16), (rest - p2).to(tl.bfloat16)
 
 
 @triton.jit
@@ -142,225 +166,443 @@ def _round_bf16_bits(x):
 
 
 @triton.jit
-def _table_kernel(
-    table_ptr, kv_ptr, num_rows, out_offset, zero_after, piece_stride,
-    ps, page_stride, row_stride, rope_offset, scale_base, scale_stride,
-    D_QK: tl.constexpr, NG: tl.constexpr, GS: tl.constexpr, D_NOPE: tl.constexpr, D_ROPE: tl.constexpr,
-    PIECES: tl.constexpr, UE8M0: tl.constexpr, HW_FP8: tl.constexpr, BLOCK_R: tl.constexpr,
-):  # fmt: skip
-    """Dequantize ``BLOCK_R`` tokens of one cache into table rows ``out_offset + token``, one scale
-    group (or, for ``program_id(1) == NG``, the RoPE values) per program. With ``zero_after`` the
-    row after the last token (``out_offset + num_rows``: the zero row) is written as zeros."""
-    g = tl.program_id(1)
-    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    inside = r < num_rows
-    store = r < num_rows + zero_after  # zero_after (0 or 1): also the zero row after the last token
-    flat = tl.where(inside, r, 0).to(tl.int64)
-    page = flat // ps
-    slot = flat - page * ps
-    row = kv_ptr + page * page_stride + slot * row_stride
-    out_row = table_ptr + (r + out_offset).to(tl.int64)[:, None] * D_QK
-    if g < NG:
-        c = tl.arange(0, GS)
-        codes = tl.load(row[:, None] + g * GS + c[None, :], mask=inside[:, None], other=0)
-        srow = kv_ptr + page * page_stride + scale_base + slot * scale_stride
-        if UE8M0:  # 2**(byte - 127); byte 0 is the fp32 subnormal 2**-127
-            sb = tl.load(srow + g, mask=inside, other=127).to(tl.int32)
-            scale = tl.where(sb == 0, 5.877471754111438e-39, (sb << 23).to(tl.float32, bitcast=True))
-        else:
-            scale = tl.load((srow + g * 4).to(tl.pointer_type(tl.float32)), mask=inside, other=0.0)
-        v = _e4m3_to_f32(codes, HW_FP8) * scale[:, None]
-        v = tl.where(inside[:, None], v, 0.0)
-        dst = out_row + g * GS + c[None, :]
-        if PIECES == 1:  # exact: a BF16 number
-            tl.store(dst, v.to(tl.bfloat16), mask=store[:, None])
-        else:  # hi + mid + lo by masking the low 16 bits (exact; non-finite values keep hi only)
-            h1 = _hi_bf16(v)
-            rem = tl.where((v == v) & (tl.abs(v) != float("inf")), v - h1, 0.0)
-            h2 = _hi_bf16(rem)
-            tl.store(dst, h1.to(tl.bfloat16), mask=store[:, None])
-            tl.store(dst + piece_stride, h2.to(tl.bfloat16), mask=store[:, None])
-            tl.store(dst + 2 * piece_stride, (rem - h2).to(tl.bfloat16), mask=store[:, None])
-    else:  # (names unlike the other branch's: a runtime if merges names defined in both)
-        rc = tl.arange(0, D_ROPE)
-        rope_ptr = (row + rope_offset).to(tl.pointer_type(tl.bfloat16))
-        rope = tl.load(rope_ptr[:, None] + rc[None, :], mask=inside[:, None], other=0.0)
-        rdst = out_row + D_NOPE + rc[None, :]
-        tl.store(rdst, rope, mask=store[:, None])
-        for piece in tl.static_range(1, PIECES):
-            tl.store(rdst + piece * piece_stride, tl.zeros([BLOCK_R, D_ROPE], tl.bfloat16), mask=store[:, None])
+def _lanes(idx_row, stride_lane, start, end, num_rows, LANES: tl.constexpr):
+    """One tile of an index row: lanes ``start + [0, LANES)``, of which those ``< end`` (the chunk's
+    end, clamped to the row's valid prefix) are listed when their index is ``>= 0``. Returns
+    ``(valid, flat, bad)``: valid lanes (listed, index below ``num_rows``), their flat token
+    indices (int64; 0 elsewhere), the number of listed lanes whose index is past the cache."""
+    lane = start + tl.arange(0, LANES)
+    idx = tl.load(idx_row + lane * stride_lane, mask=lane < end, other=-1)
+    listed = idx >= 0
+    valid = listed & (idx < num_rows)
+    bad = tl.sum((listed & (idx >= num_rows)).to(tl.int32), axis=0)
+    return valid, tl.where(valid, idx, 0).to(tl.int64), bad
 
 
 @triton.jit
-def _walk(
-    q_all, q_rows, hmask, m_i, l_i, acc, bad,
-    k_ptr, idx_row, stride_lane, num_lanes, length, num_rows, row_offset, zero_row, piece_stride, sm_scale,
-    dv0, D_QK: tl.constexpr, DV_BLOCK: tl.constexpr, LANES: tl.constexpr, D_CHUNK: tl.constexpr,
-    PIECES: tl.constexpr, FUSED: tl.constexpr, UPCAST: tl.constexpr, LOWEST: tl.constexpr,
+def _row_offsets(flat, ps, page_stride, row_stride, scale_base, scale_stride):
+    """Byte offsets of tokens ``flat`` in a packed cache: their data rows and their scale records."""
+    page = flat // ps
+    slot = flat - page * ps
+    first = page * page_stride
+    return first + slot * row_stride, first + scale_base + slot * scale_stride
+
+
+@triton.jit
+def _dsv4_rows(kv_ptr, row_off, scale_off, valid, rope_offset, HW_FP8: tl.constexpr):
+    """``[LANES, 512]`` BF16: each valid lane's DSV4 token, exactly ``formats.unpack_dequantize``
+    (dims < 448: E4M3 code times ``2**(scale - 127)``, a BF16 number; dims 448-511: the RoPE BF16
+    bits); invalid lanes read nothing and are 0. Dims 448-511 of the code load and scale byte 7 (the
+    pad) are bytes of the same token's record that the select drops."""
+    cols = tl.arange(0, 512)
+    m = valid[:, None]
+    code = tl.load(kv_ptr + row_off[:, None] + cols[None, :], mask=m, other=0)
+    sb = tl.load(kv_ptr + scale_off[:, None] + (cols // 64)[None, :], mask=m, other=127)
+    nope = _e4m3_to_f32(code, HW_FP8) * _ue8m0_to_f32(sb)
+    rope_ptr = (kv_ptr + row_off + rope_offset).to(tl.pointer_type(tl.bfloat16))
+    rope = tl.load(rope_ptr[:, None] + (cols - 448)[None, :], mask=m & (cols >= 448)[None, :], other=0.0)
+    return tl.where((cols < 448)[None, :], nope, rope.to(tl.float32)).to(tl.bfloat16)
+
+
+@triton.jit
+def _dsv32_group(kv_ptr, row_off, scale_off, valid, g: tl.constexpr, HW_FP8: tl.constexpr):
+    """Scale group ``g`` (dims ``128 g .. 128 g + 127``) of each valid lane's DSV3.2 token: the E4M3
+    codes as BF16 (exact) ``[LANES, 128]`` and the fp32 scale ``[LANES]``; invalid lanes 0."""
+    c = tl.arange(0, 128)
+    code = tl.load(kv_ptr + row_off[:, None] + g * 128 + c[None, :], mask=valid[:, None], other=0)
+    scale = tl.load((kv_ptr + scale_off + 4 * g).to(tl.pointer_type(tl.float32)), mask=valid, other=0.0)
+    return _e4m3_to_f32(code, HW_FP8).to(tl.bfloat16), scale
+
+
+@triton.jit
+def _softmax_step(s, valid, m_i, l_i, sm_scale, LOWEST: tl.constexpr):
+    """One tile of the online softmax (natural log): returns ``(m', l', alpha, p)``. Invalid lanes
+    get score ``-inf``; the shift ``max(m', fp32 lowest)`` keeps a row with no valid lane yet from
+    computing ``-inf - -inf``, so a tile with no valid lane gives ``alpha = 1`` (or 0 on an all-zero
+    state) and ``p = 0`` exactly."""
+    s = tl.where(valid[None, :], s * sm_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    shift = tl.maximum(m_new, LOWEST)
+    alpha = tl.exp(m_i - shift)
+    p = tl.exp(s - shift[:, None])
+    return m_new, l_i * alpha + tl.sum(p, axis=1), alpha, p
+
+
+@triton.jit
+def _pv(p, v, acc, UPCAST: tl.constexpr):
+    """``acc + p @ v`` with every product exact: ``p`` (fp32) in three BF16 pieces, ``v`` BF16."""
+    p1, p2, p3 = _pieces(p)
+    acc = _dot(p1, v, acc, UPCAST)
+    acc = _dot(p2, v, acc, UPCAST)
+    return _dot(p3, v, acc, UPCAST)
+
+
+@triton.jit
+def _chunk_dsv4(
+    q, kv_ptr, idx_row, stride_lane, lo, hi, num_rows,
+    ps, page_stride, row_stride, rope_offset, scale_base, scale_stride, sm_scale,
+    BLOCK_H: tl.constexpr, LANES: tl.constexpr, UPCAST: tl.constexpr, HW_FP8: tl.constexpr, LOWEST: tl.constexpr,
 ):  # fmt: skip
-    """The online softmax over one index row (main or extra cache), tile by tile."""
-    lanes = tl.arange(0, LANES)
-    dvs = dv0 + tl.arange(0, DV_BLOCK)
-    dchunk = tl.arange(0, D_CHUNK)
-    for start in range(0, num_lanes, LANES):
-        lane = start + lanes
-        idx = tl.load(idx_row + lane * stride_lane, mask=lane < num_lanes, other=-1)
-        listed = (lane < length) & (idx >= 0)
-        valid = listed & (idx < num_rows)
-        bad += tl.sum((listed & (idx >= num_rows)).to(tl.int32), axis=0)
-        r = tl.where(valid, idx + row_offset, zero_row)
-        base = k_ptr + r.to(tl.int64) * D_QK
-        s = tl.zeros([q_all.shape[0], LANES], tl.float32)
-        if FUSED:
-            k_tile = tl.load(base[:, None] + dvs[None, :])  # [LANES, D_QK] bf16
-            s = _dot(q_all, tl.trans(k_tile), s, UPCAST)
-        else:
-            for d in tl.static_range(0, D_QK, D_CHUNK):
-                qc = tl.load(q_rows + d + dchunk[None, :], mask=hmask[:, None], other=0.0)
-                for piece in tl.static_range(PIECES):
-                    kc = tl.load(base[:, None] + piece * piece_stride + d + dchunk[None, :])
-                    s = _dot(qc, tl.trans(kc), s, UPCAST)
-        s = tl.where(valid[None, :], s * sm_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        shift = tl.maximum(m_new, LOWEST)
-        alpha = tl.exp(m_i - shift)
-        p = tl.exp(s - shift[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        # p = p1 + p2 + p3 exactly: each piece is the next 8 significant bits, cut with a mask of
-        # the fp32 bits, so every conversion below is exact (whatever its rounding mode: the CPU
-        # interpreter's fp32 -> bf16 truncates).
-        p1f = _hi_bf16(p)
-        prem = p - p1f
-        p2f = _hi_bf16(prem)
-        p1 = p1f.to(tl.bfloat16)
-        p2 = p2f.to(tl.bfloat16)
-        p3 = (prem - p2f).to(tl.bfloat16)
-        acc = acc * alpha[:, None]
-        if FUSED:
-            v_tile = k_tile
-        else:
-            v_tile = tl.load(base[:, None] + dvs[None, :])
-        acc = _dot(p1, v_tile, acc, UPCAST)
-        acc = _dot(p2, v_tile, acc, UPCAST)
-        acc = _dot(p3, v_tile, acc, UPCAST)
-        if PIECES == 3:  # the piece products of total order <= 2: p1 v2, p2 v2, p1 v3
-            v_tile = tl.load(base[:, None] + piece_stride + dvs[None, :])
-            acc = _dot(p1, v_tile, acc, UPCAST)
-            acc = _dot(p2, v_tile, acc, UPCAST)
-            v_tile = tl.load(base[:, None] + 2 * piece_stride + dvs[None, :])
-            acc = _dot(p1, v_tile, acc, UPCAST)
-        m_i = m_new
+    """The online softmax of lanes ``[lo, hi)`` of one DSV4 index row, from an empty state: returns
+    ``(m, l, acc [BLOCK_H, 512], bad)``. Each gathered key tile is the value tile too (``V = K``)."""
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, 512], tl.float32)
+    bad = tl.zeros([], tl.int32)
+    for start in range(lo, hi, LANES):
+        valid, flat, b = _lanes(idx_row, stride_lane, start, hi, num_rows, LANES)
+        bad += b
+        if tl.max(valid.to(tl.int32), axis=0) != 0:  # a tile with no valid lane changes nothing
+            row_off, scale_off = _row_offsets(flat, ps, page_stride, row_stride, scale_base, scale_stride)
+            k = _dsv4_rows(kv_ptr, row_off, scale_off, valid, rope_offset, HW_FP8)
+            s = _dot(q, tl.trans(k), tl.zeros([BLOCK_H, LANES], tl.float32), UPCAST)
+            m_i, l_i, alpha, p = _softmax_step(s, valid, m_i, l_i, sm_scale, LOWEST)
+            acc = _pv(p, k, acc * alpha[:, None], UPCAST)
     return m_i, l_i, acc, bad
 
 
 @triton.jit
+def _chunk_dsv32(
+    q_rows, hmask, kv_ptr, idx_row, stride_lane, lo, hi, num_rows,
+    ps, page_stride, row_stride, rope_offset, scale_base, scale_stride, sm_scale,
+    BLOCK_H: tl.constexpr, LANES: tl.constexpr, UPCAST: tl.constexpr, HW_FP8: tl.constexpr, LOWEST: tl.constexpr,
+):  # fmt: skip
+    """The online softmax of lanes ``[lo, hi)`` of one DSV3.2 index row, from an empty state: returns
+    ``(m, l, acc0, acc1, acc2, acc3, bad)``, one ``[BLOCK_H, 128]`` accumulator per scale group.
+
+    A key is ``code * scale`` per 128-dim group plus 64 RoPE dims, so a score is
+    ``sum_g scale_g * (q_g . code_g) + q_rope . rope``: the code products are exact BF16 products
+    accumulated in fp32, then scaled. ``P V`` per group is ``(p * scale_g) @ code_g`` with
+    ``p * scale_g`` (one fp32 rounding) in three BF16 pieces."""
+    c = tl.arange(0, 128)
+    r = tl.arange(0, 64)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc0 = tl.zeros([BLOCK_H, 128], tl.float32)
+    acc1 = tl.zeros([BLOCK_H, 128], tl.float32)
+    acc2 = tl.zeros([BLOCK_H, 128], tl.float32)
+    acc3 = tl.zeros([BLOCK_H, 128], tl.float32)
+    bad = tl.zeros([], tl.int32)
+    for start in range(lo, hi, LANES):
+        valid, flat, b = _lanes(idx_row, stride_lane, start, hi, num_rows, LANES)
+        bad += b
+        if tl.max(valid.to(tl.int32), axis=0) != 0:  # a tile with no valid lane changes nothing
+            row_off, scale_off = _row_offsets(flat, ps, page_stride, row_stride, scale_base, scale_stride)
+            rope = tl.load((kv_ptr + row_off + rope_offset).to(tl.pointer_type(tl.bfloat16))[:, None] + r[None, :],
+                           mask=valid[:, None], other=0.0)  # fmt: skip
+            q_rope = tl.load(q_rows + 512 + r[None, :], mask=hmask[:, None], other=0.0)
+            s = _dot(q_rope, tl.trans(rope), tl.zeros([BLOCK_H, LANES], tl.float32), UPCAST)
+            for g in tl.static_range(4):
+                code, scale = _dsv32_group(kv_ptr, row_off, scale_off, valid, g, HW_FP8)
+                q_g = tl.load(q_rows + g * 128 + c[None, :], mask=hmask[:, None], other=0.0)
+                s += _dot(q_g, tl.trans(code), tl.zeros([BLOCK_H, LANES], tl.float32), UPCAST) * scale[None, :]
+            m_i, l_i, alpha, p = _softmax_step(s, valid, m_i, l_i, sm_scale, LOWEST)
+            code, scale = _dsv32_group(kv_ptr, row_off, scale_off, valid, 0, HW_FP8)
+            acc0 = _pv(p * scale[None, :], code, acc0 * alpha[:, None], UPCAST)
+            code, scale = _dsv32_group(kv_ptr, row_off, scale_off, valid, 1, HW_FP8)
+            acc1 = _pv(p * scale[None, :], code, acc1 * alpha[:, None], UPCAST)
+            code, scale = _dsv32_group(kv_ptr, row_off, scale_off, valid, 2, HW_FP8)
+            acc2 = _pv(p * scale[None, :], code, acc2 * alpha[:, None], UPCAST)
+            code, scale = _dsv32_group(kv_ptr, row_off, scale_off, valid, 3, HW_FP8)
+            acc3 = _pv(p * scale[None, :], code, acc3 * alpha[:, None], UPCAST)
+    return m_i, l_i, acc0, acc1, acc2, acc3, bad
+
+
+@triton.jit
+def _merge_weights(m_run, l_run, m_c, l_c, LOWEST: tl.constexpr):
+    """Fold a chunk's state ``(m_c, l_c)`` into the running ``(m_run, l_run)``: returns ``(m', l', wa,
+    wb)``, the running accumulator to be scaled by ``wa`` and the chunk's by ``wb``. An empty chunk
+    (``m_c = -inf``, ``l_c = 0``, accumulator 0) gives ``wb = 0`` and ``wa = 1`` (or 0 on an empty
+    running state), so it changes nothing bit for bit."""
+    m_new = tl.maximum(m_run, m_c)
+    shift = tl.maximum(m_new, LOWEST)
+    wa = tl.exp(m_run - shift)
+    wb = tl.exp(m_c - shift)
+    return m_new, l_run * wa + l_c * wb, wa, wb
+
+
+@triton.jit
+def _finish(m_i, l_i, sink):
+    """``(factor, lse_e, nonempty)``: the output is ``acc * factor`` (``acc / l`` times
+    ``sigmoid(lse - sink)``; 0 for an empty row), ``lse_e = m + log(l)`` (``-inf`` when empty)."""
+    nonempty = l_i > 0
+    lse_e = tl.where(nonempty, m_i + tl.log(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+    factor = tl.where(nonempty, 1.0 / (1.0 + tl.exp(sink - tl.where(nonempty, lse_e, 0.0))), 0.0)
+    return factor / tl.where(nonempty, l_i, 1.0), lse_e, nonempty
+
+
+@triton.jit
+def _store_out(acc, factor, out_ptr, out32_ptr, o_row, f_row, col0, hmask, write_fp32, WIDTH: tl.constexpr):
+    """Store ``acc * factor`` into output columns ``col0 .. col0 + WIDTH - 1``: BF16 bits rounded to
+    nearest even, and the fp32 values when ``write_fp32``."""
+    cols = col0 + tl.arange(0, WIDTH)
+    out = acc * factor[:, None]
+    tl.store(out_ptr + o_row + cols[None, :], _round_bf16_bits(out), mask=hmask[:, None])
+    if write_fp32 != 0:
+        tl.store(out32_ptr + f_row + cols[None, :], out, mask=hmask[:, None])
+
+
+@triton.jit
+def _store_lse(lse_ptr, lse_e, nonempty, sink, flashmla, lse_mult, heads, hmask):
+    """FlashMLA LSE: ``lse_e`` (``+inf`` when empty); else FlashInfer's
+    ``logaddexp(lse_e, sink) * lse_mult`` (``lse_mult = log2(e) * lse_scale``)."""
+    top = tl.maximum(lse_e, sink)
+    finite_top = (top != float("-inf")) & (top != float("inf"))
+    safe_top = tl.where(finite_top, top, 0.0)
+    mass = tl.where(finite_top, tl.exp(lse_e - safe_top) + tl.exp(sink - safe_top), 1.0)  # in [1, 2]
+    lse_full = tl.where(sink == float("-inf"), lse_e, tl.where(finite_top, safe_top + tl.log(mass), top))
+    lse_out = tl.where(flashmla != 0, tl.where(nonempty, lse_e, float("inf")), lse_full * lse_mult)
+    tl.store(lse_ptr + heads, lse_out, mask=hmask)
+
+
+@triton.jit
+def _chunk_at(
+    c, q, q_rows, hmask, t, main_chunks, length, xlength,
+    kv_ptr, idx_ptr, stride_it, stride_il, num_main, ps, page_stride, row_stride, scale_base, scale_stride,
+    xkv_ptr, xidx_ptr, stride_xt, stride_xl, num_extra, xps, xpage_stride, xrow_stride, xscale_base, xscale_stride,
+    rope_offset, sm_scale,
+    DSV4: tl.constexpr, BLOCK_H: tl.constexpr, LANES: tl.constexpr, CHUNK: tl.constexpr,
+    UPCAST: tl.constexpr, HW_FP8: tl.constexpr, LOWEST: tl.constexpr,
+):  # fmt: skip
+    """Chunk ``c`` of a token's candidates: chunks ``0 .. main_chunks - 1`` are ``CHUNK``-lane spans of
+    the main index row, the rest of the extra row; lanes at or past the row's valid length are left
+    out. DSV4: ``(m, l, acc, acc, acc, acc, bad)`` (the accumulator repeated); DSV3.2:
+    ``(m, l, acc0, acc1, acc2, acc3, bad)``."""
+    main = c < main_chunks
+    lo = tl.where(main, c, c - main_chunks) * CHUNK
+    hi = tl.minimum(lo + CHUNK, tl.where(main, length, xlength))
+    kv = tl.where(main, kv_ptr, xkv_ptr)
+    idx_row = tl.where(main, idx_ptr + t * stride_it, xidx_ptr + t * stride_xt)
+    stride_lane = tl.where(main, stride_il, stride_xl)
+    num_rows = tl.where(main, num_main, num_extra)
+    g_ps = tl.where(main, ps, xps)
+    g_page = tl.where(main, page_stride, xpage_stride)
+    g_row = tl.where(main, row_stride, xrow_stride)
+    g_sbase = tl.where(main, scale_base, xscale_base)
+    g_sstride = tl.where(main, scale_stride, xscale_stride)
+    if DSV4:
+        m_i, l_i, acc, bad = _chunk_dsv4(
+            q, kv, idx_row, stride_lane, lo, hi, num_rows, g_ps, g_page, g_row, rope_offset, g_sbase, g_sstride,
+            sm_scale, BLOCK_H, LANES, UPCAST, HW_FP8, LOWEST,
+        )  # fmt: skip
+        return m_i, l_i, acc, acc, acc, acc, bad
+    else:
+        return _chunk_dsv32(
+            q_rows, hmask, kv, idx_row, stride_lane, lo, hi, num_rows, g_ps, g_page, g_row, rope_offset, g_sbase,
+            g_sstride, sm_scale, BLOCK_H, LANES, UPCAST, HW_FP8, LOWEST,
+        )  # fmt: skip
+
+
+@triton.jit
 def _attention_kernel(
-    q_ptr, k_ptr, idx_ptr, len_ptr, xidx_ptr, xlen_ptr, sink_ptr, out_ptr, out32_ptr, lse_ptr, bad_ptr,
-    num_heads, per_token, topk, extra_topk, num_main, num_extra, zero_row, piece_stride,
+    q_ptr, kv_ptr, xkv_ptr, idx_ptr, len_ptr, xidx_ptr, xlen_ptr, sink_ptr,
+    out_ptr, out32_ptr, lse_ptr, bad_ptr, part_ptr, part_ml_ptr, part_bad_ptr,
+    num_heads, head_groups, topk, extra_topk, main_chunks, num_chunks, num_main, num_extra,
+    ps, page_stride, row_stride, scale_base, scale_stride,
+    xps, xpage_stride, xrow_stride, xscale_base, xscale_stride, rope_offset,
     has_len, has_xlen, has_sink, write_fp32, flashmla, lse_mult, sm_scale,
     stride_qt, stride_qh, stride_it, stride_il, stride_xt, stride_xl, stride_len, stride_xlen, stride_sink,
     stride_ot, stride_oh, stride_ft, stride_fh, stride_lt,
-    D_QK: tl.constexpr, D_V: tl.constexpr, DV_BLOCK: tl.constexpr, BLOCK_H: tl.constexpr,
-    LANES: tl.constexpr, D_CHUNK: tl.constexpr, PIECES: tl.constexpr, UPCAST: tl.constexpr,
-    LOWEST: tl.constexpr,
+    DSV4: tl.constexpr, BLOCK_H: tl.constexpr, LANES: tl.constexpr, CHUNK: tl.constexpr, SPLIT: tl.constexpr,
+    UPCAST: tl.constexpr, HW_FP8: tl.constexpr, LOWEST: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0)  # head group and value slice vary fastest: neighbours share rows in L2
-    t = (pid // per_token).to(tl.int64)
-    j = pid % per_token
-    num_slices: tl.constexpr = D_V // DV_BLOCK
-    # DSV4 (one piece, V = the whole row): each key tile is loaded once, whole, and is the value
-    # tile too. Otherwise (DSV3.2: RoPE dims past d_v, or three pieces) the scores are summed over
-    # 64-dim chunks and the value pieces are loaded one at a time (bounded shared memory).
-    FUSED: tl.constexpr = (D_QK == D_V) and (PIECES == 1) and (DV_BLOCK == D_V)
-    group = j // num_slices
-    dv0 = (j % num_slices) * DV_BLOCK
-    heads = group * BLOCK_H + tl.arange(0, BLOCK_H)
+    """One program per (token, head group), or with ``SPLIT`` per (token, chunk, head group), head
+    group fastest (neighbours share their rows in L2). Unsplit: every chunk from an empty state,
+    folded in order into the running state (:func:`_merge_weights`), then finalised. Split: the
+    chunk's state stored into the partial buffers for :func:`_combine_kernel`, which folds them the
+    same way."""
+    pid = tl.program_id(0)
+    hg = pid % head_groups
+    rest = pid // head_groups
+    if SPLIT:
+        t = (rest // num_chunks).to(tl.int64)
+    else:
+        t = rest.to(tl.int64)
+    heads = hg * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < num_heads
-    dvs = dv0 + tl.arange(0, DV_BLOCK)
     q_rows = q_ptr + t * stride_qt + heads.to(tl.int64)[:, None] * stride_qh
-    q_all = tl.load(q_rows + dvs[None, :], mask=hmask[:, None], other=0.0)  # [BLOCK_H, DV_BLOCK] bf16
-
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, DV_BLOCK], tl.float32)
-    bad = tl.zeros([], tl.int32)
+    if DSV4:
+        q = tl.load(q_rows + tl.arange(0, 512)[None, :], mask=hmask[:, None], other=0.0)
+    else:
+        q = tl.zeros([BLOCK_H, 16], tl.bfloat16)  # unused: DSV3.2 reads its query chunks per tile
     length = tl.load(len_ptr + t * stride_len, mask=has_len != 0, other=topk)
-    m_i, l_i, acc, bad = _walk(
-        q_all, q_rows, hmask, m_i, l_i, acc, bad,
-        k_ptr, idx_ptr + t * stride_it, stride_il, topk, length, num_main, 0, zero_row, piece_stride, sm_scale,
-        dv0, D_QK, DV_BLOCK, LANES, D_CHUNK, PIECES, FUSED, UPCAST, LOWEST,
-    )  # fmt: skip
+    length = tl.minimum(tl.maximum(length, 0), topk)
     xlength = tl.load(xlen_ptr + t * stride_xlen, mask=has_xlen != 0, other=extra_topk)
-    m_i, l_i, acc, bad = _walk(
-        q_all, q_rows, hmask, m_i, l_i, acc, bad,
-        k_ptr, xidx_ptr + t * stride_xt, stride_xl, extra_topk, xlength, num_extra, num_main, zero_row,
-        piece_stride, sm_scale, dv0, D_QK, DV_BLOCK, LANES, D_CHUNK, PIECES, FUSED, UPCAST, LOWEST,
-    )  # fmt: skip
+    xlength = tl.minimum(tl.maximum(xlength, 0), extra_topk)
+    if SPLIT:
+        c = rest % num_chunks
+        m_i, l_i, a0, a1, a2, a3, bad = _chunk_at(
+            c, q, q_rows, hmask, t, main_chunks, length, xlength,
+            kv_ptr, idx_ptr, stride_it, stride_il, num_main, ps, page_stride, row_stride, scale_base, scale_stride,
+            xkv_ptr, xidx_ptr, stride_xt, stride_xl, num_extra, xps, xpage_stride, xrow_stride, xscale_base,
+            xscale_stride, rope_offset, sm_scale, DSV4, BLOCK_H, LANES, CHUNK, UPCAST, HW_FP8, LOWEST,
+        )  # fmt: skip
+        slot = t * num_chunks + c
+        p_row = part_ptr + (slot * num_heads + heads.to(tl.int64))[:, None] * 512
+        if DSV4:
+            tl.store(p_row + tl.arange(0, 512)[None, :], a0, mask=hmask[:, None])
+        else:
+            cols = tl.arange(0, 128)[None, :]
+            tl.store(p_row + cols, a0, mask=hmask[:, None])
+            tl.store(p_row + 128 + cols, a1, mask=hmask[:, None])
+            tl.store(p_row + 256 + cols, a2, mask=hmask[:, None])
+            tl.store(p_row + 384 + cols, a3, mask=hmask[:, None])
+        tl.store(part_ml_ptr + slot * 2 * num_heads + heads, m_i, mask=hmask)
+        tl.store(part_ml_ptr + (slot * 2 + 1) * num_heads + heads, l_i, mask=hmask)
+        if hg == 0:
+            tl.store(part_bad_ptr + slot, bad)
+    else:
+        m_run = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_run = tl.zeros([BLOCK_H], tl.float32)
+        bad_run = tl.zeros([], tl.int32)
+        if DSV4:
+            r0 = tl.zeros([BLOCK_H, 512], tl.float32)
+            r1 = r0
+            r2 = r0
+            r3 = r0
+        else:
+            r0 = tl.zeros([BLOCK_H, 128], tl.float32)
+            r1 = r0
+            r2 = r0
+            r3 = r0
+        for c in range(0, num_chunks):
+            m_i, l_i, a0, a1, a2, a3, bad = _chunk_at(
+                c, q, q_rows, hmask, t, main_chunks, length, xlength,
+                kv_ptr, idx_ptr, stride_it, stride_il, num_main, ps, page_stride, row_stride, scale_base,
+                scale_stride, xkv_ptr, xidx_ptr, stride_xt, stride_xl, num_extra, xps, xpage_stride, xrow_stride,
+                xscale_base, xscale_stride, rope_offset, sm_scale, DSV4, BLOCK_H, LANES, CHUNK, UPCAST, HW_FP8,
+                LOWEST,
+            )  # fmt: skip
+            m_run, l_run, wa, wb = _merge_weights(m_run, l_run, m_i, l_i, LOWEST)
+            r0 = r0 * wa[:, None] + a0 * wb[:, None]
+            if not DSV4:
+                r1 = r1 * wa[:, None] + a1 * wb[:, None]
+                r2 = r2 * wa[:, None] + a2 * wb[:, None]
+                r3 = r3 * wa[:, None] + a3 * wb[:, None]
+            bad_run += bad
+        sink = tl.load(sink_ptr + heads * stride_sink, mask=hmask, other=float("-inf"))
+        sink = tl.where(has_sink != 0, sink, float("-inf"))  # no sink: any fp32 [H] buffer, unused
+        factor, lse_e, nonempty = _finish(m_run, l_run, sink)
+        o_row = t * stride_ot + heads.to(tl.int64)[:, None] * stride_oh
+        f_row = t * stride_ft + heads.to(tl.int64)[:, None] * stride_fh
+        if DSV4:
+            _store_out(r0, factor, out_ptr, out32_ptr, o_row, f_row, 0, hmask, write_fp32, 512)
+        else:
+            _store_out(r0, factor, out_ptr, out32_ptr, o_row, f_row, 0, hmask, write_fp32, 128)
+            _store_out(r1, factor, out_ptr, out32_ptr, o_row, f_row, 128, hmask, write_fp32, 128)
+            _store_out(r2, factor, out_ptr, out32_ptr, o_row, f_row, 256, hmask, write_fp32, 128)
+            _store_out(r3, factor, out_ptr, out32_ptr, o_row, f_row, 384, hmask, write_fp32, 128)
+        _store_lse(lse_ptr + t * stride_lt, lse_e, nonempty, sink, flashmla, lse_mult, heads, hmask)
+        if hg == 0:
+            tl.store(bad_ptr + t, bad_run)
 
-    # Finalise (natural log): out = acc / l times sigmoid(lse - sink); LSE per convention.
-    nonempty = l_i > 0
-    lse_e = tl.where(nonempty, m_i + tl.log(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+
+@triton.jit
+def _combine_kernel(
+    sink_ptr, out_ptr, out32_ptr, lse_ptr, bad_ptr, part_ptr, part_ml_ptr, part_bad_ptr,
+    num_heads, head_groups, num_chunks, has_sink, write_fp32, flashmla, lse_mult,
+    stride_sink, stride_ot, stride_oh, stride_ft, stride_fh, stride_lt,
+    BLOCK_H: tl.constexpr, LOWEST: tl.constexpr,
+):  # fmt: skip
+    """The split forward's second launch: one program per (token, head group) folds the token's
+    chunk states in chunk order with the unsplit kernel's arithmetic and finalises."""
+    pid = tl.program_id(0)
+    hg = pid % head_groups
+    t = (pid // head_groups).to(tl.int64)
+    heads = hg * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < num_heads
+    cols = tl.arange(0, 512)
+    m_run = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_run = tl.zeros([BLOCK_H], tl.float32)
+    r0 = tl.zeros([BLOCK_H, 512], tl.float32)
+    bad_run = tl.zeros([], tl.int32)
+    for c in range(0, num_chunks):
+        slot = t * num_chunks + c
+        m_i = tl.load(part_ml_ptr + slot * 2 * num_heads + heads, mask=hmask, other=float("-inf"))
+        l_i = tl.load(part_ml_ptr + (slot * 2 + 1) * num_heads + heads, mask=hmask, other=0.0)
+        a0 = tl.load(part_ptr + (slot * num_heads + heads.to(tl.int64))[:, None] * 512 + cols[None, :],
+                     mask=hmask[:, None], other=0.0)  # fmt: skip
+        m_run, l_run, wa, wb = _merge_weights(m_run, l_run, m_i, l_i, LOWEST)
+        r0 = r0 * wa[:, None] + a0 * wb[:, None]
+        bad_run += tl.load(part_bad_ptr + slot)
     sink = tl.load(sink_ptr + heads * stride_sink, mask=hmask, other=float("-inf"))
     sink = tl.where(has_sink != 0, sink, float("-inf"))  # no sink: any fp32 [H] buffer, unused
-    factor = tl.where(nonempty, 1.0 / (1.0 + tl.exp(sink - tl.where(nonempty, lse_e, 0.0))), 0.0)
-    factor = factor / tl.where(nonempty, l_i, 1.0)
-    out = acc * factor[:, None]
+    factor, lse_e, nonempty = _finish(m_run, l_run, sink)
     o_row = t * stride_ot + heads.to(tl.int64)[:, None] * stride_oh
-    tl.store(out_ptr + o_row + dvs[None, :], _round_bf16_bits(out), mask=hmask[:, None])
-    if write_fp32 != 0:
-        f_row = t * stride_ft + heads.to(tl.int64)[:, None] * stride_fh
-        tl.store(out32_ptr + f_row + dvs[None, :], out, mask=hmask[:, None])
-    if dv0 == 0:
-        top = tl.maximum(lse_e, sink)
-        finite_top = (top != float("-inf")) & (top != float("inf"))
-        safe_top = tl.where(finite_top, top, 0.0)
-        mass = tl.where(finite_top, tl.exp(lse_e - safe_top) + tl.exp(sink - safe_top), 1.0)  # in [1, 2]
-        lse_full = tl.where(sink == float("-inf"), lse_e, tl.where(finite_top, safe_top + tl.log(mass), top))
-        lse_out = tl.where(flashmla != 0, tl.where(nonempty, lse_e, float("inf")), lse_full * lse_mult)
-        tl.store(lse_ptr + t * stride_lt + heads, lse_out, mask=hmask)
-        if group == 0:
-            tl.store(bad_ptr + t, bad)
+    f_row = t * stride_ft + heads.to(tl.int64)[:, None] * stride_fh
+    _store_out(r0, factor, out_ptr, out32_ptr, o_row, f_row, 0, hmask, write_fp32, 512)
+    _store_lse(lse_ptr + t * stride_lt, lse_e, nonempty, sink, flashmla, lse_mult, heads, hmask)
+    if hg == 0:
+        tl.store(bad_ptr + t, bad_run)
 
 
 _NO_CACHE = CacheGeometry(0, 1, 16, 0, 0, 0, 0)
 
 
-def dequantize_table(
-    kv_cache: torch.Tensor,
-    geometry: CacheGeometry,
-    extra_kv_cache: torch.Tensor | None,
-    extra_geometry: CacheGeometry | None,
-    dsv4: bool,
-) -> torch.Tensor:
-    """Both caches dequantized into one BF16 table (one launch of ``_table_kernel`` per cache).
+@triton.jit
+def _gather_kernel(
+    out_ptr, kv_ptr, rows_ptr, n, num_rows, ps, page_stride, row_stride, rope_offset, scale_base, scale_stride,
+    DSV4: tl.constexpr, LANES: tl.constexpr, HW_FP8: tl.constexpr,
+):  # fmt: skip
+    """Tokens ``rows`` of one cache dequantized to fp32 by the attention kernel's own loaders
+    (:func:`gather_rows`); rows of invalid lanes are 0."""
+    i = tl.program_id(0) * LANES + tl.arange(0, LANES)
+    valid, flat, _ = _lanes(rows_ptr, 1, tl.program_id(0) * LANES, n, num_rows, LANES)
+    row_off, scale_off = _row_offsets(flat, ps, page_stride, row_stride, scale_base, scale_stride)
+    inside = (i < n)[:, None]
+    if DSV4:
+        k = _dsv4_rows(kv_ptr, row_off, scale_off, valid, rope_offset, HW_FP8)
+        tl.store(out_ptr + i.to(tl.int64)[:, None] * 512 + tl.arange(0, 512)[None, :], k.to(tl.float32), mask=inside)
+    else:
+        dst = out_ptr + i.to(tl.int64)[:, None] * 576
+        for g in tl.static_range(4):
+            code, scale = _dsv32_group(kv_ptr, row_off, scale_off, valid, g, HW_FP8)
+            tl.store(dst + g * 128 + tl.arange(0, 128)[None, :], code.to(tl.float32) * scale[:, None], mask=inside)
+        r = tl.arange(0, 64)
+        rope_ptr = (kv_ptr + row_off + rope_offset).to(tl.pointer_type(tl.bfloat16))
+        rope = tl.load(rope_ptr[:, None] + r[None, :], mask=valid[:, None], other=0.0)
+        tl.store(dst + 512 + r[None, :], rope.to(tl.float32), mask=inside)
+
+
+def gather_rows(kv_cache: torch.Tensor, geometry: CacheGeometry, rows: torch.Tensor, dsv4: bool) -> torch.Tensor:
+    """Tokens of a packed cache dequantized by the attention kernel's own loaders (for self-tests).
+
+    Args:
+        kv_cache: the packed uint8 cache (any accepted form; its data pointer and ``geometry``).
+        geometry: :func:`cache_geometry` of its layout.
+        rows: ``[n]`` int32 flat token indices; a negative index or one past the cache is an
+            invalid lane (nothing read, a zero row).
+        dsv4: DSV4 footer layout (``[n, 512]``) or DSV3.2 inline (``[n, 576]``: ``code * scale`` in
+            fp32 per 128-dim group, then the RoPE values).
 
     Returns:
-        ``[pieces, N + X + 1, d_qk]`` BF16, contiguous (``pieces`` 1 for DSV4, 3 for DSV3.2, whose
-        pieces sum exactly to the fp32 value): rows ``0..N-1`` are the main cache's tokens by flat
-        index, rows ``N..N+X-1`` the extra cache's, row ``N + X`` is zero. Every value equals
-        ``formats.unpack_dequantize`` of its token.
+        ``[n, d_qk]`` fp32; each valid row equals ``formats.unpack_dequantize`` of its token.
     """
-    x = extra_geometry if extra_kv_cache is not None and extra_geometry is not None else _NO_CACHE
-    if dsv4:
-        pieces, ng, gs, d_nope, d_qk = 1, 7, 64, 448, 512
-    else:
-        pieces, ng, gs, d_nope, d_qk = 3, 4, 128, 512, 576
-    table = torch.empty(
-        (pieces, geometry.num_tokens + x.num_tokens + 1, d_qk), dtype=torch.bfloat16, device=kv_cache.device
-    )
-    parts = [(kv_cache, geometry, 0)]
-    if extra_kv_cache is not None and x is not _NO_CACHE:
-        parts.append((extra_kv_cache, x, geometry.num_tokens))
-    for i, (cache, g, offset) in enumerate(parts):
-        last = i == len(parts) - 1  # the last part also writes the zero row after its tokens
-        grid = (triton.cdiv(g.num_tokens + int(last), _TABLE_ROWS), ng + 1)
-        _table_kernel[grid](
-            table, cache, g.num_tokens, offset, int(last), table.stride(0),
-            g.page_block_size, g.page_stride, g.row_stride, g.rope_offset, g.scale_base, g.scale_stride,
-            D_QK=d_qk, NG=ng, GS=gs, D_NOPE=d_nope, D_ROPE=64, PIECES=pieces, UE8M0=dsv4,
-            HW_FP8=not INTERPRETED, BLOCK_R=_TABLE_ROWS,
-        )  # fmt: skip
-    return table
+    n = int(rows.numel())
+    d_qk = 512 if dsv4 else 576
+    out = torch.empty((n, d_qk), dtype=torch.float32, device=kv_cache.device)
+    g = geometry
+    _gather_kernel[(triton.cdiv(n, LANE_TILE),)](
+        out, kv_cache, rows.to(torch.int32).contiguous(), n, g.num_tokens, g.page_block_size, g.page_stride,
+        g.row_stride, g.rope_offset, g.scale_base, g.scale_stride, DSV4=dsv4, LANES=LANE_TILE,
+        HW_FP8=not INTERPRETED,
+    )  # fmt: skip
+    return out
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (0 elsewhere: the interpreter never splits)."""
+    if device.type != "cuda" or INTERPRETED:
+        return 0
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def split_chunks(num_tokens: int, head_groups: int, num_chunks: int, device: torch.device) -> bool:
+    """Whether a call runs split (one program per chunk, then :func:`_combine_kernel`): when it has
+    more than one chunk and fewer than :data:`SPLIT_BELOW_WAVES` waves of unsplit programs. A shape
+    decision only (a call can be captured in a CUDA graph), and either way gives the same bits."""
+    return num_chunks > 1 and num_tokens * head_groups < SPLIT_BELOW_WAVES * _sm_count(device)
 
 
 def sparse_mla(
@@ -384,10 +626,11 @@ def sparse_mla(
     output_fp32: torch.Tensor | None,
     out_of_range: torch.Tensor,
     config: tuple[int, int, int, int] | None = None,
+    split: bool | None = None,
 ) -> None:
-    """Run the forward in two launches (table, attention), writing ``output``, ``lse``,
-    ``output_fp32`` (if given) and ``out_of_range``. No host synchronisation; every argument is
-    trusted (the caller, ``attention.reference.sparse_mla_forward``, has validated them).
+    """Run the forward (one launch, or two when split), writing ``output``, ``lse``, ``output_fp32``
+    (if given) and ``out_of_range``. No host synchronisation; every argument is trusted (the caller,
+    ``attention.reference.sparse_mla_forward``, has validated them).
 
     Args:
         q: ``[T, H, d_qk]`` BF16 with unit last-dim stride (``d_qk`` 512 DSV4, 576 DSV3.2).
@@ -405,43 +648,61 @@ def sparse_mla(
             ``None``; each with unit last-dim stride.
         out_of_range: ``[T]`` int32, contiguous: per token, the number of lanes inside the valid
             prefix whose index is past its cache (those lanes are skipped).
-        config: ``(head_group, dv_block, num_warps, num_stages)`` of the attention kernel; default
-            :data:`DEFAULT_CONFIG`.
+        config: ``(head_group, num_warps, num_stages, chunk)``; default :data:`DEFAULT_CONFIG` of the
+            format. Every shape of one format runs one config (the bitwise invariants compare calls
+            of different shapes).
+        split: force the split (``True``) or the unsplit (``False``) launch; default
+            :func:`split_chunks`. Both give the same bits.
     """
-    block_h, dv_block, num_warps, num_stages = config or DEFAULT_CONFIG
-    num_tokens, num_heads, d_qk = (int(v) for v in q.shape)
+    block_h, num_warps, num_stages, chunk = config or DEFAULT_CONFIG[dsv4]
+    num_tokens, num_heads, _ = (int(v) for v in q.shape)
     if num_tokens == 0:
         return
-    d_v = int(output.shape[2])
-    pieces = 1 if dsv4 else 3
-    if not dsv4:
-        num_stages = 1  # the unfused loop: software pipelining would multi-buffer all its loads
     g = geometry
+    topk = int(indices.shape[1])
     if extra_kv_cache is None or extra_geometry is None or extra_indices is None:
         extra_kv_cache, extra_indices, extra_topk, x = kv_cache, indices, 0, _NO_CACHE
     else:
-        extra_topk = int(extra_indices.shape[1])
-        x = extra_geometry
-    table = dequantize_table(kv_cache, g, extra_kv_cache if extra_topk else None, x, dsv4)
-    zero_row = g.num_tokens + x.num_tokens
-    per_token = -(-num_heads // block_h) * (d_v // dv_block)
+        extra_topk, x = int(extra_indices.shape[1]), extra_geometry
+    main_chunks = triton.cdiv(topk, chunk)
+    num_chunks = main_chunks + triton.cdiv(extra_topk, chunk)
+    head_groups = triton.cdiv(num_heads, block_h)
+    if split is None:
+        split = split_chunks(num_tokens, head_groups, num_chunks, q.device)
     out16 = output.view(torch.int16)
     fp32 = output_fp32 if output_fp32 is not None else lse  # fp32 either way: one compiled variant
-    dummy = out_of_range
-    _attention_kernel[(num_tokens * per_token,)](
-        q, table, indices, topk_length if topk_length is not None else dummy,
-        extra_indices, extra_topk_length if extra_topk_length is not None else dummy,
-        attn_sink if attn_sink is not None else lse, out16, fp32, lse, out_of_range,
-        num_heads, per_token, int(indices.shape[1]), extra_topk, g.num_tokens, x.num_tokens, zero_row,
-        table.stride(0), int(topk_length is not None), int(extra_topk_length is not None),
-        int(attn_sink is not None), int(output_fp32 is not None), int(flashmla_lse), float(lse_multiplier),
-        float(sm_scale),
+    sink = attn_sink if attn_sink is not None else lse  # no sink: any fp32 buffer, never read
+    if split:
+        part = torch.empty((num_tokens, num_chunks, num_heads, 512), dtype=torch.float32, device=q.device)
+        part_ml = torch.empty((num_tokens, num_chunks, 2, num_heads), dtype=torch.float32, device=q.device)
+        part_bad = torch.empty((num_tokens, num_chunks), dtype=torch.int32, device=q.device)
+    else:
+        part, part_ml, part_bad = lse, lse, out_of_range  # unused
+    common = dict(num_warps=num_warps, num_stages=num_stages)
+    _attention_kernel[(num_tokens * head_groups * (num_chunks if split else 1),)](
+        q, kv_cache, extra_kv_cache, indices, topk_length if topk_length is not None else out_of_range,
+        extra_indices, extra_topk_length if extra_topk_length is not None else out_of_range, sink,
+        out16, fp32, lse, out_of_range, part, part_ml, part_bad,
+        num_heads, head_groups, topk, extra_topk, main_chunks, num_chunks, g.num_tokens, x.num_tokens,
+        g.page_block_size, g.page_stride, g.row_stride, g.scale_base, g.scale_stride,
+        x.page_block_size, x.page_stride, x.row_stride, x.scale_base, x.scale_stride, g.rope_offset,
+        int(topk_length is not None), int(extra_topk_length is not None), int(attn_sink is not None),
+        int(output_fp32 is not None), int(flashmla_lse), float(lse_multiplier), float(sm_scale),
         q.stride(0), q.stride(1), indices.stride(0), indices.stride(1),
         extra_indices.stride(0), extra_indices.stride(1),
         topk_length.stride(0) if topk_length is not None else 0,
         extra_topk_length.stride(0) if extra_topk_length is not None else 0,
         attn_sink.stride(0) if attn_sink is not None else 0,
         out16.stride(0), out16.stride(1), fp32.stride(0), fp32.stride(1), lse.stride(0),
-        D_QK=d_qk, D_V=d_v, DV_BLOCK=dv_block, BLOCK_H=block_h, LANES=LANE_TILE, D_CHUNK=_D_CHUNK,
-        PIECES=pieces, UPCAST=INTERPRETED, LOWEST=_FP32_LOWEST, num_warps=num_warps, num_stages=num_stages,
+        DSV4=dsv4, BLOCK_H=block_h, LANES=LANE_TILE, CHUNK=chunk, SPLIT=split, UPCAST=INTERPRETED,
+        HW_FP8=not INTERPRETED, LOWEST=_FP32_LOWEST, **common,
     )  # fmt: skip
+    if split:
+        _combine_kernel[(num_tokens * head_groups,)](
+            sink, out16, fp32, lse, out_of_range, part, part_ml, part_bad,
+            num_heads, head_groups, num_chunks, int(attn_sink is not None), int(output_fp32 is not None),
+            int(flashmla_lse), float(lse_multiplier),
+            attn_sink.stride(0) if attn_sink is not None else 0,
+            out16.stride(0), out16.stride(1), fp32.stride(0), fp32.stride(1), lse.stride(0),
+            BLOCK_H=block_h, LOWEST=_FP32_LOWEST, num_warps=num_warps,
+        )  # fmt: skip
