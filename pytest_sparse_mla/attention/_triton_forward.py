@@ -62,6 +62,10 @@ if _ENV_CONFIG:
 SPLIT_BELOW_WAVES = 2
 #: Candidate lanes per tile (FlashInfer's DSV4 candidate tile ``BI``).
 LANE_TILE = 64
+#: Rows per program of the gather kernel.
+_GATHER_ROWS = 16
+#: Bytes of gathered rows per launch pair: a call's tokens are processed in blocks that fit.
+_GATHER_BYTES = 256 * 2**20
 _FP32_LOWEST = float(torch.finfo(torch.float32).min)
 _INT32_MAX = 2**31 - 1
 
@@ -189,28 +193,28 @@ def _row_offsets(flat, ps, page_stride, row_stride, scale_base, scale_stride):
 
 
 @triton.jit
-def _dsv4_rows(kv_ptr, row_off, scale_off, valid, rope_offset, HW_FP8: tl.constexpr):
+def _dsv4_rows(row_ptr, scale_ptr, valid, rope_offset, HW_FP8: tl.constexpr):
     """``[LANES, 512]`` BF16: each valid lane's DSV4 token, exactly ``formats.unpack_dequantize``
     (dims < 448: E4M3 code times ``2**(scale - 127)``, a BF16 number; dims 448-511: the RoPE BF16
     bits); invalid lanes read nothing and are 0. Dims 448-511 of the code load and scale byte 7 (the
     pad) are bytes of the same token's record that the select drops."""
     cols = tl.arange(0, 512)
     m = valid[:, None]
-    code = tl.load(kv_ptr + row_off[:, None] + cols[None, :], mask=m, other=0)
-    sb = tl.load(kv_ptr + scale_off[:, None] + (cols // 64)[None, :], mask=m, other=127)
+    code = tl.load(row_ptr[:, None] + cols[None, :], mask=m, other=0)
+    sb = tl.load(scale_ptr[:, None] + (cols // 64)[None, :], mask=m, other=127)
     nope = _e4m3_to_f32(code, HW_FP8) * _ue8m0_to_f32(sb)
-    rope_ptr = (kv_ptr + row_off + rope_offset).to(tl.pointer_type(tl.bfloat16))
+    rope_ptr = (row_ptr + rope_offset).to(tl.pointer_type(tl.bfloat16))
     rope = tl.load(rope_ptr[:, None] + (cols - 448)[None, :], mask=m & (cols >= 448)[None, :], other=0.0)
     return tl.where((cols < 448)[None, :], nope, rope.to(tl.float32)).to(tl.bfloat16)
 
 
 @triton.jit
-def _dsv32_group(kv_ptr, row_off, scale_off, valid, g: tl.constexpr, HW_FP8: tl.constexpr):
+def _dsv32_group(row_ptr, scale_ptr, valid, g: tl.constexpr, HW_FP8: tl.constexpr):
     """Scale group ``g`` (dims ``128 g .. 128 g + 127``) of each valid lane's DSV3.2 token: the E4M3
     codes as BF16 (exact) ``[LANES, 128]`` and the fp32 scale ``[LANES]``; invalid lanes 0."""
     c = tl.arange(0, 128)
-    code = tl.load(kv_ptr + row_off[:, None] + g * 128 + c[None, :], mask=valid[:, None], other=0)
-    scale = tl.load((kv_ptr + scale_off + 4 * g).to(tl.pointer_type(tl.float32)), mask=valid, other=0.0)
+    code = tl.load(row_ptr[:, None] + g * 128 + c[None, :], mask=valid[:, None], other=0)
+    scale = tl.load((scale_ptr + 4 * g).to(tl.pointer_type(tl.float32)), mask=valid, other=0.0)
     return _e4m3_to_f32(code, HW_FP8).to(tl.bfloat16), scale
 
 
@@ -239,22 +243,23 @@ def _pv(p, v, acc, UPCAST: tl.constexpr):
 
 @triton.jit
 def _chunk_dsv4(
-    q, kv_ptr, idx_row, stride_lane, lo, hi, num_rows,
-    ps, page_stride, row_stride, rope_offset, scale_base, scale_stride, sm_scale,
-    BLOCK_H: tl.constexpr, LANES: tl.constexpr, UPCAST: tl.constexpr, HW_FP8: tl.constexpr, LOWEST: tl.constexpr,
+    q, rows_ptr, lane_base, idx_row, stride_lane, lo, hi, num_rows, sm_scale,
+    BLOCK_H: tl.constexpr, LANES: tl.constexpr, UPCAST: tl.constexpr, LOWEST: tl.constexpr,
 ):  # fmt: skip
     """The online softmax of lanes ``[lo, hi)`` of one DSV4 index row, from an empty state: returns
-    ``(m, l, acc [BLOCK_H, 512], bad)``. Each gathered key tile is the value tile too (``V = K``)."""
+    ``(m, l, acc [BLOCK_H, 512], bad)``. Lane ``j``'s key is row ``lane_base + j`` of the token's
+    gathered rows (``rows_ptr``, 512 BF16 each), read only for a valid lane; it is the value too."""
+    cols = tl.arange(0, 512)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, 512], tl.float32)
     bad = tl.zeros([], tl.int32)
     for start in range(lo, hi, LANES):
-        valid, flat, b = _lanes(idx_row, stride_lane, start, hi, num_rows, LANES)
+        valid, _, b = _lanes(idx_row, stride_lane, start, hi, num_rows, LANES)
         bad += b
         if tl.max(valid.to(tl.int32), axis=0) != 0:  # a tile with no valid lane changes nothing
-            row_off, scale_off = _row_offsets(flat, ps, page_stride, row_stride, scale_base, scale_stride)
-            k = _dsv4_rows(kv_ptr, row_off, scale_off, valid, rope_offset, HW_FP8)
+            row = (lane_base + start + tl.arange(0, LANES)).to(tl.int64)
+            k = tl.load(rows_ptr + row[:, None] * 512 + cols[None, :], mask=valid[:, None], other=0.0)
             s = _dot(q, tl.trans(k), tl.zeros([BLOCK_H, LANES], tl.float32), UPCAST)
             m_i, l_i, alpha, p = _softmax_step(s, valid, m_i, l_i, sm_scale, LOWEST)
             acc = _pv(p, k, acc * alpha[:, None], UPCAST)
@@ -262,15 +267,25 @@ def _chunk_dsv4(
 
 
 @triton.jit
+def _pv_group(p, alpha, acc, rows_ptr, scales_ptr, row, valid, g: tl.constexpr, UPCAST: tl.constexpr):
+    """``alpha * acc + (p * scale_g) @ code_g`` for scale group ``g`` of the gathered DSV3.2 rows."""
+    c = tl.arange(0, 128)
+    code = tl.load(rows_ptr + row[:, None] * 576 + g * 128 + c[None, :], mask=valid[:, None], other=0.0)
+    scale = tl.load(scales_ptr + row * 4 + g, mask=valid, other=0.0)
+    return _pv(p * scale[None, :], code, acc * alpha[:, None], UPCAST)
+
+
+@triton.jit
 def _chunk_dsv32(
-    q_rows, hmask, kv_ptr, idx_row, stride_lane, lo, hi, num_rows,
-    ps, page_stride, row_stride, rope_offset, scale_base, scale_stride, sm_scale,
-    BLOCK_H: tl.constexpr, LANES: tl.constexpr, UPCAST: tl.constexpr, HW_FP8: tl.constexpr, LOWEST: tl.constexpr,
+    q_rows, hmask, rows_ptr, scales_ptr, lane_base, idx_row, stride_lane, lo, hi, num_rows, sm_scale,
+    BLOCK_H: tl.constexpr, LANES: tl.constexpr, UPCAST: tl.constexpr, LOWEST: tl.constexpr,
 ):  # fmt: skip
     """The online softmax of lanes ``[lo, hi)`` of one DSV3.2 index row, from an empty state: returns
     ``(m, l, acc0, acc1, acc2, acc3, bad)``, one ``[BLOCK_H, 128]`` accumulator per scale group.
 
-    A key is ``code * scale`` per 128-dim group plus 64 RoPE dims, so a score is
+    Lane ``j`` reads row ``lane_base + j`` of the token's gathered rows: 512 E4M3 codes as BF16
+    (exact) and the 64 RoPE values (``rows_ptr``, 576 BF16 each), four fp32 scales
+    (``scales_ptr``). A key is ``code * scale`` per 128-dim group plus the RoPE dims, so a score is
     ``sum_g scale_g * (q_g . code_g) + q_rope . rope``: the code products are exact BF16 products
     accumulated in fp32, then scaled. ``P V`` per group is ``(p * scale_g) @ code_g`` with
     ``p * scale_g`` (one fp32 rounding) in three BF16 pieces."""
@@ -284,27 +299,23 @@ def _chunk_dsv32(
     acc3 = tl.zeros([BLOCK_H, 128], tl.float32)
     bad = tl.zeros([], tl.int32)
     for start in range(lo, hi, LANES):
-        valid, flat, b = _lanes(idx_row, stride_lane, start, hi, num_rows, LANES)
+        valid, _, b = _lanes(idx_row, stride_lane, start, hi, num_rows, LANES)
         bad += b
         if tl.max(valid.to(tl.int32), axis=0) != 0:  # a tile with no valid lane changes nothing
-            row_off, scale_off = _row_offsets(flat, ps, page_stride, row_stride, scale_base, scale_stride)
-            rope = tl.load((kv_ptr + row_off + rope_offset).to(tl.pointer_type(tl.bfloat16))[:, None] + r[None, :],
-                           mask=valid[:, None], other=0.0)  # fmt: skip
+            row = (lane_base + start + tl.arange(0, LANES)).to(tl.int64)
+            rope = tl.load(rows_ptr + row[:, None] * 576 + 512 + r[None, :], mask=valid[:, None], other=0.0)
             q_rope = tl.load(q_rows + 512 + r[None, :], mask=hmask[:, None], other=0.0)
             s = _dot(q_rope, tl.trans(rope), tl.zeros([BLOCK_H, LANES], tl.float32), UPCAST)
             for g in tl.static_range(4):
-                code, scale = _dsv32_group(kv_ptr, row_off, scale_off, valid, g, HW_FP8)
+                code = tl.load(rows_ptr + row[:, None] * 576 + g * 128 + c[None, :], mask=valid[:, None], other=0.0)
+                scale = tl.load(scales_ptr + row * 4 + g, mask=valid, other=0.0)
                 q_g = tl.load(q_rows + g * 128 + c[None, :], mask=hmask[:, None], other=0.0)
                 s += _dot(q_g, tl.trans(code), tl.zeros([BLOCK_H, LANES], tl.float32), UPCAST) * scale[None, :]
             m_i, l_i, alpha, p = _softmax_step(s, valid, m_i, l_i, sm_scale, LOWEST)
-            code, scale = _dsv32_group(kv_ptr, row_off, scale_off, valid, 0, HW_FP8)
-            acc0 = _pv(p * scale[None, :], code, acc0 * alpha[:, None], UPCAST)
-            code, scale = _dsv32_group(kv_ptr, row_off, scale_off, valid, 1, HW_FP8)
-            acc1 = _pv(p * scale[None, :], code, acc1 * alpha[:, None], UPCAST)
-            code, scale = _dsv32_group(kv_ptr, row_off, scale_off, valid, 2, HW_FP8)
-            acc2 = _pv(p * scale[None, :], code, acc2 * alpha[:, None], UPCAST)
-            code, scale = _dsv32_group(kv_ptr, row_off, scale_off, valid, 3, HW_FP8)
-            acc3 = _pv(p * scale[None, :], code, acc3 * alpha[:, None], UPCAST)
+            acc0 = _pv_group(p, alpha, acc0, rows_ptr, scales_ptr, row, valid, 0, UPCAST)
+            acc1 = _pv_group(p, alpha, acc1, rows_ptr, scales_ptr, row, valid, 1, UPCAST)
+            acc2 = _pv_group(p, alpha, acc2, rows_ptr, scales_ptr, row, valid, 2, UPCAST)
+            acc3 = _pv_group(p, alpha, acc3, rows_ptr, scales_ptr, row, valid, 3, UPCAST)
     return m_i, l_i, acc0, acc1, acc2, acc3, bad
 
 
@@ -357,54 +368,44 @@ def _store_lse(lse_ptr, lse_e, nonempty, sink, flashmla, lse_mult, heads, hmask)
 
 @triton.jit
 def _chunk_at(
-    c, q, q_rows, hmask, t, main_chunks, length, xlength,
-    kv_ptr, idx_ptr, stride_it, stride_il, num_main, ps, page_stride, row_stride, scale_base, scale_stride,
-    xkv_ptr, xidx_ptr, stride_xt, stride_xl, num_extra, xps, xpage_stride, xrow_stride, xscale_base, xscale_stride,
-    rope_offset, sm_scale,
+    c, q, q_rows, hmask, t, main_chunks, length, xlength, rows_ptr, scales_ptr, lanes_total,
+    idx_ptr, stride_it, stride_il, topk, num_main, xidx_ptr, stride_xt, stride_xl, num_extra, sm_scale,
     DSV4: tl.constexpr, BLOCK_H: tl.constexpr, LANES: tl.constexpr, CHUNK: tl.constexpr,
-    UPCAST: tl.constexpr, HW_FP8: tl.constexpr, LOWEST: tl.constexpr,
+    UPCAST: tl.constexpr, LOWEST: tl.constexpr,
 ):  # fmt: skip
-    """Chunk ``c`` of a token's candidates: chunks ``0 .. main_chunks - 1`` are ``CHUNK``-lane spans of
-    the main index row, the rest of the extra row; lanes at or past the row's valid length are left
-    out. DSV4: ``(m, l, acc, acc, acc, acc, bad)`` (the accumulator repeated); DSV3.2:
-    ``(m, l, acc0, acc1, acc2, acc3, bad)``."""
+    """Chunk ``c`` of token ``t``'s candidates: chunks ``0 .. main_chunks - 1`` are ``CHUNK``-lane spans
+    of the main index row, the rest of the extra row (gathered after the main lanes); lanes at or
+    past the row's valid length are left out. DSV4: ``(m, l, acc, acc, acc, acc, bad)`` (the
+    accumulator repeated); DSV3.2: ``(m, l, acc0, acc1, acc2, acc3, bad)``."""
     main = c < main_chunks
     lo = tl.where(main, c, c - main_chunks) * CHUNK
     hi = tl.minimum(lo + CHUNK, tl.where(main, length, xlength))
-    kv = tl.where(main, kv_ptr, xkv_ptr)
     idx_row = tl.where(main, idx_ptr + t * stride_it, xidx_ptr + t * stride_xt)
     stride_lane = tl.where(main, stride_il, stride_xl)
     num_rows = tl.where(main, num_main, num_extra)
-    g_ps = tl.where(main, ps, xps)
-    g_page = tl.where(main, page_stride, xpage_stride)
-    g_row = tl.where(main, row_stride, xrow_stride)
-    g_sbase = tl.where(main, scale_base, xscale_base)
-    g_sstride = tl.where(main, scale_stride, xscale_stride)
+    lane_base = t * lanes_total + tl.where(main, 0, topk)
     if DSV4:
         m_i, l_i, acc, bad = _chunk_dsv4(
-            q, kv, idx_row, stride_lane, lo, hi, num_rows, g_ps, g_page, g_row, rope_offset, g_sbase, g_sstride,
-            sm_scale, BLOCK_H, LANES, UPCAST, HW_FP8, LOWEST,
-        )  # fmt: skip
+            q, rows_ptr, lane_base, idx_row, stride_lane, lo, hi, num_rows, sm_scale, BLOCK_H, LANES, UPCAST, LOWEST
+        )
         return m_i, l_i, acc, acc, acc, acc, bad
     else:
         return _chunk_dsv32(
-            q_rows, hmask, kv, idx_row, stride_lane, lo, hi, num_rows, g_ps, g_page, g_row, rope_offset, g_sbase,
-            g_sstride, sm_scale, BLOCK_H, LANES, UPCAST, HW_FP8, LOWEST,
+            q_rows, hmask, rows_ptr, scales_ptr, lane_base, idx_row, stride_lane, lo, hi, num_rows, sm_scale,
+            BLOCK_H, LANES, UPCAST, LOWEST,
         )  # fmt: skip
 
 
 @triton.jit
 def _attention_kernel(
-    q_ptr, kv_ptr, xkv_ptr, idx_ptr, len_ptr, xidx_ptr, xlen_ptr, sink_ptr,
+    q_ptr, rows_ptr, scales_ptr, idx_ptr, len_ptr, xidx_ptr, xlen_ptr, sink_ptr,
     out_ptr, out32_ptr, lse_ptr, bad_ptr, part_ptr, part_ml_ptr, part_bad_ptr,
     num_heads, head_groups, topk, extra_topk, main_chunks, num_chunks, num_main, num_extra,
-    ps, page_stride, row_stride, scale_base, scale_stride,
-    xps, xpage_stride, xrow_stride, xscale_base, xscale_stride, rope_offset,
     has_len, has_xlen, has_sink, write_fp32, flashmla, lse_mult, sm_scale,
     stride_qt, stride_qh, stride_it, stride_il, stride_xt, stride_xl, stride_len, stride_xlen, stride_sink,
     stride_ot, stride_oh, stride_ft, stride_fh, stride_lt,
     DSV4: tl.constexpr, BLOCK_H: tl.constexpr, LANES: tl.constexpr, CHUNK: tl.constexpr, SPLIT: tl.constexpr,
-    UPCAST: tl.constexpr, HW_FP8: tl.constexpr, LOWEST: tl.constexpr,
+    UPCAST: tl.constexpr, LOWEST: tl.constexpr,
 ):  # fmt: skip
     """One program per (token, head group), or with ``SPLIT`` per (token, chunk, head group), head
     group fastest (neighbours share their rows in L2). Unsplit: every chunk from an empty state,
@@ -432,10 +433,9 @@ def _attention_kernel(
     if SPLIT:
         c = rest % num_chunks
         m_i, l_i, a0, a1, a2, a3, bad = _chunk_at(
-            c, q, q_rows, hmask, t, main_chunks, length, xlength,
-            kv_ptr, idx_ptr, stride_it, stride_il, num_main, ps, page_stride, row_stride, scale_base, scale_stride,
-            xkv_ptr, xidx_ptr, stride_xt, stride_xl, num_extra, xps, xpage_stride, xrow_stride, xscale_base,
-            xscale_stride, rope_offset, sm_scale, DSV4, BLOCK_H, LANES, CHUNK, UPCAST, HW_FP8, LOWEST,
+            c, q, q_rows, hmask, t, main_chunks, length, xlength, rows_ptr, scales_ptr, topk + extra_topk,
+            idx_ptr, stride_it, stride_il, topk, num_main, xidx_ptr, stride_xt, stride_xl, num_extra, sm_scale,
+            DSV4, BLOCK_H, LANES, CHUNK, UPCAST, LOWEST,
         )  # fmt: skip
         slot = t * num_chunks + c
         p_row = part_ptr + (slot * num_heads + heads.to(tl.int64))[:, None] * 512
@@ -467,11 +467,9 @@ def _attention_kernel(
             r3 = r0
         for c in range(0, num_chunks):
             m_i, l_i, a0, a1, a2, a3, bad = _chunk_at(
-                c, q, q_rows, hmask, t, main_chunks, length, xlength,
-                kv_ptr, idx_ptr, stride_it, stride_il, num_main, ps, page_stride, row_stride, scale_base,
-                scale_stride, xkv_ptr, xidx_ptr, stride_xt, stride_xl, num_extra, xps, xpage_stride, xrow_stride,
-                xscale_base, xscale_stride, rope_offset, sm_scale, DSV4, BLOCK_H, LANES, CHUNK, UPCAST, HW_FP8,
-                LOWEST,
+                c, q, q_rows, hmask, t, main_chunks, length, xlength, rows_ptr, scales_ptr, topk + extra_topk,
+                idx_ptr, stride_it, stride_il, topk, num_main, xidx_ptr, stride_xt, stride_xl, num_extra, sm_scale,
+                DSV4, BLOCK_H, LANES, CHUNK, UPCAST, LOWEST,
             )  # fmt: skip
             m_run, l_run, wa, wb = _merge_weights(m_run, l_run, m_i, l_i, LOWEST)
             r0 = r0 * wa[:, None] + a0 * wb[:, None]
@@ -541,53 +539,100 @@ _NO_CACHE = CacheGeometry(0, 1, 16, 0, 0, 0, 0)
 
 @triton.jit
 def _gather_kernel(
-    out_ptr, kv_ptr, rows_ptr, n, num_rows, ps, page_stride, row_stride, rope_offset, scale_base, scale_stride,
-    DSV4: tl.constexpr, LANES: tl.constexpr, HW_FP8: tl.constexpr,
+    rows_ptr, scales_ptr, num_out, lanes_total, topk, rope_offset,
+    kv_ptr, idx_ptr, len_ptr, num_main, ps, page_stride, row_stride, scale_base, scale_stride,
+    xkv_ptr, xidx_ptr, xlen_ptr, num_extra, xps, xpage_stride, xrow_stride, xscale_base, xscale_stride,
+    has_len, has_xlen, extra_topk, stride_it, stride_il, stride_xt, stride_xl, stride_len, stride_xlen,
+    DSV4: tl.constexpr, ROWS: tl.constexpr, HW_FP8: tl.constexpr,
 ):  # fmt: skip
-    """Tokens ``rows`` of one cache dequantized to fp32 by the attention kernel's own loaders
-    (:func:`gather_rows`); rows of invalid lanes are 0."""
-    i = tl.program_id(0) * LANES + tl.arange(0, LANES)
-    valid, flat, _ = _lanes(rows_ptr, 1, tl.program_id(0) * LANES, n, num_rows, LANES)
-    row_off, scale_off = _row_offsets(flat, ps, page_stride, row_stride, scale_base, scale_stride)
-    inside = (i < n)[:, None]
+    """Gather the candidates of a block of tokens, dequantized, into rows of BF16 (exactly
+    ``formats.unpack_dequantize``): output row ``t * lanes_total + j`` is lane ``j`` of token ``t``
+    (main lanes ``0 .. topk - 1``, then the extra lanes). DSV4: the 512 values; DSV3.2: the 512
+    E4M3 codes as BF16 and the 64 RoPE values, with the four fp32 scales in ``scales_ptr``. Only
+    valid lanes (index ``>= 0`` and below the cache's token count, position before the row's
+    length) are read and written; the attention kernel reads only those."""
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    inside = r < num_out
+    t = r // lanes_total
+    j = r - t * lanes_total
+    main = j < topk
+    xj = j - topk
+    idx = tl.load(idx_ptr + t * stride_it + j * stride_il, mask=inside & main, other=-1)
+    xidx = tl.load(xidx_ptr + t * stride_xt + xj * stride_xl, mask=inside & (xj >= 0), other=-1)
+    length = tl.load(len_ptr + t * stride_len, mask=inside, other=0)
+    length = tl.where(has_len != 0, length, topk)
+    xlength = tl.load(xlen_ptr + t * stride_xlen, mask=inside, other=0)
+    xlength = tl.where(has_xlen != 0, xlength, extra_topk)
+    main_ok = (idx >= 0) & (idx < num_main) & (j < length)
+    valid = tl.where(main, main_ok, (xidx >= 0) & (xidx < num_extra) & (xj < xlength)) & inside
+    flat = tl.where(valid, tl.where(main, idx, xidx), 0).to(tl.int64)
+    m_off, m_soff = _row_offsets(flat, ps, page_stride, row_stride, scale_base, scale_stride)
+    x_off, x_soff = _row_offsets(flat, xps, xpage_stride, xrow_stride, xscale_base, xscale_stride)
+    row_ptr = tl.where(main, kv_ptr + m_off, xkv_ptr + x_off)
+    scale_ptr = tl.where(main, kv_ptr + m_soff, xkv_ptr + x_soff)
+    out = r.to(tl.int64)
     if DSV4:
-        k = _dsv4_rows(kv_ptr, row_off, scale_off, valid, rope_offset, HW_FP8)
-        tl.store(out_ptr + i.to(tl.int64)[:, None] * 512 + tl.arange(0, 512)[None, :], k.to(tl.float32), mask=inside)
+        k = _dsv4_rows(row_ptr, scale_ptr, valid, rope_offset, HW_FP8)
+        tl.store(rows_ptr + out[:, None] * 512 + tl.arange(0, 512)[None, :], k, mask=valid[:, None])
     else:
-        dst = out_ptr + i.to(tl.int64)[:, None] * 576
+        dst = rows_ptr + out[:, None] * 576
         for g in tl.static_range(4):
-            code, scale = _dsv32_group(kv_ptr, row_off, scale_off, valid, g, HW_FP8)
-            tl.store(dst + g * 128 + tl.arange(0, 128)[None, :], code.to(tl.float32) * scale[:, None], mask=inside)
-        r = tl.arange(0, 64)
-        rope_ptr = (kv_ptr + row_off + rope_offset).to(tl.pointer_type(tl.bfloat16))
-        rope = tl.load(rope_ptr[:, None] + r[None, :], mask=valid[:, None], other=0.0)
-        tl.store(dst + 512 + r[None, :], rope.to(tl.float32), mask=inside)
+            code, scale = _dsv32_group(row_ptr, scale_ptr, valid, g, HW_FP8)
+            tl.store(dst + g * 128 + tl.arange(0, 128)[None, :], code, mask=valid[:, None])
+            tl.store(scales_ptr + out * 4 + g, scale, mask=valid)
+        c = tl.arange(0, 64)
+        rope = tl.load((row_ptr + rope_offset).to(tl.pointer_type(tl.bfloat16))[:, None] + c[None, :],
+                       mask=valid[:, None], other=0.0)  # fmt: skip
+        tl.store(dst + 512 + c[None, :], rope, mask=valid[:, None])
+
+
+def _gather(
+    kv_cache: torch.Tensor, g: CacheGeometry, indices: torch.Tensor, topk_length: torch.Tensor | None,
+    extra_kv_cache: torch.Tensor, x: CacheGeometry, extra_indices: torch.Tensor,
+    extra_topk_length: torch.Tensor | None, extra_topk: int, dsv4: bool, rows: torch.Tensor, scales: torch.Tensor,
+) -> None:  # fmt: skip
+    """One launch of :func:`_gather_kernel` for the tokens of ``indices`` into ``rows`` / ``scales``."""
+    num_tokens, topk = int(indices.shape[0]), int(indices.shape[1])
+    num_out = num_tokens * (topk + extra_topk)
+    dummy = indices
+    _gather_kernel[(triton.cdiv(num_out, _GATHER_ROWS),)](
+        rows, scales, num_out, topk + extra_topk, topk, g.rope_offset,
+        kv_cache, indices, topk_length if topk_length is not None else dummy, g.num_tokens, g.page_block_size,
+        g.page_stride, g.row_stride, g.scale_base, g.scale_stride,
+        extra_kv_cache, extra_indices, extra_topk_length if extra_topk_length is not None else dummy, x.num_tokens,
+        x.page_block_size, x.page_stride, x.row_stride, x.scale_base, x.scale_stride,
+        int(topk_length is not None), int(extra_topk_length is not None), extra_topk,
+        indices.stride(0), indices.stride(1), extra_indices.stride(0), extra_indices.stride(1),
+        topk_length.stride(0) if topk_length is not None else 0,
+        extra_topk_length.stride(0) if extra_topk_length is not None else 0,
+        DSV4=dsv4, ROWS=_GATHER_ROWS, HW_FP8=not INTERPRETED, num_warps=4,
+    )  # fmt: skip
 
 
 def gather_rows(kv_cache: torch.Tensor, geometry: CacheGeometry, rows: torch.Tensor, dsv4: bool) -> torch.Tensor:
-    """Tokens of a packed cache dequantized by the attention kernel's own loaders (for self-tests).
+    """Tokens of a packed cache dequantized by the forward's own gather kernel (for self-tests).
 
     Args:
         kv_cache: the packed uint8 cache (any accepted form; its data pointer and ``geometry``).
         geometry: :func:`cache_geometry` of its layout.
         rows: ``[n]`` int32 flat token indices; a negative index or one past the cache is an
             invalid lane (nothing read, a zero row).
-        dsv4: DSV4 footer layout (``[n, 512]``) or DSV3.2 inline (``[n, 576]``: ``code * scale`` in
-            fp32 per 128-dim group, then the RoPE values).
+        dsv4: DSV4 footer layout (``[n, 512]``) or DSV3.2 inline (``[n, 576]``: the gathered codes
+            times their fp32 scale per 128-dim group, rounded once in fp32, then the RoPE values).
 
     Returns:
         ``[n, d_qk]`` fp32; each valid row equals ``formats.unpack_dequantize`` of its token.
     """
     n = int(rows.numel())
     d_qk = 512 if dsv4 else 576
-    out = torch.empty((n, d_qk), dtype=torch.float32, device=kv_cache.device)
-    g = geometry
-    _gather_kernel[(triton.cdiv(n, LANE_TILE),)](
-        out, kv_cache, rows.to(torch.int32).contiguous(), n, g.num_tokens, g.page_block_size, g.page_stride,
-        g.row_stride, g.rope_offset, g.scale_base, g.scale_stride, DSV4=dsv4, LANES=LANE_TILE,
-        HW_FP8=not INTERPRETED,
-    )  # fmt: skip
-    return out
+    out = torch.zeros((n, d_qk), dtype=torch.bfloat16, device=kv_cache.device)
+    scales = torch.zeros((n, 4), dtype=torch.float32, device=kv_cache.device)
+    idx = rows.to(torch.int32).reshape(1, n)
+    _gather(kv_cache, geometry, idx, None, kv_cache, _NO_CACHE, idx, None, 0, dsv4, out, scales)
+    values = out.float()
+    if not dsv4:
+        values[:, :512] = (values[:, :512].view(n, 4, 128) * scales[:, :, None]).view(n, 512)
+    return values
 
 
 @functools.cache
@@ -664,45 +709,68 @@ def sparse_mla(
         extra_kv_cache, extra_indices, extra_topk, x = kv_cache, indices, 0, _NO_CACHE
     else:
         extra_topk, x = int(extra_indices.shape[1]), extra_geometry
+    lanes_total = topk + extra_topk
     main_chunks = triton.cdiv(topk, chunk)
     num_chunks = main_chunks + triton.cdiv(extra_topk, chunk)
     head_groups = triton.cdiv(num_heads, block_h)
-    if split is None:
-        split = split_chunks(num_tokens, head_groups, num_chunks, q.device)
+    d_row = 512 if dsv4 else 576
+    block = max(1, min(num_tokens, _GATHER_BYTES // max(1, lanes_total * (2 * d_row + 16))))
+    rows = torch.empty((block * lanes_total, d_row), dtype=torch.bfloat16, device=q.device)
+    scales = rows if dsv4 else torch.empty((block * lanes_total, 4), dtype=torch.float32, device=q.device)
     out16 = output.view(torch.int16)
     fp32 = output_fp32 if output_fp32 is not None else lse  # fp32 either way: one compiled variant
     sink = attn_sink if attn_sink is not None else lse  # no sink: any fp32 buffer, never read
+    for t0 in range(0, num_tokens, block):
+        t1 = min(num_tokens, t0 + block)
+        n = t1 - t0
+        length = topk_length[t0:t1] if topk_length is not None else None
+        xlength = extra_topk_length[t0:t1] if extra_topk_length is not None else None
+        _gather(kv_cache, g, indices[t0:t1], length, extra_kv_cache, x, extra_indices[t0:t1], xlength,
+                extra_topk, dsv4, rows, scales)  # fmt: skip
+        _attend(
+            q[t0:t1], rows, scales, indices[t0:t1], length, extra_indices[t0:t1], xlength, sink,
+            attn_sink is not None, out16[t0:t1], fp32[t0:t1], lse[t0:t1], out_of_range[t0:t1],
+            output_fp32 is not None, n, num_heads, head_groups, topk, extra_topk, main_chunks, num_chunks,
+            g.num_tokens, x.num_tokens, flashmla_lse, lse_multiplier, sm_scale, dsv4, block_h, num_warps, num_stages,
+            chunk, split,
+        )  # fmt: skip
+
+
+def _attend(
+    q, rows, scales, indices, length, extra_indices, xlength, sink, has_sink, out16, fp32, lse, out_of_range,
+    write_fp32, num_tokens, num_heads, head_groups, topk, extra_topk, main_chunks, num_chunks, num_main,
+    num_extra, flashmla_lse, lse_multiplier, sm_scale, dsv4, block_h, num_warps, num_stages, chunk, split,
+):  # type: ignore[no-untyped-def]  # fmt: skip
+    """The attention launch (and the combine launch when split) for one block of tokens."""
+    if split is None:
+        split = split_chunks(num_tokens, head_groups, num_chunks, q.device)
     if split:
         part = torch.empty((num_tokens, num_chunks, num_heads, 512), dtype=torch.float32, device=q.device)
         part_ml = torch.empty((num_tokens, num_chunks, 2, num_heads), dtype=torch.float32, device=q.device)
         part_bad = torch.empty((num_tokens, num_chunks), dtype=torch.int32, device=q.device)
     else:
         part, part_ml, part_bad = lse, lse, out_of_range  # unused
-    common = dict(num_warps=num_warps, num_stages=num_stages)
+    dummy = out_of_range
     _attention_kernel[(num_tokens * head_groups * (num_chunks if split else 1),)](
-        q, kv_cache, extra_kv_cache, indices, topk_length if topk_length is not None else out_of_range,
-        extra_indices, extra_topk_length if extra_topk_length is not None else out_of_range, sink,
+        q, rows, scales, indices, length if length is not None else dummy,
+        extra_indices, xlength if xlength is not None else dummy, sink,
         out16, fp32, lse, out_of_range, part, part_ml, part_bad,
-        num_heads, head_groups, topk, extra_topk, main_chunks, num_chunks, g.num_tokens, x.num_tokens,
-        g.page_block_size, g.page_stride, g.row_stride, g.scale_base, g.scale_stride,
-        x.page_block_size, x.page_stride, x.row_stride, x.scale_base, x.scale_stride, g.rope_offset,
-        int(topk_length is not None), int(extra_topk_length is not None), int(attn_sink is not None),
-        int(output_fp32 is not None), int(flashmla_lse), float(lse_multiplier), float(sm_scale),
+        num_heads, head_groups, topk, extra_topk, main_chunks, num_chunks, num_main, num_extra,
+        int(length is not None), int(xlength is not None), int(has_sink), int(write_fp32), int(flashmla_lse),
+        float(lse_multiplier), float(sm_scale),
         q.stride(0), q.stride(1), indices.stride(0), indices.stride(1),
         extra_indices.stride(0), extra_indices.stride(1),
-        topk_length.stride(0) if topk_length is not None else 0,
-        extra_topk_length.stride(0) if extra_topk_length is not None else 0,
-        attn_sink.stride(0) if attn_sink is not None else 0,
+        length.stride(0) if length is not None else 0, xlength.stride(0) if xlength is not None else 0,
+        sink.stride(0) if has_sink else 0,
         out16.stride(0), out16.stride(1), fp32.stride(0), fp32.stride(1), lse.stride(0),
         DSV4=dsv4, BLOCK_H=block_h, LANES=LANE_TILE, CHUNK=chunk, SPLIT=split, UPCAST=INTERPRETED,
-        HW_FP8=not INTERPRETED, LOWEST=_FP32_LOWEST, **common,
+        LOWEST=_FP32_LOWEST, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if split:
         _combine_kernel[(num_tokens * head_groups,)](
             sink, out16, fp32, lse, out_of_range, part, part_ml, part_bad,
-            num_heads, head_groups, num_chunks, int(attn_sink is not None), int(output_fp32 is not None),
-            int(flashmla_lse), float(lse_multiplier),
-            attn_sink.stride(0) if attn_sink is not None else 0,
+            num_heads, head_groups, num_chunks, int(has_sink), int(write_fp32), int(flashmla_lse),
+            float(lse_multiplier), sink.stride(0) if has_sink else 0,
             out16.stride(0), out16.stride(1), fp32.stride(0), fp32.stride(1), lse.stride(0),
             BLOCK_H=block_h, LOWEST=_FP32_LOWEST, num_warps=num_warps,
         )  # fmt: skip
