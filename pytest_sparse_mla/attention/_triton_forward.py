@@ -53,7 +53,7 @@ INTERPRETED: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
 #: (four comma-separated ints, read at import) overrides both for tuning runs only
 #: (``benchmarks/tune_attention.py``).
 _ENV_CONFIG = os.environ.get("_SPARSE_MLA_ATTN_CONFIG")
-DEFAULT_CONFIG: dict[bool, tuple[int, int, int, int]] = {True: (16, 4, 1, 512), False: (16, 4, 1, 512)}
+DEFAULT_CONFIG: dict[bool, tuple[int, int, int, int]] = {True: (32, 8, 2, 256), False: (32, 4, 2, 512)}
 if _ENV_CONFIG:
     _h, _w, _s, _c = (int(v) for v in _ENV_CONFIG.split(","))
     DEFAULT_CONFIG = {True: (_h, _w, _s, _c), False: (_h, _w, _s, _c)}
@@ -257,12 +257,11 @@ def _chunk_dsv4(
     for start in range(lo, hi, LANES):
         valid, _, b = _lanes(idx_row, stride_lane, start, hi, num_rows, LANES)
         bad += b
-        if tl.max(valid.to(tl.int32), axis=0) != 0:  # a tile with no valid lane changes nothing
-            row = (lane_base + start + tl.arange(0, LANES)).to(tl.int64)
-            k = tl.load(rows_ptr + row[:, None] * 512 + cols[None, :], mask=valid[:, None], other=0.0)
-            s = _dot(q, tl.trans(k), tl.zeros([BLOCK_H, LANES], tl.float32), UPCAST)
-            m_i, l_i, alpha, p = _softmax_step(s, valid, m_i, l_i, sm_scale, LOWEST)
-            acc = _pv(p, k, acc * alpha[:, None], UPCAST)
+        row = (lane_base + start + tl.arange(0, LANES)).to(tl.int64)
+        k = tl.load(rows_ptr + row[:, None] * 512 + cols[None, :], mask=valid[:, None], other=0.0)
+        s = _dot(q, tl.trans(k), tl.zeros([BLOCK_H, LANES], tl.float32), UPCAST)
+        m_i, l_i, alpha, p = _softmax_step(s, valid, m_i, l_i, sm_scale, LOWEST)
+        acc = _pv(p, k, acc * alpha[:, None], UPCAST)
     return m_i, l_i, acc, bad
 
 
@@ -301,21 +300,20 @@ def _chunk_dsv32(
     for start in range(lo, hi, LANES):
         valid, _, b = _lanes(idx_row, stride_lane, start, hi, num_rows, LANES)
         bad += b
-        if tl.max(valid.to(tl.int32), axis=0) != 0:  # a tile with no valid lane changes nothing
-            row = (lane_base + start + tl.arange(0, LANES)).to(tl.int64)
-            rope = tl.load(rows_ptr + row[:, None] * 576 + 512 + r[None, :], mask=valid[:, None], other=0.0)
-            q_rope = tl.load(q_rows + 512 + r[None, :], mask=hmask[:, None], other=0.0)
-            s = _dot(q_rope, tl.trans(rope), tl.zeros([BLOCK_H, LANES], tl.float32), UPCAST)
-            for g in tl.static_range(4):
-                code = tl.load(rows_ptr + row[:, None] * 576 + g * 128 + c[None, :], mask=valid[:, None], other=0.0)
-                scale = tl.load(scales_ptr + row * 4 + g, mask=valid, other=0.0)
-                q_g = tl.load(q_rows + g * 128 + c[None, :], mask=hmask[:, None], other=0.0)
-                s += _dot(q_g, tl.trans(code), tl.zeros([BLOCK_H, LANES], tl.float32), UPCAST) * scale[None, :]
-            m_i, l_i, alpha, p = _softmax_step(s, valid, m_i, l_i, sm_scale, LOWEST)
-            acc0 = _pv_group(p, alpha, acc0, rows_ptr, scales_ptr, row, valid, 0, UPCAST)
-            acc1 = _pv_group(p, alpha, acc1, rows_ptr, scales_ptr, row, valid, 1, UPCAST)
-            acc2 = _pv_group(p, alpha, acc2, rows_ptr, scales_ptr, row, valid, 2, UPCAST)
-            acc3 = _pv_group(p, alpha, acc3, rows_ptr, scales_ptr, row, valid, 3, UPCAST)
+        row = (lane_base + start + tl.arange(0, LANES)).to(tl.int64)
+        rope = tl.load(rows_ptr + row[:, None] * 576 + 512 + r[None, :], mask=valid[:, None], other=0.0)
+        q_rope = tl.load(q_rows + 512 + r[None, :], mask=hmask[:, None], other=0.0)
+        s = _dot(q_rope, tl.trans(rope), tl.zeros([BLOCK_H, LANES], tl.float32), UPCAST)
+        for g in tl.static_range(4):
+            code = tl.load(rows_ptr + row[:, None] * 576 + g * 128 + c[None, :], mask=valid[:, None], other=0.0)
+            scale = tl.load(scales_ptr + row * 4 + g, mask=valid, other=0.0)
+            q_g = tl.load(q_rows + g * 128 + c[None, :], mask=hmask[:, None], other=0.0)
+            s += _dot(q_g, tl.trans(code), tl.zeros([BLOCK_H, LANES], tl.float32), UPCAST) * scale[None, :]
+        m_i, l_i, alpha, p = _softmax_step(s, valid, m_i, l_i, sm_scale, LOWEST)
+        acc0 = _pv_group(p, alpha, acc0, rows_ptr, scales_ptr, row, valid, 0, UPCAST)
+        acc1 = _pv_group(p, alpha, acc1, rows_ptr, scales_ptr, row, valid, 1, UPCAST)
+        acc2 = _pv_group(p, alpha, acc2, rows_ptr, scales_ptr, row, valid, 2, UPCAST)
+        acc3 = _pv_group(p, alpha, acc3, rows_ptr, scales_ptr, row, valid, 3, UPCAST)
     return m_i, l_i, acc0, acc1, acc2, acc3, bad
 
 
