@@ -53,17 +53,18 @@ INTERPRETED: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
 #: (four comma-separated ints, read at import) overrides both for tuning runs only
 #: (``benchmarks/tune_attention.py``).
 _ENV_CONFIG = os.environ.get("_SPARSE_MLA_ATTN_CONFIG")
-DEFAULT_CONFIG: dict[bool, tuple[int, int, int, int]] = {True: (32, 8, 2, 256), False: (32, 4, 2, 512)}
+DEFAULT_CONFIG: dict[bool, tuple[int, int, int, int]] = {True: (32, 8, 2, 512), False: (32, 8, 2, 512)}
 if _ENV_CONFIG:
     _h, _w, _s, _c = (int(v) for v in _ENV_CONFIG.split(","))
     DEFAULT_CONFIG = {True: (_h, _w, _s, _c), False: (_h, _w, _s, _c)}
 #: A call splits its chunks over programs when its unsplit launch would have fewer programs than
-#: this many times the device's multiprocessors (:func:`split_chunks`).
-SPLIT_BELOW_WAVES = 2
+#: this many times the device's multiprocessors (:func:`split_chunks`; on an H200 at T=64 the
+#: unsplit launch of 128 or 256 programs was faster than the split one).
+SPLIT_BELOW_WAVES = 0.5
 #: Candidate lanes per tile (FlashInfer's DSV4 candidate tile ``BI``).
 LANE_TILE = 64
 #: Rows per program of the gather kernel.
-_GATHER_ROWS = 16
+_GATHER_ROWS = 32
 #: Bytes of gathered rows per launch pair: a call's tokens are processed in blocks that fit.
 _GATHER_BYTES = 256 * 2**20
 _FP32_LOWEST = float(torch.finfo(torch.float32).min)
@@ -194,18 +195,20 @@ def _row_offsets(flat, ps, page_stride, row_stride, scale_base, scale_stride):
 
 @triton.jit
 def _dsv4_rows(row_ptr, scale_ptr, valid, rope_offset, HW_FP8: tl.constexpr):
-    """``[LANES, 512]`` BF16: each valid lane's DSV4 token, exactly ``formats.unpack_dequantize``
-    (dims < 448: E4M3 code times ``2**(scale - 127)``, a BF16 number; dims 448-511: the RoPE BF16
-    bits); invalid lanes read nothing and are 0. Dims 448-511 of the code load and scale byte 7 (the
-    pad) are bytes of the same token's record that the select drops."""
-    cols = tl.arange(0, 512)
-    m = valid[:, None]
-    code = tl.load(row_ptr[:, None] + cols[None, :], mask=m, other=0)
-    sb = tl.load(scale_ptr[:, None] + (cols // 64)[None, :], mask=m, other=127)
-    nope = _e4m3_to_f32(code, HW_FP8) * _ue8m0_to_f32(sb)
+    """``[LANES, 8, 64]`` BF16: each valid lane's DSV4 token in its eight 64-dim groups, exactly
+    ``formats.unpack_dequantize`` (groups 0-6: E4M3 codes times ``2**(scale - 127)``, BF16 numbers;
+    group 7: the RoPE BF16 bits); invalid lanes read nothing and are 0. Group 7 of the code load and
+    scale byte 7 (the pad) are bytes of the same token's record that the select drops."""
+    grp = tl.arange(0, 8)
+    c = tl.arange(0, 64)
+    m = valid[:, None, None]
+    code = tl.load(row_ptr[:, None, None] + (grp * 64)[None, :, None] + c[None, None, :], mask=m, other=0)
+    sb = tl.load(scale_ptr[:, None] + grp[None, :], mask=valid[:, None], other=127)
+    nope = _e4m3_to_f32(code, HW_FP8) * _ue8m0_to_f32(sb)[:, :, None]
     rope_ptr = (row_ptr + rope_offset).to(tl.pointer_type(tl.bfloat16))
-    rope = tl.load(rope_ptr[:, None] + (cols - 448)[None, :], mask=m & (cols >= 448)[None, :], other=0.0)
-    return tl.where((cols < 448)[None, :], nope, rope.to(tl.float32)).to(tl.bfloat16)
+    last = (grp == 7)[None, :, None]
+    rope = tl.load(rope_ptr[:, None, None] + c[None, None, :] + 0 * grp[None, :, None], mask=m & last, other=0.0)
+    return tl.where(last, rope.to(tl.float32), nope).to(tl.bfloat16)
 
 
 @triton.jit
@@ -571,7 +574,8 @@ def _gather_kernel(
     out = r.to(tl.int64)
     if DSV4:
         k = _dsv4_rows(row_ptr, scale_ptr, valid, rope_offset, HW_FP8)
-        tl.store(rows_ptr + out[:, None] * 512 + tl.arange(0, 512)[None, :], k, mask=valid[:, None])
+        dims = (tl.arange(0, 8) * 64)[:, None] + tl.arange(0, 64)[None, :]
+        tl.store(rows_ptr + out[:, None, None] * 512 + dims[None, :, :], k, mask=valid[:, None, None])
     else:
         dst = rows_ptr + out[:, None] * 576
         for g in tl.static_range(4):
@@ -603,7 +607,7 @@ def _gather(
         indices.stride(0), indices.stride(1), extra_indices.stride(0), extra_indices.stride(1),
         topk_length.stride(0) if topk_length is not None else 0,
         extra_topk_length.stride(0) if extra_topk_length is not None else 0,
-        DSV4=dsv4, ROWS=_GATHER_ROWS, HW_FP8=not INTERPRETED, num_warps=4,
+        DSV4=dsv4, ROWS=_GATHER_ROWS, HW_FP8=not INTERPRETED, num_warps=8,
     )  # fmt: skip
 
 
