@@ -16,7 +16,7 @@ splits the previous forward into its stages (validation, dequantization of both 
 fp32 table, the lane table and its out-of-range host check, the BF16 key pieces, the kernel, the
 finalisation), timing each alone (host and device). ``--configs`` sweeps the Triton kernel's
 ``DEFAULT_CONFIG``. Results: ``--out DIR`` gets ``profile.json``; a summary is printed.
-Usage: ``python benchmarks/profile_attention.py --out DIR [--baseline DIR] [--configs "h,dv,w,s;..."] [--skip-dsv32]``.
+Usage: ``python benchmarks/profile_attention.py --out DIR [--baseline DIR] [--configs "h,w,s,chunk;..."] [--skip-dsv32]``.
 """
 
 from __future__ import annotations
@@ -191,10 +191,11 @@ def baseline_capture(data: dict[int, dict]) -> str:
 
 def profile_new(data: dict[int, dict], configs: list[tuple[int, ...]]) -> dict[str, Any]:
     module = ref.triton_forward_module()
-    shipped = module.DEFAULT_CONFIG
+    shipped_table = dict(module.DEFAULT_CONFIG)
+    shipped = shipped_table[True]
     out: dict[str, Any] = {"shipped_config": shipped, "configs": []}
     for config in [shipped] + [c for c in configs if c != shipped]:
-        module.DEFAULT_CONFIG = config
+        module.DEFAULT_CONFIG = {True: config, False: config}
         row: dict[str, Any] = {"config": config}
         try:
             for num_tokens, kwargs in data.items():
@@ -230,7 +231,7 @@ def profile_new(data: dict[int, dict], configs: list[tuple[int, ...]]) -> dict[s
             print(f"new {config}: FAILED {row['error']}", flush=True)
             traceback.print_exc(limit=3)
         out["configs"].append(row)
-    module.DEFAULT_CONFIG = shipped
+    module.DEFAULT_CONFIG = shipped_table
     return out
 
 
@@ -267,7 +268,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--baseline", type=Path, default=None)
-    parser.add_argument("--configs", default="", help="';'-separated head_group,dv_block,warps,stages tuples")
+    parser.add_argument("--configs", default="", help="';'-separated head_group,warps,stages,chunk tuples")
     parser.add_argument("--skip-dsv32", action="store_true", help="leave out the DSV3.2 section")
     args = parser.parse_args()
     configs = [tuple(int(v) for v in c.split(",")) for c in args.configs.split(";") if c]

@@ -54,7 +54,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--configs", default=None, help="';'-separated h,warps,stages,chunk tuples")
-    parser.add_argument("--waves", default="2", help="comma-separated SPLIT_BELOW_WAVES values")
+    parser.add_argument("--waves", default="0.5", help="comma-separated SPLIT_BELOW_WAVES values")
     parser.add_argument("--shapes", default=None, help="comma-separated shape names")
     args = parser.parse_args()
     configs = CONFIGS
@@ -73,9 +73,10 @@ def main() -> None:
         gather_us = 1e3 * _gather_ms(module, kwargs)
         print(f"{shape.name}: flashmla {fm_ms if fm_ms is None else round(1e3 * fm_ms, 1)} us; gather launch alone "
               f"{gather_us:.1f} us", flush=True)  # fmt: skip
-        results.append({"shape": shape.name, "gather_us": gather_us, "flashmla_us": None if fm_ms is None else 1e3 * fm_ms})
+        fm_us = None if fm_ms is None else 1e3 * fm_ms
+        results.append({"shape": shape.name, "gather_us": gather_us, "flashmla_us": fm_us})
         for config in configs:
-            for waves in (int(w) for w in args.waves.split(",")):
+            for waves in (float(w) for w in args.waves.split(",")):
                 module.DEFAULT_CONFIG = {True: config, False: config}
                 module.SPLIT_BELOW_WAVES = waves
                 t0 = time.perf_counter()

@@ -218,7 +218,9 @@ def test_triton_backend_padding_and_head_count_are_bitwise_neutral(sparse_mla_ge
 
 
 @pytest.mark.parametrize("fmt", ["dsv4", "dsv3_2"])
-def test_triton_split_and_unsplit_launches_give_the_same_bits(fmt, sparse_mla_generator, sparse_mla_device, monkeypatch):
+def test_triton_split_and_unsplit_launches_give_the_same_bits(
+    fmt, sparse_mla_generator, sparse_mla_device, monkeypatch
+):
     """The kernel splits a call's 64-lane chunks over programs when the unsplit launch would leave
     the GPU idle (decode) and folds the chunk states in one combine launch; the unsplit launch
     folds the same chunk states in registers. Both, at a chunk of 64 lanes (five chunks, one
