@@ -16,7 +16,7 @@ splits the previous forward into its stages (validation, dequantization of both 
 fp32 table, the lane table and its out-of-range host check, the BF16 key pieces, the kernel, the
 finalisation), timing each alone (host and device). ``--configs`` sweeps the Triton kernel's
 ``DEFAULT_CONFIG``. Results: ``--out DIR`` gets ``profile.json``; a summary is printed.
-Usage: ``python benchmarks/profile_attention.py --out DIR [--baseline DIR] [--configs "h,w,s,chunk;..."] [--skip-dsv32]``.
+Usage: ``python benchmarks/profile_attention.py --out DIR [--baseline DIR] [--configs "h,w,s,c;..."] [--skip-dsv32]``.
 """
 
 from __future__ import annotations
