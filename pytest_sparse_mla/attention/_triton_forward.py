@@ -1,25 +1,31 @@
-"""Triton kernels of the bundled reference sparse-MLA forward (``backend="triton"``): two launches.
+"""Triton kernels of the bundled reference sparse-MLA forward (``backend="triton"``).
 
 Import this module through ``attention.reference.triton_forward_module`` (``sparse_mla_forward``
 does), which sets ``TRITON_INTERPRET=1`` first when no CUDA device exists (``INTERPRETED``).
 
-:func:`sparse_mla` (shapes, dtypes and units in its docstring) runs the forward in two launches,
-with no host synchronisation and no host decision on device values, so a call can be captured in a
-CUDA graph:
+:func:`sparse_mla` (shapes, dtypes and units in its docstring) runs the forward with no host
+synchronisation and no host decision on device values, so a call can be captured in a CUDA graph.
+Per block of tokens (all of a decode call):
 
-1. ``_table_kernel`` dequantizes both packed caches exactly as ``formats.unpack_dequantize`` into one
-   BF16 table (:func:`dequantize_table`: main rows, extra rows, then one zero row that every invalid
-   lane reads); a DSV4 value is one BF16 piece, a DSV3.2 value three (``hi + mid + lo``, exact).
-2. ``_attention_kernel``: one program per (token, group of 16 heads) walks the main then the extra
-   index row in tiles of :data:`LANE_TILE` lanes, decides each lane's validity (index ``>= 0``,
-   position ``< clamp(topk_length, 0, topk)``, index below the cache's token count; an index past
-   the cache is counted in ``out_of_range`` and skipped), runs the online softmax in natural-log
-   units and finalises (sink, FlashInfer or FlashMLA LSE).
+1. ``_gather_kernel`` writes each valid candidate lane's token, dequantized exactly as
+   ``formats.unpack_dequantize``, as a BF16 row (DSV4: the 512 values, each an E4M3 code times a
+   power of two or a RoPE value, so a BF16 number; DSV3.2: the 512 codes as BF16 and the 64 RoPE
+   values, with the four fp32 scales beside). Only valid lanes are read and written: the work is
+   proportional to the candidates, not to the caches.
+2. ``_attention_kernel``: one program per (token, group of heads) walks the token's candidates in
+   chunks of ``chunk`` lanes (main row, then extra row), each chunk from an empty state in tiles
+   of :data:`LANE_TILE`; it decides each lane's validity itself (index ``>= 0``, position ``<
+   clamp(topk_length, 0, topk)``, index below the cache's token count; an index past the cache is
+   counted in ``out_of_range`` and skipped), runs the online softmax in natural-log units, folds the
+   chunk states in order and finalises (sink, FlashInfer or FlashMLA LSE). When that launch would
+   leave most of the GPU idle (:func:`split_chunks`), each chunk gets its own program and
+   ``_combine_kernel`` folds the stored chunk states with the same arithmetic: the same bits.
 
-Arithmetic: BF16 tensor-core products that are exact (probabilities split into three BF16 pieces)
-and fp32 accumulation, so results stay within the 1e-5 target of the float64 oracle. Padding an
-index row with ``-1`` changes nothing bit for bit, a head's arithmetic does not depend on
-``num_heads`` (fixed :data:`DEFAULT_CONFIG`), and ``output == output_fp32.to(torch.bfloat16)``.
+Arithmetic: BF16 tensor-core products that are exact (probabilities split into three BF16 pieces;
+DSV3.2 scores as exact code products scaled per 128-dim group) and fp32 accumulation, so results
+stay within the 1e-5 target of the float64 oracle. Padding an index row with ``-1`` changes nothing
+bit for bit (an empty chunk or tile leaves the state unchanged), a head's arithmetic does not depend
+on ``num_heads`` (one :data:`DEFAULT_CONFIG` per format), and ``output == output_fp32.to(torch.bfloat16)``.
 Derivations, the online-softmax steps and H200 measurements: ``docs/design/reference-kernel.md``.
 """
 
