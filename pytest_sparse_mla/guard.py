@@ -12,7 +12,10 @@ selected implementation. Its ``sparse_mla_forward``:
 * turns :class:`pytest_sparse_mla.Unsupported` into a skip (no envelope declared) or a failure
   (the call lies inside the envelope the implementation declared);
 * accepts FlashMLA's ``(output, lse)`` tuple, a bare output tensor (no LSE) or a result object
-  with ``output`` / ``lse`` / ``route``, and gives back a :class:`ForwardResult`.
+  with ``output`` / ``lse`` / ``route``, and gives back a :class:`ForwardResult`;
+* fails a result of another form (no output, an output that is not a BF16 tensor, no LSE although
+  the envelope declares LSE conventions) with :class:`ResultFormError`: the plugin then stops the
+  run and reports it once as a usage error (exit status 4), since every test would fail alike.
 
 Every other attribute is the implementation's own. Deliberately malformed calls (the bad-input
 suite) go through :meth:`GuardedImplementation.bad_call`, straight to the implementation. Each call
@@ -29,7 +32,10 @@ import pytest
 from pytest_sparse_mla.envelope import INVARIANCE_CLAIMS, UNIVERSAL, Envelope, Unsupported
 
 __all__ = [
+    "RESULT_FORM_KEY",
+    "RESULT_FORM_STOP",
     "ForwardResult",
+    "ResultFormError",
     "GuardedImplementation",
     "call_reason",
     "declared_envelope",
@@ -88,12 +94,36 @@ class ForwardResult:
     route: str | None = None
 
 
+#: ``user_properties`` key of a test report whose failure is a :class:`ResultFormError` (its message).
+RESULT_FORM_KEY = "sparse_mla_result_form"
+#: Why a run with such a failure stops (``session.shouldstop``).
+RESULT_FORM_STOP = "usage error: the implementation's results have the wrong form"
+
+
+class ResultFormError(pytest.fail.Exception):  # type: ignore[misc,name-defined]
+    """The implementation returned a result the protocol does not describe (a test failure that
+    the plugin turns into one usage error for the run: ``plugin._ControllerHooks``)."""
+
+    def __init__(self, msg: str) -> None:
+        super().__init__(msg, pytrace=False)
+
+
+def _form_error(name: str, what: str) -> ResultFormError:
+    return ResultFormError(
+        f"{name}.sparse_mla_forward returned {what}; a result must be an object with .output (and .lse), "
+        "an (output, lse) pair as FlashMLA returns, or the output tensor alone, where output is a BF16 "
+        "tensor [num_tokens, num_heads, d_v] and lse an fp32 tensor [num_tokens, num_heads] "
+        "(pytest_sparse_mla.implementations, the protocol)"
+    )
+
+
 def result_of(res: Any, env: Envelope, name: str) -> ForwardResult:
     """``res`` (an object with ``output``, an ``(output, lse)`` pair or a bare tensor) as a
     :class:`ForwardResult`.
 
     Raises:
-        pytest.fail.Exception: no output, or no LSE although ``env`` declares LSE conventions.
+        ResultFormError: no output, an output that is not a BF16 tensor, or no LSE although
+            ``env`` declares LSE conventions.
     """
     if isinstance(res, (tuple, list)):
         output, lse, route = (res[0], res[1] if len(res) > 1 else None, None)
@@ -102,18 +132,18 @@ def result_of(res: Any, env: Envelope, name: str) -> ForwardResult:
     elif hasattr(res, "shape") and hasattr(res, "dtype"):
         output, lse, route = res, None, None
     else:
-        pytest.fail(
-            f"{name}.sparse_mla_forward returned {type(res).__name__}: expected a result with .output "
-            "(and .lse), an (output, lse) pair or an output tensor",
-            pytrace=False,
-        )
+        raise _form_error(name, f"a {type(res).__name__}")
+    dtype = getattr(output, "dtype", None)
+    if dtype is None or str(dtype) != "torch.bfloat16":
+        got = f"an output of type {type(output).__name__}" if dtype is None else f"a {dtype} output"
+        shape = getattr(output, "shape", None)
+        raise _form_error(name, got if shape is None else f"{got} of shape {tuple(shape)}")
     if not env.returns_lse:
         lse = None
     elif lse is None:
-        pytest.fail(
+        raise ResultFormError(
             f"{name}.sparse_mla_forward returned no LSE, but its envelope declares "
-            f"lse_conventions={env.lse_conventions} (declare lse_conventions=() for an output-only kernel)",
-            pytrace=False,
+            f"lse_conventions={env.lse_conventions} (declare lse_conventions=() for an output-only kernel)"
         )
     return ForwardResult(output, lse, route if isinstance(route, str) else None)
 

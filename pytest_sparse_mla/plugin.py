@@ -124,13 +124,45 @@ class _ControllerHooks:
 
     def __init__(self, config: pytest.Config) -> None:
         self.config = config
+        self.session: pytest.Session | None = None
+        self.result_form: str | None = None  # the first ResultFormError's message
+
+    def pytest_sessionstart(self, session: pytest.Session) -> None:
+        self.session = session
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         """Count the report in the error-class coverage table (``coverage``; xdist carries the
-        workers' ``user_properties``)."""
-        from pytest_sparse_mla import coverage
+        workers' ``user_properties``). A failure that is a result of the wrong form
+        (``guard.ResultFormError``) stops the run: every test would fail alike, so the run ends
+        with one usage error (:meth:`pytest_sessionfinish`)."""
+        from pytest_sparse_mla import coverage, guard
 
         coverage.get(self.config).add(report)
+        form = dict(report.user_properties).get(guard.RESULT_FORM_KEY)
+        if form is not None and self.result_form is None:
+            self.result_form = str(form)
+            reason = guard.RESULT_FORM_STOP
+            dsession = self.config.pluginmanager.getplugin("dsession")  # pytest-xdist's controller
+            if dsession is not None:
+                dsession.shouldstop = reason
+            elif self.session is not None:
+                self.session.shouldstop = reason
+
+    @pytest.hookimpl(wrapper=True, tryfirst=True)
+    def pytest_sessionfinish(self, session: pytest.Session) -> Any:
+        """A run stopped by a result of the wrong form exits with pytest's usage-error status
+        (outermost, so after syrupy's and the other exit-status adjustments)."""
+        result = yield
+        if self.result_form is not None:
+            session.exitstatus = pytest.ExitCode.USAGE_ERROR
+        return result
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        """The result-form usage error, once."""
+        if self.result_form is not None:
+            terminalreporter.section("sparse-mla usage error", sep="=", red=True, bold=True)
+            terminalreporter.write_line(f"ERROR: {self.result_form}")
+            terminalreporter.write_line("(the run stopped at the first such result: every test would fail alike)")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -207,9 +239,16 @@ def pytest_runtest_call(item: pytest.Item) -> Any:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> Any:
-    """With ``--sparse-mla-repro-dir``: a failed or xfailed test's wrong calls become standalone
-    reproducers (``repro``)."""
+    """A failure that is a result of the wrong form (``guard.ResultFormError``) stops this process's
+    run and is marked for the controller (``_ControllerHooks``). With ``--sparse-mla-repro-dir``: a
+    failed or xfailed test's wrong calls become standalone reproducers (``repro``)."""
     report = yield
+    if call.excinfo is not None and report.failed:
+        from pytest_sparse_mla import guard
+
+        if isinstance(call.excinfo.value, guard.ResultFormError):
+            report.user_properties.append((guard.RESULT_FORM_KEY, str(call.excinfo.value.msg)))
+            item.session.shouldstop = guard.RESULT_FORM_STOP  # this process (an xdist worker too) stops
     if report.when == "call" and (report.failed or hasattr(report, "wasxfail")):
         opts = item.config.stash.get(options.OPTIONS_KEY, None)
         if opts is not None and opts.repro_dir is not None:

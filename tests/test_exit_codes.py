@@ -1,4 +1,5 @@
-"""Exit codes a CI reads: a run stopped by ``-x`` under xdist exits 2 (interrupted), never 3.
+"""Exit codes a CI reads: a run stopped by ``-x`` under xdist exits 2 (interrupted), never 3; a
+kernel whose results have the wrong form ends the run in one usage error (4).
 
 pytest's 3 means an internal error. syrupy adds its unused-snapshot status (1) to the session's
 status, so a golden suite stopped early (its goldens unused) used to exit 2 | 1 = 3; the plugin
@@ -8,9 +9,12 @@ maps that back (``plugin.pytest_sessionfinish``).
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,3 +27,50 @@ def test_a_run_stopped_by_x_under_xdist_exits_2_whatever_goldens_went_unused(tmp
     run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert "stopping after" in run.stdout, run.stdout[-2000:]
     assert run.returncode == 2, f"exit {run.returncode}\n{run.stdout[-2000:]}"
+
+
+_WRONG_FORMS = '''
+from pytest_sparse_mla.attention import sparse_mla_forward as _reference
+
+
+class Fp32Output:
+    """Returns its output in fp32 (the protocol's output is BF16)."""
+
+    name = "fp32-output"
+
+    def sparse_mla_forward(self, *args, **kwargs):
+        res = _reference(*args, **kwargs, return_fp32=True)
+        return res.output_fp32, res.lse
+
+
+class DictResult:
+    """Returns a dict (the protocol's result has .output, or is a pair or a tensor)."""
+
+    name = "dict-result"
+
+    def sparse_mla_forward(self, *args, **kwargs):
+        res = _reference(*args, **kwargs)
+        return {"out": res.output, "lse": res.lse}
+'''
+
+
+@pytest.mark.parametrize(
+    ("kernel", "says", "workers"),
+    [("Fp32Output", "returned a torch.float32 output of shape", "2"), ("DictResult", "returned a dict;", "0")],
+)
+def test_results_of_the_wrong_form_end_the_run_in_one_usage_error(tmp_path, workers, kernel, says):
+    """Every test would fail alike, so the run stops at the first such result (one per xdist worker
+    at most) and exits 4 with the fix said once."""
+    (tmp_path / "wrong_forms.py").write_text(_WRONG_FORMS)
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    cmd = [sys.executable, "-m", "pytest", "-p", "sparse_mla", "suites/test_attention_accuracy.py", "-n", workers,
+           "--sparse-mla-impl", f"wrong_forms:{kernel}", "--sparse-mla-device", "cpu", "-p", "no:cacheprovider",
+           "-q", "--basetemp", str(tmp_path / "base")]  # fmt: skip
+    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    out = run.stdout
+    assert run.returncode == 4, f"exit {run.returncode}\n{out[-3000:]}"
+    assert out.count("= sparse-mla usage error =") == 1, out[-3000:]
+    summary = out.split("= sparse-mla usage error =")[1]
+    assert says in summary and "BF16 tensor [num_tokens, num_heads, d_v]" in summary, summary[:1000]
+    failed = int(re.findall(r"(\d+) failed", out)[-1])
+    assert 1 <= failed <= max(1, int(workers)), out[-2000:]
