@@ -403,7 +403,21 @@ def _chunk_at(
         )  # fmt: skip
 
 
-@triton.jit
+#: Scalar arguments whose values Triton must not specialize on (divisible by 16, equal to 1): counts,
+#: flags and row strides that change from call to call; each specialization is one more compile
+#: (the strides of the query and output rows stay specialized: they let loads and stores vectorize).
+_COUNTS = ("num_heads", "head_groups", "topk", "extra_topk", "main_chunks", "num_chunks", "num_main", "num_extra",
+           "has_len", "has_xlen", "has_sink", "write_fp32", "flashmla", "stride_it", "stride_xt", "stride_len",
+           "stride_xlen", "stride_sink", "stride_lt", "num_out", "lanes_total")  # fmt: skip
+
+
+def _jit(fn):  # type: ignore[no-untyped-def]
+    """``triton.jit`` without specialization on the :data:`_COUNTS` arguments ``fn`` takes."""
+    names = fn.__code__.co_varnames[: fn.__code__.co_argcount]
+    return triton.jit(do_not_specialize=[n for n in _COUNTS if n in names])(fn)
+
+
+@_jit
 def _attention_kernel(
     q_ptr, rows_ptr, scales_ptr, idx_ptr, len_ptr, xidx_ptr, xlen_ptr, sink_ptr,
     out_ptr, out32_ptr, lse_ptr, bad_ptr, part_ptr, part_ml_ptr, part_bad_ptr,
@@ -502,7 +516,7 @@ def _attention_kernel(
             tl.store(bad_ptr + t, bad_run)
 
 
-@triton.jit
+@_jit
 def _combine_kernel(
     sink_ptr, out_ptr, out32_ptr, lse_ptr, bad_ptr, part_ptr, part_ml_ptr, part_bad_ptr,
     num_heads, head_groups, num_chunks, has_sink, write_fp32, flashmla, lse_mult,
@@ -544,7 +558,7 @@ def _combine_kernel(
 _NO_CACHE = CacheGeometry(0, 1, 16, 0, 0, 0, 0)
 
 
-@triton.jit
+@_jit
 def _gather_kernel(
     rows_ptr, scales_ptr, num_out, lanes_total, topk, rope_offset,
     kv_ptr, idx_ptr, len_ptr, num_main, ps, page_stride, row_stride, scale_base, scale_stride,
