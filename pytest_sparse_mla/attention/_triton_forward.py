@@ -180,14 +180,13 @@ def _round_bf16_bits(x):
 def _lanes(idx_row, stride_lane, start, end, num_rows, LANES: tl.constexpr):
     """One tile of an index row: lanes ``start + [0, LANES)``, of which those ``< end`` (the chunk's
     end, clamped to the row's valid prefix) are listed when their index is ``>= 0``. Returns
-    ``(valid, flat, bad)``: valid lanes (listed, index below ``num_rows``), their flat token
-    indices (int64; 0 elsewhere), the number of listed lanes whose index is past the cache."""
+    ``(valid, bad)``: valid lanes (listed, index below ``num_rows``) and the number of listed lanes
+    whose index is past the cache."""
     lane = start + tl.arange(0, LANES)
     idx = tl.load(idx_row + lane * stride_lane, mask=lane < end, other=-1)
     listed = idx >= 0
     valid = listed & (idx < num_rows)
-    bad = tl.sum((listed & (idx >= num_rows)).to(tl.int32), axis=0)
-    return valid, tl.where(valid, idx, 0).to(tl.int64), bad
+    return valid, tl.sum((listed & (idx >= num_rows)).to(tl.int32), axis=0)
 
 
 @triton.jit
@@ -264,7 +263,7 @@ def _chunk_dsv4(
     acc = tl.zeros([BLOCK_H, 512], tl.float32)
     bad = tl.zeros([], tl.int32)
     for start in range(lo, hi, LANES):
-        valid, _, b = _lanes(idx_row, stride_lane, start, hi, num_rows, LANES)
+        valid, b = _lanes(idx_row, stride_lane, start, hi, num_rows, LANES)
         bad += b
         row = (lane_base + start + tl.arange(0, LANES)).to(tl.int64)
         k = tl.load(rows_ptr + row[:, None] * 512 + cols[None, :], mask=valid[:, None], other=0.0)
@@ -307,7 +306,7 @@ def _chunk_dsv32(
     acc3 = tl.zeros([BLOCK_H, 128], tl.float32)
     bad = tl.zeros([], tl.int32)
     for start in range(lo, hi, LANES):
-        valid, _, b = _lanes(idx_row, stride_lane, start, hi, num_rows, LANES)
+        valid, b = _lanes(idx_row, stride_lane, start, hi, num_rows, LANES)
         bad += b
         row = (lane_base + start + tl.arange(0, LANES)).to(tl.int64)
         rope = tl.load(rows_ptr + row[:, None] * 576 + 512 + r[None, :], mask=valid[:, None], other=0.0)
