@@ -34,7 +34,7 @@ def _missing(name: str) -> str | None:
     return impl.skip_reason("sparse_mla_forward", "cpu")
 
 
-@pytest.mark.sparse_mla_selftest_long
+@inner_session.WHOLE_SUITE_RUN.with_args(seconds=14)  # with the gate's whole-suite runs: shared oracle and inputs
 @pytest.mark.parametrize("name", sorted(LANES))
 def test_peer_meets_the_suite_with_its_xfail_file(name, tmp_path, monkeypatch, capsys):
     reason = _missing(name)
