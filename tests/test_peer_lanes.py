@@ -34,8 +34,15 @@ def _missing(name: str) -> str | None:
     return impl.skip_reason("sparse_mla_forward", "cpu")
 
 
-@inner_session.WHOLE_SUITE_RUN.with_args(seconds=14)  # with the gate's whole-suite runs: shared oracle and inputs
-@pytest.mark.parametrize("name", sorted(LANES))
+@pytest.mark.parametrize(
+    "name",
+    [  # FlashInfer's lane with the gate's whole-suite runs (shared oracle and inputs: tests/conftest.py). SGLang's
+        # lane runs apart: its xfail [scratch-not-zeroed] (torch.empty scratch) xfails only where the process's
+        # allocator hands out stale memory, which depends on what the worker ran before (not yet made deterministic)
+        pytest.param("flashinfer-reference", marks=inner_session.WHOLE_SUITE_RUN.with_args(seconds=14)),
+        pytest.param("sglang-torch", marks=pytest.mark.sparse_mla_selftest_long(seconds=20)),
+    ],
+)
 def test_peer_meets_the_suite_with_its_xfail_file(name, tmp_path, monkeypatch, capsys):
     reason = _missing(name)
     if reason is not None:
