@@ -28,6 +28,7 @@ Sources: deepseek-ai/FlashMLA ``tests/quant.py`` and README; flashinfer-ai/flash
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -530,6 +531,21 @@ def scale_exponents(amax: torch.Tensor, rule: ScaleRule = "flashmla") -> torch.T
 NOPE_OVERFLOW = 248.0 * 2.0**120
 
 
+def _source_is_clean(source: torch.Tensor, f: PackedFormat) -> bool:
+    """Whether every value of BF16 ``source`` ``[..., d_qk]`` is finite and every NoPE value is
+    below :data:`NOPE_OVERFLOW` in magnitude, from the extremes (``torch.aminmax`` propagates NaN and
+    reads BF16 in one pass: several times faster than an elementwise ``isfinite`` over a million
+    rows); :func:`_check_source` looks for the first bad value only when this says no."""
+    parts = [(source[..., : f.d_nope], NOPE_OVERFLOW)]
+    if f.d_rope:
+        parts.append((source[..., f.d_nope :], math.inf))
+    for part, bound in parts:
+        low, high = (float(v) for v in torch.aminmax(part))
+        if not (-bound < low and high < bound):  # False for NaN
+            return False
+    return True
+
+
 def _check_source(source: torch.Tensor, f: PackedFormat) -> None:
     if not isinstance(source, torch.Tensor):
         raise TypeError(f"source: expected a torch.Tensor, got {type(source).__name__}")
@@ -542,6 +558,8 @@ def _check_source(source: torch.Tensor, f: PackedFormat) -> None:
         )
     if source.shape[0] < 1 or source.shape[1] < 1:
         raise ValueError(f"source.shape={tuple(source.shape)}: expected at least one page and token")
+    if _source_is_clean(source, f):
+        return
     finite = torch.isfinite(source)
     if not bool(finite.all()):
         bad = (~finite).nonzero()[0].tolist()

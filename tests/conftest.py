@@ -5,6 +5,12 @@ machine, the million-row V4.1 comparisons) are collected first and ``-n`` distri
 stealing, so they start early and ``-n 2`` does not end with one worker running a long test while
 the other idles.
 
+The marker takes two optional keywords: ``seconds``, a rough cost on the 2-core CPU machine (one
+thread per worker; default 20), and ``share``, a name for long tests whose in-process suite runs
+share a worker's stored oracle results and drawn inputs (``tests/inner_session.py``): the tests of
+one ``share`` group run on one worker, one after the other, so only the first pays for the draws
+and the oracle (about 10 s per whole-suite run that a second worker would repeat).
+
 The gate (``test_wrong_implementations.py``) stores one row per catalogue kernel in the test's
 ``user_properties`` under ``sparse_mla_kill_row``; pytest-xdist carries ``user_properties`` from
 the workers to the controller, so the table is complete under ``-n 2`` too.
@@ -26,11 +32,40 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", f"{_LONG}: a self-test that runs a whole suite (collected first)")
 
 
+def _long_marker_kwargs(item: pytest.Item) -> tuple[str | None, float]:
+    """``(share, seconds)`` of a long item's marker (the closest one)."""
+    mark = item.get_closest_marker(_LONG)
+    assert mark is not None
+    return mark.kwargs.get("share"), float(mark.kwargs.get("seconds", 20.0))
+
+
+def deal_long(long: list[pytest.Item], workers: int) -> list[list[pytest.Item]]:
+    """The long items of each of ``workers`` workers: a ``share`` group (or an item without one)
+    goes whole to the least loaded worker, the costliest groups first (ties: collection order);
+    each worker's items keep the collection order of their groups."""
+    groups: dict[Any, list[pytest.Item]] = {}
+    cost: dict[Any, float] = {}
+    for index, item in enumerate(long):
+        share, seconds = _long_marker_kwargs(item)
+        key = ("share", share) if share is not None else ("item", index)
+        groups.setdefault(key, []).append(item)
+        cost[key] = cost.get(key, 0.0) + seconds
+    first = {key: rank for rank, key in enumerate(groups)}
+    load = [0.0] * workers
+    owned: list[list[Any]] = [[] for _ in range(workers)]
+    for key in sorted(groups, key=lambda k: (-cost[k], first[k])):
+        k = min(range(workers), key=lambda w: (load[w], w))
+        load[k] += cost[key]
+        owned[k].append(key)
+    return [[item for key in sorted(keys, key=first.__getitem__) for item in groups[key]] for keys in owned]
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Long self-tests first (the order within each group is kept). Under ``-n N``, work stealing
     starts worker ``k`` on the ``k``-th of ``N`` consecutive blocks of items and later takes tests
-    from the end of a busy worker's queue: the long tests are dealt round-robin to the front of the
-    blocks, so every worker starts on its share of them and what is left to steal is short."""
+    from the end of a busy worker's queue: the long tests are dealt to the front of the blocks
+    (:func:`deal_long`: a ``share`` group on one worker, the load balanced by the markers'
+    ``seconds``), so every worker starts on its share of them and what is left to steal is short."""
     long = [item for item in items if item.get_closest_marker(_LONG) is not None]
     short = [item for item in items if item.get_closest_marker(_LONG) is None]
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
@@ -40,10 +75,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     rest = iter(short)
     ordered: list[pytest.Item] = []
     remaining = len(items)
-    for k in range(workers):  # the blocks' sizes as WorkStealingScheduling's first split makes them
+    for k, dealt in enumerate(deal_long(long, workers)):  # blocks sized as WorkStealingScheduling's first split
         size = remaining // (workers - k)
         remaining -= size
-        dealt = long[k::workers]
         ordered += dealt + list(itertools.islice(rest, max(0, size - len(dealt))))
     items[:] = ordered + list(rest)
 

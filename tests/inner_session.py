@@ -42,6 +42,14 @@ from pytest_sparse_mla import formats
 from pytest_sparse_mla.attention import cases
 from pytest_sparse_mla.attention.oracle import memoized
 
+#: The long-test marker (``tests/conftest.py``) of an in-process run of the whole suite with its own
+#: cases (the gate's kernels, the CPU peers): a worker's runs share the oracle's results and the
+#: drawn inputs, so they are dealt to one worker; ``seconds``: a warm run's rough cost.
+WHOLE_SUITE_RUN = pytest.mark.sparse_mla_selftest_long(share="whole-suite", seconds=12)
+#: The same for runs whose cases are fitted to a 64/128-head envelope (the gate's FlashMLA-envelope
+#: run, the example project's head64 kernel): most of their fitted cases are the same.
+HEAD64_ENVELOPE_RUN = pytest.mark.sparse_mla_selftest_long(share="head64-envelope", seconds=30)
+
 #: What marks a process as an xdist worker, or passes options to it: the inner session is neither.
 XDIST_ENV = ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID", "PYTEST_ADDOPTS")
 
@@ -200,4 +208,7 @@ def runpytest(
     return pytest.RunResult(ret, output.splitlines(), [], time.perf_counter() - start)
 
 
-__all__ = ["ORACLE_RESULTS", "INPUTS", "BoundedStore", "XDIST_ENV", "memoized_inputs", "run", "runpytest"]
+__all__ = [
+    "HEAD64_ENVELOPE_RUN", "WHOLE_SUITE_RUN", "ORACLE_RESULTS", "INPUTS", "BoundedStore", "XDIST_ENV",
+    "memoized_inputs", "run", "runpytest",
+]  # fmt: skip

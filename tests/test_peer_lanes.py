@@ -5,9 +5,10 @@ references (``flashinfer-reference``, the flashinfer-python 0.7.2.post1 wheel) n
 README's test command installs both (``--no-deps``) and this module runs the suites against each
 with the command the xfail file's header gives, in-process (``tests/inner_session.py``: a fresh
 pytest session whose oracle results and drawn inputs are shared with the worker's other whole-suite
-runs). Under ``xfail_strict`` an adapter or suite
-change that makes a listed discrepancy pass, or a new one appear, fails here the same day instead
-of on the next GPU run. Skipped (saying what to install) where the peer's wheel is missing.
+runs), with ``--tb=line`` (a listed xfail's traceback is not rendered with its source, which cost
+seconds per run; a failure still shows its file, line and message). Under ``xfail_strict`` an
+adapter or suite change that makes a listed discrepancy pass, or a new one appear, fails here the
+same day instead of on the next GPU run. Skipped (saying what to install) where the peer's wheel is missing.
 """
 
 from __future__ import annotations
@@ -33,8 +34,15 @@ def _missing(name: str) -> str | None:
     return impl.skip_reason("sparse_mla_forward", "cpu")
 
 
-@pytest.mark.sparse_mla_selftest_long
-@pytest.mark.parametrize("name", sorted(LANES))
+@pytest.mark.parametrize(
+    "name",
+    [  # FlashInfer's lane with the gate's whole-suite runs (shared oracle and inputs: tests/conftest.py). SGLang's
+        # lane runs apart: its xfail [scratch-not-zeroed] (torch.empty scratch) xfails only where the process's
+        # allocator hands out stale memory, which depends on what the worker ran before (not yet made deterministic)
+        pytest.param("flashinfer-reference", marks=inner_session.WHOLE_SUITE_RUN.with_args(seconds=14)),
+        pytest.param("sglang-torch", marks=pytest.mark.sparse_mla_selftest_long(seconds=20)),
+    ],
+)
 def test_peer_meets_the_suite_with_its_xfail_file(name, tmp_path, monkeypatch, capsys):
     reason = _missing(name)
     if reason is not None:
@@ -42,7 +50,7 @@ def test_peer_meets_the_suite_with_its_xfail_file(name, tmp_path, monkeypatch, c
     args = [
         "-p", "sparse_mla", str(ROOT / "suites"), "--sparse-mla-impl", name,
         "--sparse-mla-device", "cpu", "--sparse-mla-xfail-file", str(XFAIL / f"{name}.txt"),
-        "-o", "xfail_strict=true", "-p", "no:xdist", "-p", "no:cacheprovider", "-q", "-rfE",
+        "-o", "xfail_strict=true", "-p", "no:xdist", "-p", "no:cacheprovider", "-q", "-rfE", "--tb=line",
         "--basetemp", str(tmp_path / "base"),
     ]  # fmt: skip
     returncode, output = inner_session.run(args, cwd=ROOT, monkeypatch=monkeypatch, capsys=capsys)
