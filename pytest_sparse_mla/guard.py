@@ -17,6 +17,11 @@ selected implementation. Its ``sparse_mla_forward``:
   the envelope declares LSE conventions) with :class:`ResultFormError`: the plugin then stops the
   run and reports it once as a usage error (exit status 4), since every test would fail alike.
 
+Its ``page_split`` runs with uninitialised memory poisoned (:func:`uninitialised_memory_poisoned`):
+a destination the implementation allocates with ``torch.empty`` and never writes holds 0xFF bytes,
+not whatever the allocator happened to hand out (on a CPU, fresh pages are often zero, and the
+stale-scratch bug of sgl-project/sglang PR #39288 passed or failed with the allocator's history).
+
 Every other attribute is the implementation's own. Deliberately malformed calls (the bad-input
 suite) go through :meth:`GuardedImplementation.bad_call`, straight to the implementation. Each call
 is recorded for ``--sparse-mla-repro-dir`` (:mod:`pytest_sparse_mla.repro`).
@@ -24,6 +29,9 @@ is recorded for ``--sparse-mla-repro-dir`` (:mod:`pytest_sparse_mla.repro`).
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +49,7 @@ __all__ = [
     "declared_envelope",
     "envelope_of",
     "result_of",
+    "uninitialised_memory_poisoned",
 ]
 
 
@@ -148,6 +157,29 @@ def result_of(res: Any, env: Envelope, name: str) -> ForwardResult:
     return ForwardResult(output, lse, route if isinstance(route, str) else None)
 
 
+@contextmanager
+def uninitialised_memory_poisoned() -> Iterator[None]:
+    """Inside: ``torch.empty`` and its kin fill new memory with a known value (floating point NaN,
+    integers their dtype's maximum: uint8 0xFF), by turning on torch's deterministic mode with
+    ``warn_only=True`` and ``torch.utils.deterministic.fill_uninitialized_memory`` (PyTorch
+    ``torch.use_deterministic_algorithms`` documentation); its warnings about operations without
+    a deterministic implementation are silenced. Both settings are restored on exit."""
+    import torch
+
+    was_on = torch.are_deterministic_algorithms_enabled()
+    was_warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    was_fill = torch.utils.deterministic.fill_uninitialized_memory  # type: ignore[attr-defined]
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True  # type: ignore[attr-defined]
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*deterministic.*")
+            yield
+    finally:
+        torch.use_deterministic_algorithms(was_on, warn_only=was_warn_only)
+        torch.utils.deterministic.fill_uninitialized_memory = was_fill  # type: ignore[attr-defined]
+
+
 _POSITIONAL = ("q", "kv_cache", "indices")
 
 
@@ -224,11 +256,11 @@ class GuardedImplementation:
 
     @staticmethod
     def _recorded_split(split: Any, *args: Any, **kwargs: Any) -> Any:
-        """The implementation's ``page_split`` (reached as ``.page_split`` when it has one), recorded
-        for ``--sparse-mla-repro-dir``."""
+        """The implementation's ``page_split`` (reached as ``.page_split`` when it has one), run with
+        uninitialised memory poisoned and recorded for ``--sparse-mla-repro-dir``."""
         from pytest_sparse_mla import repro
 
-        with repro.judged_call(args, kwargs, capability="page_split") as rec:
+        with repro.judged_call(args, kwargs, capability="page_split") as rec, uninitialised_memory_poisoned():
             out = split(*args, **kwargs)
             repro.set_result(rec, out, None)
         return out

@@ -1409,6 +1409,34 @@ class split_uninitialised_scratch:
 
 
 @wrong(
+    "page split allocates fresh scratch with torch.empty, so pages no split wrote hold whatever the allocator gave",
+    "SGLang 0.5.23 _split_kv_pages_to_64; sgl-project/sglang PR #39288 switches it to torch.zeros",
+)
+class split_empty_scratch:
+    compute_mode = "bf16"
+
+    def page_split(self, kv_cache, *, registry=None, **kw):
+        from pytest_sparse_mla.page_split import default_registry
+
+        registry = registry if registry is not None else default_registry()
+        allocate = registry.get
+
+        def get_empty(name, device, shape, *args, **k):
+            made = len(registry.allocation_log)
+            buf = allocate(name, device, shape, *args, **k)
+            if len(registry.allocation_log) > made:  # freshly allocated: as torch.empty would
+                buf = torch.empty(buf.shape, dtype=buf.dtype, device=buf.device)
+                registry.install(name, device, buf, key_suffix=k.get("key_suffix", ""))
+            return buf
+
+        registry.get = get_empty  # this call only
+        try:
+            return _split(kv_cache, registry=registry, **kw)
+        finally:
+            del registry.get
+
+
+@wrong(
     "page split ignores key_suffix: a second split in one call (the DeepSeek-V4.1 extra cache) overwrites the first",
     "downstream buf_tag patch of SGLang's _split_kv_pages_to_64",
 )

@@ -302,3 +302,20 @@ def test_the_example_head64_kernel_runs_every_class_its_envelope_admits(
     never = {row["class"]: row["why_not"] for row in doc["coverage"] if not row["ran"]}
     assert set(never) == {"lse-flashinfer", "extra-length-beyond-row", "zero-tokens", "negative-indices"}, never
     assert all("not applicable to this envelope" in why[0] for why in never.values()), never
+
+
+def test_the_guard_runs_page_split_with_uninitialised_memory_poisoned() -> None:
+    """A destination made with ``torch.empty`` inside the implementation's ``page_split`` holds 0xFF
+    bytes (and fp32 scratch NaN), whatever the allocator's history; torch's settings are restored."""
+    from pytest_sparse_mla.guard import GuardedImplementation
+
+    class EmptySplit:
+        name = "empty-split"
+
+        def page_split(self, kv_cache, **kw):
+            return torch.empty(1 << 20, dtype=torch.uint8), torch.empty(8, dtype=torch.float32)
+
+    before = (torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory)
+    out, scratch = GuardedImplementation(EmptySplit(), UNIVERSAL, declared=False).page_split(torch.zeros(1))
+    assert int((out != 0xFF).sum()) == 0 and bool(scratch.isnan().all())
+    assert (torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory) == before
