@@ -31,6 +31,7 @@ xdist distributes to more than zero workers and no ``CUDA_VISIBLE_DEVICES`` list
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import sys
@@ -72,6 +73,8 @@ def visible_gpus(environ: dict[str, str] | None = None, count: int | None = None
     env = os.environ if environ is None else environ
     if "CUDA_VISIBLE_DEVICES" in env:
         return [part.strip() for part in env["CUDA_VISIBLE_DEVICES"].split(",") if part.strip()]
+    if count is None and not _gpu_device_nodes():
+        count = 0  # no GPU device nodes: no CUDA device to count, and no torch import (about 1 s)
     if count is None:
         try:
             import torch
@@ -80,6 +83,15 @@ def visible_gpus(environ: dict[str, str] | None = None, count: int | None = None
         except Exception:  # pragma: no cover - no torch / broken driver: nothing to pin
             count = 0
     return [str(i) for i in range(count)]
+
+
+def _gpu_device_nodes() -> bool:
+    """Whether this machine may have a GPU torch can see: on Linux, an NVIDIA device node
+    (``/dev/nvidia0``, ...; the driver creates one per GPU, and a container sees a GPU only through
+    it) or AMD's ``/dev/kfd`` (ROCm); elsewhere always (torch is asked)."""
+    if not sys.platform.startswith("linux"):
+        return True
+    return bool(glob.glob("/dev/nvidia[0-9]*")) or os.path.exists("/dev/kfd")
 
 
 def assign_gpu(worker_id: str, gpus: list[str]) -> str | None:
@@ -155,9 +167,11 @@ def record_node(config: pytest.Config, node: Any) -> None:
 
 
 def _device_record(config: pytest.Config) -> dict[str, Any]:
+    """The device this process saw: probed when it imported torch; a process that never imported
+    torch (its tests needed none) ran nothing on a GPU and is not made to import it now."""
     from pytest_sparse_mla import capabilities
 
-    caps = capabilities.probe()
+    caps = capabilities.probe() if "torch" in sys.modules else capabilities.Capabilities()
     return {
         "worker": getattr(config, "workerinput", {}).get("workerid", "controller"),
         "pid": os.getpid(),
