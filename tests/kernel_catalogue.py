@@ -1381,6 +1381,29 @@ def _touched_src_pages(kv_cache: Any, touched: Any, src_ps: int | None) -> torch
     return mask
 
 
+def _split_with_fresh_scratch(kv_cache, registry, fresh, **kw):
+    """The bundled split, with every destination the registry allocates during this call passed
+    through ``fresh(registry, buf, name, device, key_suffix)``, which returns the buffer the split
+    writes."""
+    from pytest_sparse_mla.page_split import default_registry
+
+    registry = registry if registry is not None else default_registry()
+    allocate = registry.get
+
+    def get(name, device, shape, *args, **k):
+        made = len(registry.allocation_log)
+        buf = allocate(name, device, shape, *args, **k)
+        if len(registry.allocation_log) > made:  # freshly allocated
+            buf = fresh(registry, buf, name, device, k.get("key_suffix", ""))
+        return buf
+
+    registry.get = get  # this call only
+    try:
+        return _split(kv_cache, registry=registry, **kw)
+    finally:
+        del registry.get
+
+
 @wrong(
     "page split leaves newly allocated scratch uninitialised (0xA5 garbage) instead of zero-filled",
     "sgl-project/sglang PR #39288: FlashInfer gathers slot 0 for masked candidates",
@@ -1389,23 +1412,10 @@ class split_uninitialised_scratch:
     compute_mode = "bf16"
 
     def page_split(self, kv_cache, *, registry=None, **kw):
-        from pytest_sparse_mla.page_split import default_registry
+        def garbage(registry, buf, name, device, key_suffix):
+            return buf.view(torch.uint8).fill_(0xA5).view(buf.dtype)
 
-        registry = registry if registry is not None else default_registry()
-        allocate = registry.get
-
-        def get_garbage(name, device, shape, *args, **k):
-            made = len(registry.allocation_log)
-            buf = allocate(name, device, shape, *args, **k)
-            if len(registry.allocation_log) > made:  # freshly allocated: not zero-filled here
-                registry.lookup(name, device, key_suffix=k.get("key_suffix", "")).view(torch.uint8).fill_(0xA5)
-            return buf
-
-        registry.get = get_garbage  # this call only
-        try:
-            return _split(kv_cache, registry=registry, **kw)
-        finally:
-            del registry.get
+        return _split_with_fresh_scratch(kv_cache, registry, garbage, **kw)
 
 
 @wrong(
@@ -1416,24 +1426,12 @@ class split_empty_scratch:
     compute_mode = "bf16"
 
     def page_split(self, kv_cache, *, registry=None, **kw):
-        from pytest_sparse_mla.page_split import default_registry
+        def empty(registry, buf, name, device, key_suffix):  # as torch.empty would allocate it
+            made = torch.empty(buf.shape, dtype=buf.dtype, device=buf.device)
+            registry.install(name, device, made, key_suffix=key_suffix)
+            return made
 
-        registry = registry if registry is not None else default_registry()
-        allocate = registry.get
-
-        def get_empty(name, device, shape, *args, **k):
-            made = len(registry.allocation_log)
-            buf = allocate(name, device, shape, *args, **k)
-            if len(registry.allocation_log) > made:  # freshly allocated: as torch.empty would
-                buf = torch.empty(buf.shape, dtype=buf.dtype, device=buf.device)
-                registry.install(name, device, buf, key_suffix=k.get("key_suffix", ""))
-            return buf
-
-        registry.get = get_empty  # this call only
-        try:
-            return _split(kv_cache, registry=registry, **kw)
-        finally:
-            del registry.get
+        return _split_with_fresh_scratch(kv_cache, registry, empty, **kw)
 
 
 @wrong(

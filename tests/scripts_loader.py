@@ -7,25 +7,15 @@ dataclasses, ``monkeypatch.setattr`` and pickling see one module object).
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from types import ModuleType
+
+from pytest_sparse_mla.implementations._source import exec_source
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 
 def load_script(name: str) -> ModuleType:
-    """The module ``scripts/<name>.py``, imported on first use."""
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    assert spec is not None and spec.loader is not None, f"scripts/{name}.py not found"
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[name]
-        raise
-    return module
+    """The module ``scripts/<name>.py``, imported on first use (``_source.exec_source`` with no
+    stubs: registered in ``sys.modules``, removed again if it raises)."""
+    return exec_source(name, SCRIPTS / f"{name}.py", {})
