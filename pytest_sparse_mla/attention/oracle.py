@@ -2,20 +2,23 @@
 
 It shares no code with ``attention/reference.py`` (a test that compared the reference with
 itself would prove nothing). It reads the caches through ``formats.unpack_dequantize`` (the byte
-rules are specified and tested there) and then, one query token at a time, in float64:
+rules are specified and tested there) and then, for a block of query tokens at a time, in float64:
 
-1. lists the token's valid candidates: main lanes with index ``>= 0`` before
+1. marks each token's valid lanes: main lanes with index ``>= 0`` before
    ``clamp(topk_length, 0, topk)``, then extra lanes likewise (shifted past the main table);
-2. counts how often each distinct table row occurs among them (a duplicate counts twice);
-3. forms the dense score matrix ``sm_scale * q @ rows.T`` over those distinct rows and a masked
-   softmax weighted by the counts, with ``exp(attn_sink[h])`` added to the denominator;
+2. gathers every lane's table row, zeroing the rows of invalid lanes (a duplicate index is two
+   lanes, so it counts twice);
+3. forms the score matrix ``sm_scale * q @ rows.T`` over the lanes and a softmax masked to the
+   valid lanes, with ``exp(attn_sink[h])`` added to the denominator;
 4. returns ``sum_j w_j V_j`` (``V`` = the first 512 dims of a row) and the LSE in the requested
    convention (``attention.conventions``).
 
-Only rows a token validly references are read, so bytes of unreferenced or masked slots (NaN,
-0xFF) cannot reach the result. Semantics: FlashMLA's ``tests/ref.py`` (deepseek-ai/FlashMLA) and
-FlashInfer's ``tests/attention/test_sparse_mla_sm120.py`` reference (flashinfer-ai/flashinfer).
-The loop over tokens is deliberate: simple beats fast here.
+Only rows a token validly references reach the arithmetic (an invalid lane's row is replaced by
+zeros before any product and its score by ``-inf``), so bytes of unreferenced or masked slots
+(NaN, 0xFF) cannot reach the result. Semantics: FlashMLA's ``tests/ref.py`` (deepseek-ai/FlashMLA)
+and FlashInfer's ``tests/attention/test_sparse_mla_sm120.py`` reference (flashinfer-ai/flashinfer).
+Blocks of tokens (at most :data:`BLOCK_BYTES` of gathered float64 rows each) are a matter of speed
+only: every token's result is computed from its own lanes alone.
 
 Beside the result the oracle returns each row's *sensitivity* to rounding (:class:`ErrorScales`),
 which ``pytest_sparse_mla.tolerances`` turns into scale-aware bounds: the absolute-weighted value
@@ -94,13 +97,26 @@ class OracleOutput:
                             self.lse_scale, scales)  # fmt: skip
 
 
-def _valid_lanes(indices: torch.Tensor, length: torch.Tensor | None, token: int) -> torch.Tensor:
-    """The valid flat indices of one token's index row (int64, in lane order)."""
-    row = indices[token].to(torch.int64)
+def _lane_mask(indices: torch.Tensor, length: torch.Tensor | None) -> torch.Tensor:
+    """``[T, topk]`` bool: lane ``j`` of token ``t`` is valid (index ``>= 0`` and
+    ``j < clamp(length[t], 0, topk)``)."""
+    valid = indices >= 0
     if length is not None:
-        n = max(0, min(int(length[token]), row.shape[0]))
-        row = row[:n]
-    return row[row >= 0]
+        lanes = torch.arange(indices.shape[1], device=indices.device)
+        valid &= lanes < length.to(indices.device, torch.int64).clamp(min=0)[:, None]
+    return valid
+
+
+def _check_in_range(flat: torch.Tensor, valid: torch.Tensor, rows: int, message: str) -> None:
+    """Raise ``ValueError(message.format(t))`` for the first token ``t`` with a valid lane at or past ``rows``."""
+    bad = (valid & (flat >= rows)).any(dim=1)
+    if bool(bad.any()):
+        raise ValueError(message.format(int(bad.nonzero()[0, 0])))
+
+
+#: Bytes of gathered float64 rows per block of query tokens, by device type (a token alone may
+#: exceed it): on a CPU, blocks that stay in cache are fastest; on a GPU, large ones.
+BLOCK_BYTES = {"cpu": 1 << 20, "other": 256 << 20}
 
 
 _store: MutableMapping[bytes, OracleOutput] | None = None
@@ -157,7 +173,7 @@ def oracle_forward(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tenso
             denominator mass, no value), ``extra_kv_cache``, ``extra_indices``, ``extra_topk_length``,
             ``extra_page_block_size``, ``lse_convention``, ``lse_scale``); the bundled reference's own
             (``grid_release``, ``chunk_tokens``, ``return_fp32``, ``backend``, ``check_indices``) are
-            accepted and ignored: the oracle computes the math only, one token at a time.
+            accepted and ignored: the oracle computes the math only.
 
     Returns:
         :class:`OracleOutput` (float64 output ``[T, H, 512]``, LSE ``[T, H]``, its convention and
@@ -204,46 +220,57 @@ def _oracle(call: SparseMlaCall) -> OracleOutput:
     table = torch.cat(tables).to(device)
 
     num_tokens, num_heads = q.shape[0], q.shape[1]
+    flat = indices.to(device, torch.int64)
+    valid = _lane_mask(flat, topk_length)
+    past_main = f"indices: token {{}} references a row past the {main.shape[0]}-token cache"
+    _check_in_range(flat, valid, main.shape[0], past_main)
+    if extra_indices is not None:
+        extra_flat = extra_indices.to(device, torch.int64)
+        extra_valid = _lane_mask(extra_flat, extra_topk_length)
+        _check_in_range(extra_flat, extra_valid, table.shape[0] - main.shape[0],
+                        "extra_indices: token {} references a row past the extra cache")  # fmt: skip
+        flat = torch.cat([flat, extra_flat + main.shape[0]], dim=1)
+        valid = torch.cat([valid, extra_valid], dim=1)
+    order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)  # each row's valid lanes first
+    valid = valid.gather(1, order)
+    flat = torch.where(valid, flat.gather(1, order), 0)  # an invalid lane reads row 0, then zeroed below
+    counts = valid.sum(dim=1)
     q64 = q.to(torch.float64)
-    sink = attn_sink.to(torch.float64) if attn_sink is not None else None
+    sink = attn_sink.to(device, torch.float64) if attn_sink is not None else None
     output = torch.zeros((num_tokens, num_heads, f.d_v), dtype=torch.float64, device=device)
-    lse = torch.empty((num_tokens, num_heads), dtype=torch.float64, device=device)
+    lse_e = torch.empty((num_tokens, num_heads), dtype=torch.float64, device=device)
     abs_weighted = torch.zeros_like(output)
     rms_weighted = torch.zeros((num_tokens, num_heads), dtype=torch.float64, device=device)
     score_magnitude = torch.zeros((num_tokens, num_heads), dtype=torch.float64, device=device)
-    max_candidates = 0
-    for t in range(num_tokens):
-        candidates = _valid_lanes(indices, topk_length, t)
-        if candidates.numel() and int(candidates.max()) >= main.shape[0]:
-            raise ValueError(f"indices: token {t} references a row past the {main.shape[0]}-token cache")
-        if extra_indices is not None:
-            extra_candidates = _valid_lanes(extra_indices, extra_topk_length, t)
-            num_extra = table.shape[0] - main.shape[0]
-            if extra_candidates.numel() and int(extra_candidates.max()) >= num_extra:
-                raise ValueError(f"extra_indices: token {t} references a row past the extra cache")
-            candidates = torch.cat([candidates, extra_candidates + main.shape[0]])
-        max_candidates = max(max_candidates, int(candidates.numel()))
-        if candidates.numel() == 0:
-            lse_e = torch.full((num_heads,), -math.inf, dtype=torch.float64, device=device)
-        else:
-            distinct, counts = torch.unique(candidates, return_counts=True)
-            rows = table[distinct]  # [U, d_qk]
-            scores = (q64[t] @ rows.T) * sm_scale  # [H, U], dense over the distinct rows
-            top = scores.max(dim=1, keepdim=True).values
-            weights = counts.to(torch.float64) * torch.exp(scores - top)  # [H, U]
-            total = weights.sum(dim=1)  # sum_j exp(s_j - top)
-            denominator = total + (torch.exp(sink - top[:, 0]) if sink is not None else 0.0)
-            values = rows[:, : f.d_v]
-            output[t] = (weights @ values) / denominator.unsqueeze(1)
-            lse_e = top[:, 0] + torch.log(total)
-            w = weights / denominator.unsqueeze(1)  # [H, U], a duplicate's lanes share its weight
-            abs_weighted[t] = w @ values.abs()
-            rms_weighted[t] = ((w * w / counts) @ (values * values).sum(dim=1)).sqrt()
-            score_magnitude[t] = ((q64[t].abs() @ rows.abs().T) * abs(sm_scale)).max(dim=1).values
-        if lse_convention == "flashmla":
-            lse[t] = torch.where(torch.isinf(lse_e) & (lse_e < 0), math.inf, lse_e)
-            continue
+    max_candidates = int(counts.max()) if num_tokens else 0
+    budget = BLOCK_BYTES["cpu" if device.type == "cpu" else "other"]
+    block = max(1, budget // max(1, max_candidates * table.shape[1] * 8))
+    for start in range(0, num_tokens, block):
+        tokens = slice(start, min(start + block, num_tokens))
+        width = max(1, int(counts[tokens].max()))  # lanes past every token's valid ones are dropped
+        lane_ok = valid[tokens, :width]  # [B, L]
+        has = lane_ok.any(dim=1)[:, None]  # [B, 1]: the token has a valid lane
+        rows = table[flat[tokens, :width]].masked_fill(~lane_ok[..., None], 0.0)  # [B, L, d_qk]
+        scores = torch.bmm(q64[tokens], rows.transpose(1, 2)) * sm_scale  # [B, H, L]
+        scores = scores.masked_fill(~lane_ok[:, None, :], -math.inf)
+        top = scores.amax(dim=2)  # [B, H]; -inf for a token without valid lanes
+        shift = torch.where(torch.isfinite(top), top, 0.0)
+        weights = torch.exp(scores - shift[..., None])  # [B, H, L]; invalid lanes 0
+        total = weights.sum(dim=2)  # sum_j exp(s_j - top)
+        denominator = total + (torch.exp(sink - shift) if sink is not None else 0.0)
+        denominator = torch.where(has, denominator, 1.0)  # an empty row: weights 0, output 0
+        w = weights / denominator[..., None]  # [B, H, L]
+        values = rows[..., : f.d_v]
+        output[tokens] = torch.bmm(w, values)
+        lse_e[tokens] = torch.where(has, shift + torch.log(total), -math.inf)
+        abs_weighted[tokens] = torch.bmm(w, values.abs())
+        rms_weighted[tokens] = torch.bmm(w * w, (values * values).sum(dim=2, keepdim=True))[..., 0].sqrt()
+        magnitude = torch.bmm(q64[tokens].abs(), rows.abs().transpose(1, 2)) * abs(sm_scale)  # invalid lanes 0
+        score_magnitude[tokens] = magnitude.amax(dim=2)
+    if lse_convention == "flashmla":
+        lse = torch.where(torch.isinf(lse_e) & (lse_e < 0), math.inf, lse_e)
+    else:
         lse_full = torch.logaddexp(lse_e, sink) if sink is not None else lse_e
-        lse[t] = lse_full / math.log(2.0) * lse_scale
+        lse = lse_full / math.log(2.0) * lse_scale
     scales = ErrorScales(abs_weighted, rms_weighted, score_magnitude, max_candidates)
     return OracleOutput(output, lse, lse_convention, lse_scale, scales)
