@@ -27,6 +27,29 @@ from pytest_sparse_mla.attention import reference as ref  # noqa: E402
 CONFIGS = [(16, 4, 1, 512), (16, 8, 1, 512), (32, 4, 1, 512), (32, 8, 1, 512), (64, 4, 1, 512), (64, 8, 1, 512)]
 
 
+def _gather_ms(module, kwargs: dict) -> float:  # type: ignore[no-untyped-def]
+    """Replay time (ms) of the forward's gather launch alone on ``kwargs`` (all tokens in one block)."""
+    import torch
+    from bench_utils import capture_graph
+
+    from pytest_sparse_mla import formats
+
+    fmt, q = kwargs["fmt"], kwargs["q"]
+    geo = module.cache_geometry(formats.parse_cache(kwargs["kv_cache"], fmt))
+    extra = kwargs.get("extra_kv_cache")
+    xgeo = module.cache_geometry(formats.parse_cache(extra, fmt)) if extra is not None else module._NO_CACHE
+    xidx = kwargs.get("extra_indices", kwargs["indices"])
+    extra_topk = int(xidx.shape[1]) if extra is not None else 0
+    lanes = int(kwargs["indices"].shape[1]) + extra_topk
+    d = 512 if fmt == "dsv4" else 576
+    rows = torch.empty((q.shape[0] * lanes, d), dtype=torch.bfloat16, device=q.device)
+    scales = torch.empty((q.shape[0] * lanes, 4), dtype=torch.float32, device=q.device)
+    graph = capture_graph([lambda: module._gather(
+        kwargs["kv_cache"], geo, kwargs["indices"], None, extra if extra is not None else kwargs["kv_cache"], xgeo,
+        xidx, None, extra_topk, fmt == "dsv4", rows, scales)])  # fmt: skip
+    return interleaved_median_ms(graph.replay, graph.replay, reps=30)[0]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None)
@@ -47,8 +70,11 @@ def main() -> None:
         fm_ms = None
         if not isinstance(theirs, str):
             fm_ms = interleaved_median_ms(theirs[0].replay, theirs[0].replay, reps=30)[0]
-        print(f"{shape.name}: flashmla {fm_ms if fm_ms is None else round(1e3 * fm_ms, 1)} us", flush=True)
-        results.append({"shape": shape.name, "flashmla_us": None if fm_ms is None else 1e3 * fm_ms})
+        gather_us = 1e3 * _gather_ms(module, kwargs)
+        print(f"{shape.name}: flashmla {fm_ms if fm_ms is None else round(1e3 * fm_ms, 1)} us; gather launch alone "
+              f"{gather_us:.1f} us", flush=True)  # fmt: skip
+        fm_us = None if fm_ms is None else 1e3 * fm_ms
+        results.append({"shape": shape.name, "gather_us": gather_us, "flashmla_us": fm_us})
         for config in configs:
             for waves in (float(w) for w in args.waves.split(",")):
                 module.DEFAULT_CONFIG = {True: config, False: config}

@@ -5,19 +5,21 @@ does), which sets ``TRITON_INTERPRET=1`` first when no CUDA device exists (``INT
 
 :func:`sparse_mla` (shapes, dtypes and units in its docstring) runs the forward with no host
 synchronisation and no host decision on device values, so a call can be captured in a CUDA graph.
-``_attention_kernel``: one program per (token, group of heads) walks the token's candidates in
-chunks of ``chunk`` lanes (main row, then extra row), each chunk from an empty state in tiles of
-:data:`LANE_TILE` lanes. For each tile it decides each lane's validity itself (index ``>= 0``,
-position ``< clamp(topk_length, 0, topk)``, index below the cache's token count; an index past the
-cache is counted in ``out_of_range`` and skipped), reads the valid lanes' tokens straight from the
-packed cache in four 128-dim blocks, dequantized exactly as ``formats.unpack_dequantize`` (DSV4:
-E4M3 codes times their UE8M0 power of two, BF16 numbers, and the RoPE values; DSV3.2: the E4M3 codes
-as BF16 with their fp32 scale per block beside, and the RoPE values), runs the online softmax in
-natural-log units, folds the chunk states in order and finalises (sink, FlashInfer or FlashMLA
-LSE). Only valid lanes' bytes are read: the work is proportional to the candidates, not to the
-caches. When that launch would leave most of the GPU idle (:func:`split_chunks`), each chunk gets
-its own program and ``_combine_kernel`` folds the stored chunk states with the same arithmetic:
-the same bits.
+Per block of tokens (all of a decode call):
+
+1. ``_gather_kernel`` writes each valid candidate lane's token, dequantized exactly as
+   ``formats.unpack_dequantize``, as a BF16 row (DSV4: the 512 values, each an E4M3 code times a
+   power of two or a RoPE value, so a BF16 number; DSV3.2: the 512 codes as BF16 and the 64 RoPE
+   values, with the four fp32 scales beside). Only valid lanes are read and written: the work is
+   proportional to the candidates, not to the caches.
+2. ``_attention_kernel``: one program per (token, group of heads) walks the token's candidates in
+   chunks of ``chunk`` lanes (main row, then extra row), each chunk from an empty state in tiles
+   of :data:`LANE_TILE`; it decides each lane's validity itself (index ``>= 0``, position ``<
+   clamp(topk_length, 0, topk)``, index below the cache's token count; an index past the cache is
+   counted in ``out_of_range`` and skipped), runs the online softmax in natural-log units, folds the
+   chunk states in order and finalises (sink, FlashInfer or FlashMLA LSE). When that launch would
+   leave most of the GPU idle (:func:`split_chunks`), each chunk gets its own program and
+   ``_combine_kernel`` folds the stored chunk states with the same arithmetic: the same bits.
 
 Arithmetic: BF16 tensor-core products that are exact (probabilities split into three BF16 pieces;
 DSV3.2 scores as exact code products scaled per 128-dim group) and fp32 accumulation, so results
@@ -67,6 +69,10 @@ if _ENV_CONFIG:
 SPLIT_BELOW_WAVES = 0.5
 #: Candidate lanes per tile (FlashInfer's DSV4 candidate tile ``BI``).
 LANE_TILE = 64
+#: Rows per program of the gather kernel.
+_GATHER_ROWS = 32
+#: Bytes of gathered rows per launch pair: a call's tokens are processed in blocks that fit.
+_GATHER_BYTES = 256 * 2**20
 _FP32_LOWEST = float(torch.finfo(torch.float32).min)
 _INT32_MAX = 2**31 - 1
 
@@ -171,21 +177,16 @@ def _round_bf16_bits(x):
 
 
 @triton.jit
-def _lane_tile(idx_row, stride_lane, start, end, num_rows, cache_ptr, ps, page_stride, row_stride, scale_base,
-               scale_stride, LANES: tl.constexpr):  # fmt: skip
+def _lanes(idx_row, stride_lane, start, end, num_rows, LANES: tl.constexpr):
     """One tile of an index row: lanes ``start + [0, LANES)``, of which those ``< end`` (the chunk's
     end, clamped to the row's valid prefix) are listed when their index is ``>= 0``. Returns
-    ``(valid, bad, row_ptr, scale_ptr)``: the valid lanes (listed, index below ``num_rows``), the
-    number of listed lanes whose index is past the cache, and each lane's data row and scale record
-    in the packed cache (an invalid lane points at token 0 and is never read)."""
+    ``(valid, bad)``: valid lanes (listed, index below ``num_rows``) and the number of listed lanes
+    whose index is past the cache."""
     lane = start + tl.arange(0, LANES)
     idx = tl.load(idx_row + lane * stride_lane, mask=lane < end, other=-1)
     listed = idx >= 0
     valid = listed & (idx < num_rows)
-    bad = tl.sum((listed & (idx >= num_rows)).to(tl.int32), axis=0)
-    flat = tl.where(valid, idx, 0).to(tl.int64)
-    row_off, scale_off = _row_offsets(flat, ps, page_stride, row_stride, scale_base, scale_stride)
-    return valid, bad, cache_ptr + row_off, cache_ptr + scale_off
+    return valid, tl.sum((listed & (idx >= num_rows)).to(tl.int32), axis=0)
 
 
 @triton.jit
@@ -198,24 +199,21 @@ def _row_offsets(flat, ps, page_stride, row_stride, scale_base, scale_stride):
 
 
 @triton.jit
-def _dsv4_group(row_ptr, scale_ptr, valid, rope_offset, g: tl.constexpr, HW_FP8: tl.constexpr):
-    """Dims ``128 g .. 128 g + 127`` of each valid lane's DSV4 token, ``[LANES, 128]`` BF16, exactly
-    ``formats.unpack_dequantize``: E4M3 codes times ``2**(scale - 127)`` of their 64-dim scale group
-    (dims 0-447: BF16 numbers), then (``g == 3``, dims 448-511) the RoPE BF16 values; invalid lanes 0."""
-    c = tl.arange(0, 128)
-    m = valid[:, None]
-    first = _ue8m0_to_f32(tl.load(scale_ptr + 2 * g, mask=valid, other=127))
-    if g < 3:
-        second = _ue8m0_to_f32(tl.load(scale_ptr + 2 * g + 1, mask=valid, other=127))
-        code = tl.load(row_ptr[:, None] + g * 128 + c[None, :], mask=m, other=0)
-        scale = tl.where((c < 64)[None, :], first[:, None], second[:, None])
-        return (_e4m3_to_f32(code, HW_FP8) * scale).to(tl.bfloat16)
-    else:
-        nope = (c < 64)[None, :]
-        code = tl.load(row_ptr[:, None] + 384 + c[None, :], mask=m & nope, other=0)
-        rope_ptr = (row_ptr + rope_offset).to(tl.pointer_type(tl.bfloat16))
-        rope = tl.load(rope_ptr[:, None] + (c - 64)[None, :], mask=m & (c >= 64)[None, :], other=0.0)
-        return tl.where(nope, _e4m3_to_f32(code, HW_FP8) * first[:, None], rope.to(tl.float32)).to(tl.bfloat16)
+def _dsv4_rows(row_ptr, scale_ptr, valid, rope_offset, HW_FP8: tl.constexpr):
+    """``[LANES, 8, 64]`` BF16: each valid lane's DSV4 token in its eight 64-dim groups, exactly
+    ``formats.unpack_dequantize`` (groups 0-6: E4M3 codes times ``2**(scale - 127)``, BF16 numbers;
+    group 7: the RoPE BF16 bits); invalid lanes read nothing and are 0. Group 7 of the code load and
+    scale byte 7 (the pad) are bytes of the same token's record that the select drops."""
+    grp = tl.arange(0, 8)
+    c = tl.arange(0, 64)
+    m = valid[:, None, None]
+    code = tl.load(row_ptr[:, None, None] + (grp * 64)[None, :, None] + c[None, None, :], mask=m, other=0)
+    sb = tl.load(scale_ptr[:, None] + grp[None, :], mask=valid[:, None], other=127)
+    nope = _e4m3_to_f32(code, HW_FP8) * _ue8m0_to_f32(sb)[:, :, None]
+    rope_ptr = (row_ptr + rope_offset).to(tl.pointer_type(tl.bfloat16))
+    last = (grp == 7)[None, :, None]
+    rope = tl.load(rope_ptr[:, None, None] + c[None, None, :] + 0 * grp[None, :, None], mask=m & last, other=0.0)
+    return tl.where(last, rope.to(tl.float32), nope).to(tl.bfloat16)
 
 
 @triton.jit
@@ -226,13 +224,6 @@ def _dsv32_group(row_ptr, scale_ptr, valid, g: tl.constexpr, HW_FP8: tl.constexp
     code = tl.load(row_ptr[:, None] + g * 128 + c[None, :], mask=valid[:, None], other=0)
     scale = tl.load((scale_ptr + 4 * g).to(tl.pointer_type(tl.float32)), mask=valid, other=0.0)
     return _e4m3_to_f32(code, HW_FP8).to(tl.bfloat16), scale
-
-
-@triton.jit
-def _rope(row_ptr, valid, rope_offset):
-    """``[LANES, 64]`` BF16: each valid lane's RoPE values (``rope_offset`` bytes into its row); invalid lanes 0."""
-    rope_ptr = (row_ptr + rope_offset).to(tl.pointer_type(tl.bfloat16))
-    return tl.load(rope_ptr[:, None] + tl.arange(0, 64)[None, :], mask=valid[:, None], other=0.0)
 
 
 @triton.jit
@@ -250,38 +241,63 @@ def _softmax_step(s, valid, m_i, l_i, sm_scale, LOWEST: tl.constexpr):
 
 
 @triton.jit
-def _pv3(p1, p2, p3, v, acc, UPCAST: tl.constexpr):
-    """``acc + (p1 + p2 + p3) @ v``: three BF16 pieces of fp32 weights (:func:`_pieces`), ``v`` BF16,
-    every product exact."""
+def _pv(p, v, acc, UPCAST: tl.constexpr):
+    """``acc + p @ v`` with every product exact: ``p`` (fp32) in three BF16 pieces, ``v`` BF16."""
+    p1, p2, p3 = _pieces(p)
     acc = _dot(p1, v, acc, UPCAST)
     acc = _dot(p2, v, acc, UPCAST)
     return _dot(p3, v, acc, UPCAST)
 
 
 @triton.jit
-def _pv(p, v, acc, UPCAST: tl.constexpr):
-    """``acc + p @ v`` with every product exact: ``p`` (fp32) in three BF16 pieces, ``v`` BF16."""
-    p1, p2, p3 = _pieces(p)
-    return _pv3(p1, p2, p3, v, acc, UPCAST)
+def _chunk_dsv4(
+    q, rows_ptr, lane_base, idx_row, stride_lane, lo, hi, num_rows, sm_scale,
+    BLOCK_H: tl.constexpr, LANES: tl.constexpr, UPCAST: tl.constexpr, LOWEST: tl.constexpr,
+):  # fmt: skip
+    """The online softmax of lanes ``[lo, hi)`` of one DSV4 index row, from an empty state: returns
+    ``(m, l, acc [BLOCK_H, 512], bad)``. Lane ``j``'s key is row ``lane_base + j`` of the token's
+    gathered rows (``rows_ptr``, 512 BF16 each), read only for a valid lane; it is the value too."""
+    cols = tl.arange(0, 512)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, 512], tl.float32)
+    bad = tl.zeros([], tl.int32)
+    for start in range(lo, hi, LANES):
+        valid, b = _lanes(idx_row, stride_lane, start, hi, num_rows, LANES)
+        bad += b
+        row = (lane_base + start + tl.arange(0, LANES)).to(tl.int64)
+        k = tl.load(rows_ptr + row[:, None] * 512 + cols[None, :], mask=valid[:, None], other=0.0)
+        s = _dot(q, tl.trans(k), tl.zeros([BLOCK_H, LANES], tl.float32), UPCAST)
+        m_i, l_i, alpha, p = _softmax_step(s, valid, m_i, l_i, sm_scale, LOWEST)
+        acc = _pv(p, k, acc * alpha[:, None], UPCAST)
+    return m_i, l_i, acc, bad
 
 
 @triton.jit
-def _chunk(
-    q0, q1, q2, q3, q_rope, cache_ptr, ps, page_stride, row_stride, scale_base, scale_stride, rope_offset,
-    idx_row, stride_lane, lo, hi, num_rows, sm_scale,
-    DSV4: tl.constexpr, BLOCK_H: tl.constexpr, LANES: tl.constexpr, UPCAST: tl.constexpr, LOWEST: tl.constexpr,
-    HW_FP8: tl.constexpr,
-):  # fmt: skip
-    """The online softmax of lanes ``[lo, hi)`` of one index row, from an empty state, reading each
-    valid lane's token straight from the packed cache: returns ``(m, l, acc0, acc1, acc2, acc3, bad)``,
-    one ``[BLOCK_H, 128]`` accumulator per 128 output dims. ``q0 .. q3``: the query's dims in four
-    ``[BLOCK_H, 128]`` BF16 blocks, ``q_rope`` (DSV3.2) its 64 RoPE dims.
+def _pv_group(p, alpha, acc, rows_ptr, scales_ptr, row, valid, g: tl.constexpr, UPCAST: tl.constexpr):
+    """``alpha * acc + (p * scale_g) @ code_g`` for scale group ``g`` of the gathered DSV3.2 rows."""
+    c = tl.arange(0, 128)
+    code = tl.load(rows_ptr + row[:, None] * 576 + g * 128 + c[None, :], mask=valid[:, None], other=0.0)
+    scale = tl.load(scales_ptr + row * 4 + g, mask=valid, other=0.0)
+    return _pv(p * scale[None, :], code, acc * alpha[:, None], UPCAST)
 
-    DSV4: a key is its dequantized token (BF16 numbers, :func:`_dsv4_group`), the value the same
-    512 dims; the score is ``q . k`` and ``P V`` takes ``p`` in three BF16 pieces. DSV3.2: a key is
-    ``code * scale`` per 128-dim group plus the RoPE dims, so a score is ``sum_g scale_g * (q_g .
-    code_g) + q_rope . rope`` (exact BF16 code products accumulated in fp32, then scaled); ``P V`` per
-    group is ``(p * scale_g) @ code_g`` with ``p * scale_g`` (one fp32 rounding) in three BF16 pieces."""
+
+@triton.jit
+def _chunk_dsv32(
+    q_rows, hmask, rows_ptr, scales_ptr, lane_base, idx_row, stride_lane, lo, hi, num_rows, sm_scale,
+    BLOCK_H: tl.constexpr, LANES: tl.constexpr, UPCAST: tl.constexpr, LOWEST: tl.constexpr,
+):  # fmt: skip
+    """The online softmax of lanes ``[lo, hi)`` of one DSV3.2 index row, from an empty state: returns
+    ``(m, l, acc0, acc1, acc2, acc3, bad)``, one ``[BLOCK_H, 128]`` accumulator per scale group.
+
+    Lane ``j`` reads row ``lane_base + j`` of the token's gathered rows: 512 E4M3 codes as BF16
+    (exact) and the 64 RoPE values (``rows_ptr``, 576 BF16 each), four fp32 scales
+    (``scales_ptr``). A key is ``code * scale`` per 128-dim group plus the RoPE dims, so a score is
+    ``sum_g scale_g * (q_g . code_g) + q_rope . rope``: the code products are exact BF16 products
+    accumulated in fp32, then scaled. ``P V`` per group is ``(p * scale_g) @ code_g`` with
+    ``p * scale_g`` (one fp32 rounding) in three BF16 pieces."""
+    c = tl.arange(0, 128)
+    r = tl.arange(0, 64)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc0 = tl.zeros([BLOCK_H, 128], tl.float32)
@@ -290,42 +306,22 @@ def _chunk(
     acc3 = tl.zeros([BLOCK_H, 128], tl.float32)
     bad = tl.zeros([], tl.int32)
     for start in range(lo, hi, LANES):
-        valid, b, row_ptr, scale_ptr = _lane_tile(
-            idx_row, stride_lane, start, hi, num_rows, cache_ptr, ps, page_stride, row_stride, scale_base,
-            scale_stride, LANES,
-        )  # fmt: skip
+        valid, b = _lanes(idx_row, stride_lane, start, hi, num_rows, LANES)
         bad += b
-        zero = tl.zeros([BLOCK_H, LANES], tl.float32)
-        if DSV4:
-            k0 = _dsv4_group(row_ptr, scale_ptr, valid, rope_offset, 0, HW_FP8)
-            k1 = _dsv4_group(row_ptr, scale_ptr, valid, rope_offset, 1, HW_FP8)
-            k2 = _dsv4_group(row_ptr, scale_ptr, valid, rope_offset, 2, HW_FP8)
-            k3 = _dsv4_group(row_ptr, scale_ptr, valid, rope_offset, 3, HW_FP8)
-            s = _dot(q0, tl.trans(k0), zero, UPCAST)
-            s = _dot(q1, tl.trans(k1), s, UPCAST)
-            s = _dot(q2, tl.trans(k2), s, UPCAST)
-            s = _dot(q3, tl.trans(k3), s, UPCAST)
-            m_i, l_i, alpha, p = _softmax_step(s, valid, m_i, l_i, sm_scale, LOWEST)
-            p1, p2, p3 = _pieces(p)
-            acc0 = _pv3(p1, p2, p3, k0, acc0 * alpha[:, None], UPCAST)
-            acc1 = _pv3(p1, p2, p3, k1, acc1 * alpha[:, None], UPCAST)
-            acc2 = _pv3(p1, p2, p3, k2, acc2 * alpha[:, None], UPCAST)
-            acc3 = _pv3(p1, p2, p3, k3, acc3 * alpha[:, None], UPCAST)
-        else:
-            k0, w0 = _dsv32_group(row_ptr, scale_ptr, valid, 0, HW_FP8)
-            k1, w1 = _dsv32_group(row_ptr, scale_ptr, valid, 1, HW_FP8)
-            k2, w2 = _dsv32_group(row_ptr, scale_ptr, valid, 2, HW_FP8)
-            k3, w3 = _dsv32_group(row_ptr, scale_ptr, valid, 3, HW_FP8)
-            s = _dot(q_rope, tl.trans(_rope(row_ptr, valid, rope_offset)), zero, UPCAST)
-            s += _dot(q0, tl.trans(k0), zero, UPCAST) * w0[None, :]
-            s += _dot(q1, tl.trans(k1), zero, UPCAST) * w1[None, :]
-            s += _dot(q2, tl.trans(k2), zero, UPCAST) * w2[None, :]
-            s += _dot(q3, tl.trans(k3), zero, UPCAST) * w3[None, :]
-            m_i, l_i, alpha, p = _softmax_step(s, valid, m_i, l_i, sm_scale, LOWEST)
-            acc0 = _pv(p * w0[None, :], k0, acc0 * alpha[:, None], UPCAST)
-            acc1 = _pv(p * w1[None, :], k1, acc1 * alpha[:, None], UPCAST)
-            acc2 = _pv(p * w2[None, :], k2, acc2 * alpha[:, None], UPCAST)
-            acc3 = _pv(p * w3[None, :], k3, acc3 * alpha[:, None], UPCAST)
+        row = (lane_base + start + tl.arange(0, LANES)).to(tl.int64)
+        rope = tl.load(rows_ptr + row[:, None] * 576 + 512 + r[None, :], mask=valid[:, None], other=0.0)
+        q_rope = tl.load(q_rows + 512 + r[None, :], mask=hmask[:, None], other=0.0)
+        s = _dot(q_rope, tl.trans(rope), tl.zeros([BLOCK_H, LANES], tl.float32), UPCAST)
+        for g in tl.static_range(4):
+            code = tl.load(rows_ptr + row[:, None] * 576 + g * 128 + c[None, :], mask=valid[:, None], other=0.0)
+            scale = tl.load(scales_ptr + row * 4 + g, mask=valid, other=0.0)
+            q_g = tl.load(q_rows + g * 128 + c[None, :], mask=hmask[:, None], other=0.0)
+            s += _dot(q_g, tl.trans(code), tl.zeros([BLOCK_H, LANES], tl.float32), UPCAST) * scale[None, :]
+        m_i, l_i, alpha, p = _softmax_step(s, valid, m_i, l_i, sm_scale, LOWEST)
+        acc0 = _pv_group(p, alpha, acc0, rows_ptr, scales_ptr, row, valid, 0, UPCAST)
+        acc1 = _pv_group(p, alpha, acc1, rows_ptr, scales_ptr, row, valid, 1, UPCAST)
+        acc2 = _pv_group(p, alpha, acc2, rows_ptr, scales_ptr, row, valid, 2, UPCAST)
+        acc3 = _pv_group(p, alpha, acc3, rows_ptr, scales_ptr, row, valid, 3, UPCAST)
     return m_i, l_i, acc0, acc1, acc2, acc3, bad
 
 
@@ -378,26 +374,32 @@ def _store_lse(lse_ptr, lse_e, nonempty, sink, flashmla, lse_mult, heads, hmask)
 
 @triton.jit
 def _chunk_at(
-    c, q0, q1, q2, q3, q_rope, t, main_chunks, length, xlength,
-    kv_ptr, ps, page_stride, row_stride, scale_base, scale_stride,
-    xkv_ptr, xps, xpage_stride, xrow_stride, xscale_base, xscale_stride, rope_offset,
-    idx_ptr, stride_it, stride_il, num_main, xidx_ptr, stride_xt, stride_xl, num_extra, sm_scale,
+    c, q, q_rows, hmask, t, main_chunks, length, xlength, rows_ptr, scales_ptr, lanes_total,
+    idx_ptr, stride_it, stride_il, topk, num_main, xidx_ptr, stride_xt, stride_xl, num_extra, sm_scale,
     DSV4: tl.constexpr, BLOCK_H: tl.constexpr, LANES: tl.constexpr, CHUNK: tl.constexpr,
-    UPCAST: tl.constexpr, LOWEST: tl.constexpr, HW_FP8: tl.constexpr,
+    UPCAST: tl.constexpr, LOWEST: tl.constexpr,
 ):  # fmt: skip
     """Chunk ``c`` of token ``t``'s candidates: chunks ``0 .. main_chunks - 1`` are ``CHUNK``-lane spans
-    of the main index row (read from the main cache), the rest of the extra row (the extra cache);
-    lanes at or past the row's valid length are left out. Returns :func:`_chunk`'s state."""
+    of the main index row, the rest of the extra row (gathered after the main lanes); lanes at or
+    past the row's valid length are left out. DSV4: ``(m, l, acc, acc, acc, acc, bad)`` (the
+    accumulator repeated); DSV3.2: ``(m, l, acc0, acc1, acc2, acc3, bad)``."""
     main = c < main_chunks
     lo = tl.where(main, c, c - main_chunks) * CHUNK
     hi = tl.minimum(lo + CHUNK, tl.where(main, length, xlength))
-    return _chunk(
-        q0, q1, q2, q3, q_rope, tl.where(main, kv_ptr, xkv_ptr), tl.where(main, ps, xps),
-        tl.where(main, page_stride, xpage_stride), tl.where(main, row_stride, xrow_stride),
-        tl.where(main, scale_base, xscale_base), tl.where(main, scale_stride, xscale_stride), rope_offset,
-        tl.where(main, idx_ptr + t * stride_it, xidx_ptr + t * stride_xt), tl.where(main, stride_il, stride_xl),
-        lo, hi, tl.where(main, num_main, num_extra), sm_scale, DSV4, BLOCK_H, LANES, UPCAST, LOWEST, HW_FP8,
-    )  # fmt: skip
+    idx_row = tl.where(main, idx_ptr + t * stride_it, xidx_ptr + t * stride_xt)
+    stride_lane = tl.where(main, stride_il, stride_xl)
+    num_rows = tl.where(main, num_main, num_extra)
+    lane_base = t * lanes_total + tl.where(main, 0, topk)
+    if DSV4:
+        m_i, l_i, acc, bad = _chunk_dsv4(
+            q, rows_ptr, lane_base, idx_row, stride_lane, lo, hi, num_rows, sm_scale, BLOCK_H, LANES, UPCAST, LOWEST
+        )
+        return m_i, l_i, acc, acc, acc, acc, bad
+    else:
+        return _chunk_dsv32(
+            q_rows, hmask, rows_ptr, scales_ptr, lane_base, idx_row, stride_lane, lo, hi, num_rows, sm_scale,
+            BLOCK_H, LANES, UPCAST, LOWEST,
+        )  # fmt: skip
 
 
 #: Scalar arguments whose values Triton must not specialize on (divisible by 16, equal to 1): counts,
@@ -405,7 +407,7 @@ def _chunk_at(
 #: (the strides of the query and output rows stay specialized: they let loads and stores vectorize).
 _COUNTS = ("num_heads", "head_groups", "topk", "extra_topk", "main_chunks", "num_chunks", "num_main", "num_extra",
            "has_len", "has_xlen", "has_sink", "write_fp32", "flashmla", "stride_it", "stride_xt", "stride_len",
-           "stride_xlen", "stride_sink", "stride_lt", "num_out", "num_rows", "ps", "xps")  # fmt: skip
+           "stride_xlen", "stride_sink", "stride_lt", "num_out", "lanes_total")  # fmt: skip
 
 
 def _jit(fn):  # type: ignore[no-untyped-def]
@@ -416,22 +418,20 @@ def _jit(fn):  # type: ignore[no-untyped-def]
 
 @_jit
 def _attention_kernel(
-    q_ptr, kv_ptr, xkv_ptr, idx_ptr, len_ptr, xidx_ptr, xlen_ptr, sink_ptr,
+    q_ptr, rows_ptr, scales_ptr, idx_ptr, len_ptr, xidx_ptr, xlen_ptr, sink_ptr,
     out_ptr, out32_ptr, lse_ptr, bad_ptr, part_ptr, part_ml_ptr, part_bad_ptr,
     num_heads, head_groups, topk, extra_topk, main_chunks, num_chunks, num_main, num_extra,
-    ps, page_stride, row_stride, scale_base, scale_stride,
-    xps, xpage_stride, xrow_stride, xscale_base, xscale_stride, rope_offset,
     has_len, has_xlen, has_sink, write_fp32, flashmla, lse_mult, sm_scale,
     stride_qt, stride_qh, stride_it, stride_il, stride_xt, stride_xl, stride_len, stride_xlen, stride_sink,
     stride_ot, stride_oh, stride_ft, stride_fh, stride_lt,
     DSV4: tl.constexpr, BLOCK_H: tl.constexpr, LANES: tl.constexpr, CHUNK: tl.constexpr, SPLIT: tl.constexpr,
-    UPCAST: tl.constexpr, LOWEST: tl.constexpr, HW_FP8: tl.constexpr,
+    UPCAST: tl.constexpr, LOWEST: tl.constexpr,
 ):  # fmt: skip
     """One program per (token, head group), or with ``SPLIT`` per (token, chunk, head group), head
-    group fastest (neighbours read the same tokens, through L2). Unsplit: every chunk from an empty
-    state, folded in order into the running state (:func:`_merge_weights`), then finalised. Split:
-    the chunk's state stored into the partial buffers for :func:`_combine_kernel`, which folds them
-    the same way."""
+    group fastest (neighbours share their rows in L2). Unsplit: every chunk from an empty state,
+    folded in order into the running state (:func:`_merge_weights`), then finalised. Split: the
+    chunk's state stored into the partial buffers for :func:`_combine_kernel`, which folds them the
+    same way."""
     pid = tl.program_id(0)
     hg = pid % head_groups
     rest = pid // head_groups
@@ -442,15 +442,10 @@ def _attention_kernel(
     heads = hg * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < num_heads
     q_rows = q_ptr + t * stride_qt + heads.to(tl.int64)[:, None] * stride_qh
-    c128 = tl.arange(0, 128)[None, :]
-    q0 = tl.load(q_rows + c128, mask=hmask[:, None], other=0.0)
-    q1 = tl.load(q_rows + 128 + c128, mask=hmask[:, None], other=0.0)
-    q2 = tl.load(q_rows + 256 + c128, mask=hmask[:, None], other=0.0)
-    q3 = tl.load(q_rows + 384 + c128, mask=hmask[:, None], other=0.0)
     if DSV4:
-        q_rope = tl.zeros([BLOCK_H, 64], tl.bfloat16)  # unused: DSV4 RoPE dims are q3's last 64
+        q = tl.load(q_rows + tl.arange(0, 512)[None, :], mask=hmask[:, None], other=0.0)
     else:
-        q_rope = tl.load(q_rows + 512 + tl.arange(0, 64)[None, :], mask=hmask[:, None], other=0.0)
+        q = tl.zeros([BLOCK_H, 16], tl.bfloat16)  # unused: DSV3.2 reads its query chunks per tile
     length = tl.load(len_ptr + t * stride_len, mask=has_len != 0, other=topk)
     length = tl.minimum(tl.maximum(length, 0), topk)
     xlength = tl.load(xlen_ptr + t * stride_xlen, mask=has_xlen != 0, other=extra_topk)
@@ -458,18 +453,20 @@ def _attention_kernel(
     if SPLIT:
         c = rest % num_chunks
         m_i, l_i, a0, a1, a2, a3, bad = _chunk_at(
-            c, q0, q1, q2, q3, q_rope, t, main_chunks, length, xlength,
-            kv_ptr, ps, page_stride, row_stride, scale_base, scale_stride,
-            xkv_ptr, xps, xpage_stride, xrow_stride, xscale_base, xscale_stride, rope_offset,
-            idx_ptr, stride_it, stride_il, num_main, xidx_ptr, stride_xt, stride_xl, num_extra, sm_scale,
-            DSV4, BLOCK_H, LANES, CHUNK, UPCAST, LOWEST, HW_FP8,
+            c, q, q_rows, hmask, t, main_chunks, length, xlength, rows_ptr, scales_ptr, topk + extra_topk,
+            idx_ptr, stride_it, stride_il, topk, num_main, xidx_ptr, stride_xt, stride_xl, num_extra, sm_scale,
+            DSV4, BLOCK_H, LANES, CHUNK, UPCAST, LOWEST,
         )  # fmt: skip
         slot = t * num_chunks + c
         p_row = part_ptr + (slot * num_heads + heads.to(tl.int64))[:, None] * 512
-        tl.store(p_row + c128, a0, mask=hmask[:, None])
-        tl.store(p_row + 128 + c128, a1, mask=hmask[:, None])
-        tl.store(p_row + 256 + c128, a2, mask=hmask[:, None])
-        tl.store(p_row + 384 + c128, a3, mask=hmask[:, None])
+        if DSV4:
+            tl.store(p_row + tl.arange(0, 512)[None, :], a0, mask=hmask[:, None])
+        else:
+            cols = tl.arange(0, 128)[None, :]
+            tl.store(p_row + cols, a0, mask=hmask[:, None])
+            tl.store(p_row + 128 + cols, a1, mask=hmask[:, None])
+            tl.store(p_row + 256 + cols, a2, mask=hmask[:, None])
+            tl.store(p_row + 384 + cols, a3, mask=hmask[:, None])
         tl.store(part_ml_ptr + slot * 2 * num_heads + heads, m_i, mask=hmask)
         tl.store(part_ml_ptr + (slot * 2 + 1) * num_heads + heads, l_i, mask=hmask)
         if hg == 0:
@@ -478,33 +475,41 @@ def _attention_kernel(
         m_run = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_run = tl.zeros([BLOCK_H], tl.float32)
         bad_run = tl.zeros([], tl.int32)
-        r0 = tl.zeros([BLOCK_H, 128], tl.float32)
-        r1 = r0
-        r2 = r0
-        r3 = r0
+        if DSV4:
+            r0 = tl.zeros([BLOCK_H, 512], tl.float32)
+            r1 = r0
+            r2 = r0
+            r3 = r0
+        else:
+            r0 = tl.zeros([BLOCK_H, 128], tl.float32)
+            r1 = r0
+            r2 = r0
+            r3 = r0
         for c in range(0, num_chunks):
             m_i, l_i, a0, a1, a2, a3, bad = _chunk_at(
-                c, q0, q1, q2, q3, q_rope, t, main_chunks, length, xlength,
-                kv_ptr, ps, page_stride, row_stride, scale_base, scale_stride,
-                xkv_ptr, xps, xpage_stride, xrow_stride, xscale_base, xscale_stride, rope_offset,
-                idx_ptr, stride_it, stride_il, num_main, xidx_ptr, stride_xt, stride_xl, num_extra, sm_scale,
-                DSV4, BLOCK_H, LANES, CHUNK, UPCAST, LOWEST, HW_FP8,
+                c, q, q_rows, hmask, t, main_chunks, length, xlength, rows_ptr, scales_ptr, topk + extra_topk,
+                idx_ptr, stride_it, stride_il, topk, num_main, xidx_ptr, stride_xt, stride_xl, num_extra, sm_scale,
+                DSV4, BLOCK_H, LANES, CHUNK, UPCAST, LOWEST,
             )  # fmt: skip
             m_run, l_run, wa, wb = _merge_weights(m_run, l_run, m_i, l_i, LOWEST)
             r0 = r0 * wa[:, None] + a0 * wb[:, None]
-            r1 = r1 * wa[:, None] + a1 * wb[:, None]
-            r2 = r2 * wa[:, None] + a2 * wb[:, None]
-            r3 = r3 * wa[:, None] + a3 * wb[:, None]
+            if not DSV4:
+                r1 = r1 * wa[:, None] + a1 * wb[:, None]
+                r2 = r2 * wa[:, None] + a2 * wb[:, None]
+                r3 = r3 * wa[:, None] + a3 * wb[:, None]
             bad_run += bad
         sink = tl.load(sink_ptr + heads * stride_sink, mask=hmask, other=float("-inf"))
         sink = tl.where(has_sink != 0, sink, float("-inf"))  # no sink: any fp32 [H] buffer, unused
         factor, lse_e, nonempty = _finish(m_run, l_run, sink)
         o_row = t * stride_ot + heads.to(tl.int64)[:, None] * stride_oh
         f_row = t * stride_ft + heads.to(tl.int64)[:, None] * stride_fh
-        _store_out(r0, factor, out_ptr, out32_ptr, o_row, f_row, 0, hmask, write_fp32, 128)
-        _store_out(r1, factor, out_ptr, out32_ptr, o_row, f_row, 128, hmask, write_fp32, 128)
-        _store_out(r2, factor, out_ptr, out32_ptr, o_row, f_row, 256, hmask, write_fp32, 128)
-        _store_out(r3, factor, out_ptr, out32_ptr, o_row, f_row, 384, hmask, write_fp32, 128)
+        if DSV4:
+            _store_out(r0, factor, out_ptr, out32_ptr, o_row, f_row, 0, hmask, write_fp32, 512)
+        else:
+            _store_out(r0, factor, out_ptr, out32_ptr, o_row, f_row, 0, hmask, write_fp32, 128)
+            _store_out(r1, factor, out_ptr, out32_ptr, o_row, f_row, 128, hmask, write_fp32, 128)
+            _store_out(r2, factor, out_ptr, out32_ptr, o_row, f_row, 256, hmask, write_fp32, 128)
+            _store_out(r3, factor, out_ptr, out32_ptr, o_row, f_row, 384, hmask, write_fp32, 128)
         _store_lse(lse_ptr + t * stride_lt, lse_e, nonempty, sink, flashmla, lse_mult, heads, hmask)
         if hg == 0:
             tl.store(bad_ptr + t, bad_run)
@@ -553,55 +558,102 @@ _NO_CACHE = CacheGeometry(0, 1, 16, 0, 0, 0, 0)
 
 
 @_jit
-def _loader_kernel(
-    out_ptr, kv_ptr, idx_ptr, num_out, num_rows, ps, page_stride, row_stride, scale_base, scale_stride, rope_offset,
-    DSV4: tl.constexpr, LANES: tl.constexpr, HW_FP8: tl.constexpr,
+def _gather_kernel(
+    rows_ptr, scales_ptr, num_out, lanes_total, topk, rope_offset,
+    kv_ptr, idx_ptr, len_ptr, num_main, ps, page_stride, row_stride, scale_base, scale_stride,
+    xkv_ptr, xidx_ptr, xlen_ptr, num_extra, xps, xpage_stride, xrow_stride, xscale_base, xscale_stride,
+    has_len, has_xlen, extra_topk, stride_it, stride_il, stride_xt, stride_xl, stride_len, stride_xlen,
+    DSV4: tl.constexpr, ROWS: tl.constexpr, HW_FP8: tl.constexpr,
 ):  # fmt: skip
-    """:func:`gather_rows`' launch: row ``r`` of ``out`` (``[num_out, 576]`` fp32) is token
-    ``idx[r]`` read by the attention kernel's own tile loaders (:func:`_lane_tile`, then
-    :func:`_dsv4_group` or :func:`_dsv32_group` and :func:`_rope`); DSV3.2 codes times their fp32
-    scale, rounded once in fp32."""
-    start = tl.program_id(0) * LANES
-    valid, bad, row_ptr, scale_ptr = _lane_tile(
-        idx_ptr, 1, start, num_out, num_rows, kv_ptr, ps, page_stride, row_stride, scale_base, scale_stride, LANES
-    )
-    r = (start + tl.arange(0, LANES)).to(tl.int64)
-    inside = (r < num_out)[:, None]
-    dst = out_ptr + r[:, None] * 576 + tl.arange(0, 128)[None, :]
+    """Gather the candidates of a block of tokens, dequantized, into rows of BF16 (exactly
+    ``formats.unpack_dequantize``): output row ``t * lanes_total + j`` is lane ``j`` of token ``t``
+    (main lanes ``0 .. topk - 1``, then the extra lanes). DSV4: the 512 values; DSV3.2: the 512
+    E4M3 codes as BF16 and the 64 RoPE values, with the four fp32 scales in ``scales_ptr``. Only
+    valid lanes (index ``>= 0`` and below the cache's token count, position before the row's
+    length) are read and written; the attention kernel reads only those."""
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    inside = r < num_out
+    t = r // lanes_total
+    j = r - t * lanes_total
+    main = j < topk
+    xj = j - topk
+    idx = tl.load(idx_ptr + t * stride_it + j * stride_il, mask=inside & main, other=-1)
+    xidx = tl.load(xidx_ptr + t * stride_xt + xj * stride_xl, mask=inside & (xj >= 0), other=-1)
+    length = tl.load(len_ptr + t * stride_len, mask=inside, other=0)
+    length = tl.where(has_len != 0, length, topk)
+    xlength = tl.load(xlen_ptr + t * stride_xlen, mask=inside, other=0)
+    xlength = tl.where(has_xlen != 0, xlength, extra_topk)
+    main_ok = (idx >= 0) & (idx < num_main) & (j < length)
+    valid = tl.where(main, main_ok, (xidx >= 0) & (xidx < num_extra) & (xj < xlength)) & inside
+    flat = tl.where(valid, tl.where(main, idx, xidx), 0).to(tl.int64)
+    m_off, m_soff = _row_offsets(flat, ps, page_stride, row_stride, scale_base, scale_stride)
+    x_off, x_soff = _row_offsets(flat, xps, xpage_stride, xrow_stride, xscale_base, xscale_stride)
+    row_ptr = tl.where(main, kv_ptr + m_off, xkv_ptr + x_off)
+    scale_ptr = tl.where(main, kv_ptr + m_soff, xkv_ptr + x_soff)
+    out = r.to(tl.int64)
     if DSV4:
-        for g in tl.static_range(4):
-            k = _dsv4_group(row_ptr, scale_ptr, valid, rope_offset, g, HW_FP8)
-            tl.store(dst + g * 128, k.to(tl.float32), mask=inside)
+        k = _dsv4_rows(row_ptr, scale_ptr, valid, rope_offset, HW_FP8)
+        dims = (tl.arange(0, 8) * 64)[:, None] + tl.arange(0, 64)[None, :]
+        tl.store(rows_ptr + out[:, None, None] * 512 + dims[None, :, :], k, mask=valid[:, None, None])
     else:
+        dst = rows_ptr + out[:, None] * 576
         for g in tl.static_range(4):
             code, scale = _dsv32_group(row_ptr, scale_ptr, valid, g, HW_FP8)
-            tl.store(dst + g * 128, code.to(tl.float32) * scale[:, None], mask=inside)
-        rope = _rope(row_ptr, valid, rope_offset).to(tl.float32)
-        tl.store(out_ptr + r[:, None] * 576 + 512 + tl.arange(0, 64)[None, :], rope, mask=inside)
+            tl.store(dst + g * 128 + tl.arange(0, 128)[None, :], code, mask=valid[:, None])
+            tl.store(scales_ptr + out * 4 + g, scale, mask=valid)
+        c = tl.arange(0, 64)
+        rope = tl.load((row_ptr + rope_offset).to(tl.pointer_type(tl.bfloat16))[:, None] + c[None, :],
+                       mask=valid[:, None], other=0.0)  # fmt: skip
+        tl.store(dst + 512 + c[None, :], rope, mask=valid[:, None])
+
+
+def _gather(
+    kv_cache: torch.Tensor, g: CacheGeometry, indices: torch.Tensor, topk_length: torch.Tensor | None,
+    extra_kv_cache: torch.Tensor, x: CacheGeometry, extra_indices: torch.Tensor,
+    extra_topk_length: torch.Tensor | None, extra_topk: int, dsv4: bool, rows: torch.Tensor, scales: torch.Tensor,
+) -> None:  # fmt: skip
+    """One launch of :func:`_gather_kernel` for the tokens of ``indices`` into ``rows`` / ``scales``."""
+    num_tokens, topk = int(indices.shape[0]), int(indices.shape[1])
+    num_out = num_tokens * (topk + extra_topk)
+    dummy = indices
+    _gather_kernel[(triton.cdiv(num_out, _GATHER_ROWS),)](
+        rows, scales, num_out, topk + extra_topk, topk, g.rope_offset,
+        kv_cache, indices, topk_length if topk_length is not None else dummy, g.num_tokens, g.page_block_size,
+        g.page_stride, g.row_stride, g.scale_base, g.scale_stride,
+        extra_kv_cache, extra_indices, extra_topk_length if extra_topk_length is not None else dummy, x.num_tokens,
+        x.page_block_size, x.page_stride, x.row_stride, x.scale_base, x.scale_stride,
+        int(topk_length is not None), int(extra_topk_length is not None), extra_topk,
+        indices.stride(0), indices.stride(1), extra_indices.stride(0), extra_indices.stride(1),
+        topk_length.stride(0) if topk_length is not None else 0,
+        extra_topk_length.stride(0) if extra_topk_length is not None else 0,
+        DSV4=dsv4, ROWS=_GATHER_ROWS, HW_FP8=not INTERPRETED, num_warps=8,
+    )  # fmt: skip
 
 
 def gather_rows(kv_cache: torch.Tensor, geometry: CacheGeometry, rows: torch.Tensor, dsv4: bool) -> torch.Tensor:
-    """Tokens of a packed cache read by the attention kernel's own tile loaders (for self-tests).
+    """Tokens of a packed cache dequantized by the forward's own gather kernel (for self-tests).
 
     Args:
         kv_cache: the packed uint8 cache (any accepted form; its data pointer and ``geometry``).
         geometry: :func:`cache_geometry` of its layout.
         rows: ``[n]`` int32 flat token indices; a negative index or one past the cache is an
             invalid lane (nothing read, a zero row).
-        dsv4: DSV4 footer layout (``[n, 512]``) or DSV3.2 inline (``[n, 576]``: the codes times their
-            fp32 scale per 128-dim group, rounded once in fp32, then the RoPE values).
+        dsv4: DSV4 footer layout (``[n, 512]``) or DSV3.2 inline (``[n, 576]``: the gathered codes
+            times their fp32 scale per 128-dim group, rounded once in fp32, then the RoPE values).
 
     Returns:
         ``[n, d_qk]`` fp32; each valid row equals ``formats.unpack_dequantize`` of its token.
     """
     n = int(rows.numel())
-    out = torch.zeros((n, 576), dtype=torch.float32, device=kv_cache.device)
-    g = geometry
-    _loader_kernel[(triton.cdiv(max(n, 1), LANE_TILE),)](
-        out, kv_cache, rows.to(torch.int32).contiguous(), n, g.num_tokens, g.page_block_size, g.page_stride,
-        g.row_stride, g.scale_base, g.scale_stride, g.rope_offset, DSV4=dsv4, LANES=LANE_TILE, HW_FP8=not INTERPRETED,
-    )  # fmt: skip
-    return out[:, :512] if dsv4 else out
+    d_qk = 512 if dsv4 else 576
+    out = torch.zeros((n, d_qk), dtype=torch.bfloat16, device=kv_cache.device)
+    scales = torch.zeros((n, 4), dtype=torch.float32, device=kv_cache.device)
+    idx = rows.to(torch.int32).reshape(1, n)
+    _gather(kv_cache, geometry, idx, None, kv_cache, _NO_CACHE, idx, None, 0, dsv4, out, scales)
+    values = out.float()
+    if not dsv4:
+        values[:, :512] = (values[:, :512].view(n, 4, 128) * scales[:, :, None]).view(n, 512)
+    return values
 
 
 @functools.cache
@@ -649,8 +701,7 @@ def sparse_mla(
     Args:
         q: ``[T, H, d_qk]`` BF16 with unit last-dim stride (``d_qk`` 512 DSV4, 576 DSV3.2).
         kv_cache, extra_kv_cache: the packed uint8 caches (any accepted form; only their data
-            pointers are used, with ``geometry`` / ``extra_geometry`` from :func:`cache_geometry`);
-            both of one layout (the RoPE offset is the main cache's).
+            pointers are used, with ``geometry`` / ``extra_geometry`` from :func:`cache_geometry`).
         indices, extra_indices: ``[T, topk]`` int32 flat token indices (any strides).
         topk_length, extra_topk_length: ``[T]`` int32 or ``None``.
         attn_sink: ``[H]`` fp32 natural-log logits or ``None``.
@@ -679,12 +730,39 @@ def sparse_mla(
         extra_kv_cache, extra_indices, extra_topk, x = kv_cache, indices, 0, _NO_CACHE
     else:
         extra_topk, x = int(extra_indices.shape[1]), extra_geometry
+    lanes_total = topk + extra_topk
     main_chunks = triton.cdiv(topk, chunk)
     num_chunks = main_chunks + triton.cdiv(extra_topk, chunk)
     head_groups = triton.cdiv(num_heads, block_h)
+    d_row = 512 if dsv4 else 576
+    block = max(1, min(num_tokens, _GATHER_BYTES // max(1, lanes_total * (2 * d_row + 16))))
+    rows = torch.empty((block * lanes_total, d_row), dtype=torch.bfloat16, device=q.device)
+    scales = rows if dsv4 else torch.empty((block * lanes_total, 4), dtype=torch.float32, device=q.device)
     out16 = output.view(torch.int16)
     fp32 = output_fp32 if output_fp32 is not None else lse  # fp32 either way: one compiled variant
     sink = attn_sink if attn_sink is not None else lse  # no sink: any fp32 buffer, never read
+    for t0 in range(0, num_tokens, block):
+        t1 = min(num_tokens, t0 + block)
+        n = t1 - t0
+        length = topk_length[t0:t1] if topk_length is not None else None
+        xlength = extra_topk_length[t0:t1] if extra_topk_length is not None else None
+        _gather(kv_cache, g, indices[t0:t1], length, extra_kv_cache, x, extra_indices[t0:t1], xlength,
+                extra_topk, dsv4, rows, scales)  # fmt: skip
+        _attend(
+            q[t0:t1], rows, scales, indices[t0:t1], length, extra_indices[t0:t1], xlength, sink,
+            attn_sink is not None, out16[t0:t1], fp32[t0:t1], lse[t0:t1], out_of_range[t0:t1],
+            output_fp32 is not None, n, num_heads, head_groups, topk, extra_topk, main_chunks, num_chunks,
+            g.num_tokens, x.num_tokens, flashmla_lse, lse_multiplier, sm_scale, dsv4, block_h, num_warps, num_stages,
+            chunk, split,
+        )  # fmt: skip
+
+
+def _attend(
+    q, rows, scales, indices, length, extra_indices, xlength, sink, has_sink, out16, fp32, lse, out_of_range,
+    write_fp32, num_tokens, num_heads, head_groups, topk, extra_topk, main_chunks, num_chunks, num_main,
+    num_extra, flashmla_lse, lse_multiplier, sm_scale, dsv4, block_h, num_warps, num_stages, chunk, split,
+):  # type: ignore[no-untyped-def]  # fmt: skip
+    """The attention launch (and the combine launch when split) for one block of tokens."""
     if split is None:
         split = split_chunks(num_tokens, head_groups, num_chunks, q.device)
     if split:
@@ -695,28 +773,25 @@ def sparse_mla(
         part, part_ml, part_bad = lse, lse, out_of_range  # unused
     dummy = out_of_range
     _attention_kernel[(num_tokens * head_groups * (num_chunks if split else 1),)](
-        q, kv_cache, extra_kv_cache, indices, topk_length if topk_length is not None else dummy,
-        extra_indices, extra_topk_length if extra_topk_length is not None else dummy, sink,
+        q, rows, scales, indices, length if length is not None else dummy,
+        extra_indices, xlength if xlength is not None else dummy, sink,
         out16, fp32, lse, out_of_range, part, part_ml, part_bad,
-        num_heads, head_groups, topk, extra_topk, main_chunks, num_chunks, g.num_tokens, x.num_tokens,
-        g.page_block_size, g.page_stride, g.row_stride, g.scale_base, g.scale_stride,
-        x.page_block_size, x.page_stride, x.row_stride, x.scale_base, x.scale_stride, g.rope_offset,
-        int(topk_length is not None), int(extra_topk_length is not None), int(attn_sink is not None),
-        int(output_fp32 is not None), int(flashmla_lse), float(lse_multiplier), float(sm_scale),
+        num_heads, head_groups, topk, extra_topk, main_chunks, num_chunks, num_main, num_extra,
+        int(length is not None), int(xlength is not None), int(has_sink), int(write_fp32), int(flashmla_lse),
+        float(lse_multiplier), float(sm_scale),
         q.stride(0), q.stride(1), indices.stride(0), indices.stride(1),
         extra_indices.stride(0), extra_indices.stride(1),
-        topk_length.stride(0) if topk_length is not None else 0,
-        extra_topk_length.stride(0) if extra_topk_length is not None else 0,
-        sink.stride(0) if attn_sink is not None else 0,
+        length.stride(0) if length is not None else 0, xlength.stride(0) if xlength is not None else 0,
+        sink.stride(0) if has_sink else 0,
         out16.stride(0), out16.stride(1), fp32.stride(0), fp32.stride(1), lse.stride(0),
         DSV4=dsv4, BLOCK_H=block_h, LANES=LANE_TILE, CHUNK=chunk, SPLIT=split, UPCAST=INTERPRETED,
-        LOWEST=_FP32_LOWEST, HW_FP8=not INTERPRETED, num_warps=num_warps, num_stages=num_stages,
+        LOWEST=_FP32_LOWEST, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if split:
         _combine_kernel[(num_tokens * head_groups,)](
             sink, out16, fp32, lse, out_of_range, part, part_ml, part_bad,
-            num_heads, head_groups, num_chunks, int(attn_sink is not None), int(output_fp32 is not None),
-            int(flashmla_lse), float(lse_multiplier), sink.stride(0) if attn_sink is not None else 0,
+            num_heads, head_groups, num_chunks, int(has_sink), int(write_fp32), int(flashmla_lse),
+            float(lse_multiplier), sink.stride(0) if has_sink else 0,
             out16.stride(0), out16.stride(1), fp32.stride(0), fp32.stride(1), lse.stride(0),
             BLOCK_H=block_h, LOWEST=_FP32_LOWEST, num_warps=num_warps,
         )  # fmt: skip

@@ -43,13 +43,13 @@ above: the caches dequantized into one fp32 table with its zero row, the table r
 then the finalisation (divide, sink as ``sigmoid(lse - sink)``, LSE convention) on the chunk's
 state. ``"triton"`` (CUDA default when triton imports; interpreted on the CPU under
 ``TRITON_INTERPRET=1``) runs the whole forward in Triton kernels (``attention._triton_forward``):
-each program (a token and a group of heads) decides the validity of its lanes from the index rows
-and lengths, reads only the valid lanes' tokens from the packed caches, dequantized exactly (never a
-whole cache), runs the online softmax in 64-lane tiles on BF16 tensor cores with exact products and
-fp32 accumulation (probabilities split into BF16 pieces), folds its chunks of lanes and finalises;
-a decode call with few programs splits its chunks over programs and folds them in a second launch,
-with the same bits. Why it stays within 1e-5 of the oracle and why the same invariants
-hold: ``docs/design/reference-kernel.md``.
+one gathers each valid candidate lane's token, dequantized exactly, as a BF16 row (only the
+candidates are read, never a whole cache); in the other each program (a token and a group of heads)
+decides the validity of its lanes from the index rows and lengths, runs the online softmax in
+64-lane tiles on BF16 tensor cores with exact products and fp32 accumulation (probabilities split
+into BF16 pieces), folds its chunks of lanes and finalises; a decode call with few programs splits
+its chunks over programs and folds them in a third launch, with the same bits. Why it stays within
+1e-5 of the oracle and why the same invariants hold: ``docs/design/reference-kernel.md``.
 H200 timings of both: ``docs/benchmarks.md``.
 
 CUDA graphs: a call makes no host synchronisation and no host decision on device values except
