@@ -458,6 +458,7 @@ import math
 import os
 import re
 import sys
+import warnings
 from typing import Any
 
 import torch
@@ -525,10 +526,16 @@ def _import_impl(spec: str, where: str | None = None) -> Any:
 
 def _poison_allocator(device: str, nbytes: int) -> None:
     """Fill memory the allocator will hand out next with 0xA5 and free it, so a peer's
-    ``torch.empty`` buffer shows what it never wrote (CUDA's caching allocator reuses the block)."""
+    ``torch.empty`` buffer shows what it never wrote (CUDA's caching allocator reuses the block);
+    then, as the suite's guard does, have torch fill every uninitialised allocation (uint8 0xFF,
+    floats NaN: ``torch.utils.deterministic.fill_uninitialized_memory`` under warn-only
+    deterministic mode), so the result does not depend on the allocator's history."""
     if nbytes > 0:
         block = torch.full((2 * nbytes,), 0xA5, dtype=torch.uint8, device=device)
         del block
+    warnings.filterwarnings("ignore", message=".*deterministic.*")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
 
 
 def main() -> int:
