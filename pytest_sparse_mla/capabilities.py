@@ -308,6 +308,32 @@ def unmet_markers(items: Iterable[Any]) -> list[tuple[Any, str, str]]:
     return unmet
 
 
+@functools.cache
+def interpreter_unusable_reason() -> str | None:
+    """Why Triton's CPU interpreter cannot run these kernels here, or ``None``.
+
+    The interpreter holds a program id as a one-element array and turns a scalar into a Python int
+    (a loop bound) with ``int(array)``; NumPy versions that refuse ``int`` of a one-element 1-D
+    array (``TypeError: only 0-dimensional arrays can be converted to Python scalars``) then break
+    every kernel whose loop bound derives from a program id. Triton 3.9's interpreter squeezes
+    first; 3.6's does not (seen with NumPy 2.4.6: the touched page split and the split attention
+    launch fail). The check is the conversion itself, so a NumPy that allows it passes with any Triton.
+    """
+    import numpy as np
+    import triton
+    from packaging.version import Version
+
+    try:
+        int(np.array([1]))
+    except TypeError:
+        if Version(triton.__version__).release < (3, 9):
+            return (
+                f"triton {triton.__version__}'s CPU interpreter with numpy {np.__version__}: it converts one-element "
+                "arrays with int(), which this numpy refuses; use triton>=3.9 (or a GPU) for interpreted Triton kernels"
+            )
+    return None
+
+
 def load_triton_kernels(module: str) -> ModuleType:
     """Import the Triton kernel module ``module``, deciding first whether it is interpreted.
 
@@ -329,7 +355,8 @@ def triton_unavailable_reason(module: str, device: Any) -> str | None:
 
     Reasons: a device that is neither CPU nor CUDA; triton not importable; CPU tensors but kernels
     decorated as compiled (``TRITON_INTERPRET`` unset while CUDA was visible); CUDA tensors but
-    kernels decorated as interpreted. Imports ``module`` (see :func:`load_triton_kernels`).
+    kernels decorated as interpreted; an interpreter that cannot run them
+    (:func:`interpreter_unusable_reason`). Imports ``module`` (see :func:`load_triton_kernels`).
     """
     kind = getattr(device, "type", str(device).split(":", 1)[0])
     if kind not in ("cpu", "cuda"):
@@ -340,6 +367,8 @@ def triton_unavailable_reason(module: str, device: Any) -> str | None:
         return f"triton is not importable ({exc})"
     if kind == "cpu" and not kernels.INTERPRETED:
         return "Triton kernels on CPU tensors need TRITON_INTERPRET=1 before the first call"
+    if kind == "cpu":
+        return interpreter_unusable_reason()
     if kind == "cuda" and kernels.INTERPRETED:
         return "the Triton kernels were decorated under TRITON_INTERPRET=1 (CPU tensors only)"
     return None

@@ -588,6 +588,10 @@ def test_triton_builtin_passes_the_page_split_suites(
     suites, in a fresh process (Triton decides interpretation when its kernels are decorated)."""
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed")
+    from pytest_sparse_mla.capabilities import interpreter_unusable_reason
+
+    if (reason := interpreter_unusable_reason()) is not None:
+        pytest.skip(reason)
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # also on a GPU lane, which sets it to 0
     result = pytester.runpytest_subprocess(
         "-p", "sparse_mla", str(SUITES / "test_page_split.py"), str(SUITES / "test_split_buffers.py"),
