@@ -10,6 +10,7 @@ b | past the length]`` and extra ``[c, -1]``, sink ``s``:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -96,3 +97,33 @@ def test_memoized_oracle_answers_by_the_bytes_of_its_arguments() -> None:
     assert len(store) == 3
     for name, want in expected.items():
         assert torch.equal(got[name].output, want.output) and torch.equal(got[name].lse, want.lse), name
+
+
+def test_oracle_results_do_not_depend_on_how_tokens_are_blocked(monkeypatch) -> None:
+    """The oracle computes blocks of query tokens at once (``oracle.BLOCK_BYTES``); each token's
+    result must come from its own lanes alone. A dual-cache case with masked lanes, partial
+    lengths and a sink, computed one token per block and all tokens in one block: the same
+    results to float64 rounding (the padding lanes of a wide block add exact zeros), valid counts
+    that differ from token to token and empty tokens included."""
+    from pytest_sparse_mla.attention import oracle
+    from pytest_sparse_mla.attention.cases import AttentionCase, make_inputs
+
+    case = AttentionCase("blocks", 24, 4, 128, topk_extra=64, extra_page_block_size=2, extra_num_pages=64,
+                         topk_length=100, extra_topk_length=40, masked_fraction=0.3)  # fmt: skip
+    g = torch.Generator().manual_seed(11)
+    inputs = make_inputs(case, g)
+    lengths = torch.randint(0, 101, (24,), generator=g, dtype=torch.int32)  # within the case's 100 (stale past it)
+    extra_lengths = torch.randint(0, 41, (24,), generator=g, dtype=torch.int32)
+    lengths[[3, 17]] = 0
+    extra_lengths[[3, 17]] = 0  # two tokens without a valid lane, between others that have some
+    inputs = dataclasses.replace(inputs, topk_length=lengths, extra_topk_length=extra_lengths)
+    results = []
+    for budget in (1, 1 << 40):  # one token per block; every token in one block
+        monkeypatch.setattr(oracle, "BLOCK_BYTES", {"cpu": budget, "other": budget})
+        results.append(inputs.run(oracle_forward))
+    one, all_ = results
+    for name in ("output", "lse"):
+        torch.testing.assert_close(getattr(one, name), getattr(all_, name), rtol=1e-12, atol=1e-300)
+    for name in ("abs_weighted", "rms_weighted", "score_magnitude"):
+        torch.testing.assert_close(getattr(one.scales, name), getattr(all_.scales, name), rtol=1e-12, atol=1e-300)
+    assert one.scales.max_candidates == all_.scales.max_candidates
