@@ -599,3 +599,27 @@ def test_triton_builtin_passes_the_page_split_suites(
     )  # fmt: skip
     outcomes = result.parseoutcomes()
     assert outcomes.get("passed", 0) >= 30 and not outcomes.get("failed"), result.stdout.str()[-3000:]
+
+
+def test_an_old_triton_interpreter_under_a_strict_numpy_is_named_as_the_reason(monkeypatch) -> None:
+    """Triton 3.6.0's interpreter (run here on the touched split: InterpreterError ``only
+    0-dimensional arrays can be converted to Python scalars``) converts one-element arrays with
+    ``int()``; where NumPy refuses that conversion, the interpreted kernels skip, naming both
+    versions; Triton 3.9 (its interpreter squeezes first) and a NumPy that converts run."""
+    np = pytest.importorskip("numpy")
+    triton = pytest.importorskip("triton")
+    from pytest_sparse_mla import capabilities
+
+    try:
+        int(np.array([1]))
+        strict = False
+    except TypeError:
+        strict = True
+    for version, refused in (("3.6.0", strict), ("3.9.0", False)):
+        monkeypatch.setattr(triton, "__version__", version)
+        capabilities.interpreter_unusable_reason.cache_clear()
+        reason = capabilities.interpreter_unusable_reason()
+        assert (reason is not None) == refused, reason
+        if refused:
+            assert f"triton {version}" in reason and f"numpy {np.__version__}" in reason and "triton>=3.9" in reason
+    capabilities.interpreter_unusable_reason.cache_clear()

@@ -212,15 +212,14 @@ def skip_reason_for(impl: Any, needs: tuple[str, ...], device: str) -> str | Non
     A capability is missing when the attribute is absent or not callable; otherwise the
     implementation's optional ``skip_reason(capability, device)`` is asked.
     """
-    for cap in needs:  # the name (possibly a costly repr) is read only for a reason given
+    for cap in needs:
+        reason = None
         if not callable(getattr(impl, cap, None)):
-            name = implementation_name(impl, repr(impl))
-            return f"implementation {name!r} does not provide {cap!r} (sparse_mla_needs)"
-        ask = getattr(impl, "skip_reason", None)
-        if callable(ask):
-            reason = ask(cap, device)
-            if reason:
-                return f"implementation {implementation_name(impl, repr(impl))!r} cannot run {cap!r}: {reason}"
+            reason = f"does not provide {cap!r} (sparse_mla_needs)"
+        elif callable(ask := getattr(impl, "skip_reason", None)) and (why := ask(cap, device)):
+            reason = f"cannot run {cap!r}: {why}"
+        if reason is not None:  # the name (possibly a costly repr) is read only for a reason given
+            return f"implementation {implementation_name(impl, repr(impl))!r} {reason}"
     return None
 
 
