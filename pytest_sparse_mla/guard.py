@@ -41,6 +41,7 @@ from pytest_sparse_mla.envelope import INVARIANCE_CLAIMS, UNIVERSAL, Envelope, U
 
 __all__ = [
     "RESULT_FORM_KEY",
+    "RESULT_FORM_POINTER",
     "RESULT_FORM_STOP",
     "ForwardResult",
     "ResultFormError",
@@ -107,6 +108,10 @@ class ForwardResult:
 RESULT_FORM_KEY = "sparse_mla_result_form"
 #: Why a run with such a failure stops (``session.shouldstop``).
 RESULT_FORM_STOP = "usage error: the implementation's results have the wrong form"
+#: The failure text of such a test: the message is written once, in the session's usage-error section.
+RESULT_FORM_POINTER = (
+    "the implementation's result has the wrong form: the fix is in the 'sparse-mla usage error' section"
+)
 
 
 class ResultFormError(pytest.fail.Exception):  # type: ignore[misc,name-defined]
@@ -126,16 +131,38 @@ def _form_error(name: str, what: str) -> ResultFormError:
     )
 
 
+def _looks_like_lse(x: Any) -> bool:
+    return str(getattr(x, "dtype", "")) == "torch.float32" and len(getattr(x, "shape", ())) == 2
+
+
+def _looks_like_output(x: Any) -> bool:
+    return str(getattr(x, "dtype", "")) == "torch.bfloat16" and len(getattr(x, "shape", ())) == 3
+
+
 def result_of(res: Any, env: Envelope, name: str) -> ForwardResult:
     """``res`` (an object with ``output``, an ``(output, lse)`` pair or a bare tensor) as a
     :class:`ForwardResult`.
 
     Raises:
-        ResultFormError: no output, an output that is not a BF16 tensor, or no LSE although
-            ``env`` declares LSE conventions.
+        ResultFormError: no output, an output that is not a BF16 tensor, a tuple or list that is
+            not a pair (FlashMLA's ``(output, max_logits, lse)`` triple would have ``max_logits``
+            judged as the LSE), a pair in the order ``(lse, output)``, or no LSE although ``env``
+            declares LSE conventions.
     """
     if isinstance(res, (tuple, list)):
-        output, lse, route = (res[0], res[1] if len(res) > 1 else None, None)
+        if len(res) != 2:
+            triple = (
+                "; FlashMLA's flash_mla_sparse_fwd (flash_mla/flash_mla_interface.py) and vLLM's "
+                "triton_bf16_mla_sparse_interface return (output, max_logits, lse): return (output, lse) "
+                "from the adapter"
+                if len(res) == 3
+                else ""
+            )
+            raise _form_error(name, f"a {type(res).__name__} of {len(res)} item{'' if len(res) == 1 else 's'}{triple}")
+        output, lse, route = res[0], res[1], None
+        if _looks_like_lse(output) and _looks_like_output(lse):
+            swapped = "(lse, output), the pair swapped (an fp32 [T, H] tensor first, BF16 [T, H, D] second)"
+            raise _form_error(name, swapped)
     elif hasattr(res, "output"):
         output, lse, route = res.output, getattr(res, "lse", None), getattr(res, "route", None)
     elif hasattr(res, "shape") and hasattr(res, "dtype"):

@@ -37,6 +37,7 @@ __all__ = [
     "HELP_GROUP_TITLE",
     "IMPL_FORMS",
     "INI_KEYS",
+    "unknown_ini_key_hint",
     "OPTIONS_KEY",
     "PLUGIN_NAMES",
     "SparseMlaOptions",
@@ -250,13 +251,43 @@ _DESTS = (
 
 
 def _named_with_p(config: pytest.Config) -> str | None:
+    """``-p NAME``, with where it came from when not the command line (``PYTEST_ADDOPTS``, ini
+    ``addopts``), or ``PYTEST_PLUGINS``; ``None`` when the plugin was not named."""
+    import shlex
+
+    def names(args: list[str], value: str) -> bool:
+        pairs = zip(args, [*args[1:], ""] if args else [], strict=True)  # (argument, the one after it)
+        joined = (f"-p{value}", f"--plugin={value}")
+        return any((a in ("-p", "--plugin") and b == value) or a in joined for a, b in pairs)
+
     for value in getattr(config.option, "plugins", None) or ():
         if value in PLUGIN_NAMES:
-            return f"-p {value}"
+            if names([str(a) for a in config.invocation_params.args], value):
+                return f"-p {value}"
+            if names(shlex.split(os.environ.get("PYTEST_ADDOPTS", "")), value):
+                return f"-p {value} in PYTEST_ADDOPTS"
+            return f"-p {value} in the ini addopts"
     env = os.environ.get("PYTEST_PLUGINS", "")
     if any(part.strip() == "pytest_sparse_mla.plugin" for part in env.split(",")):
         return "PYTEST_PLUGINS"
     return None
+
+
+def unknown_ini_key_hint(config: pytest.Config) -> str:
+    """``"; ..."`` naming the ini keys that look like the plugin's (``sparse_mla...``) but are not one
+    of :data:`INI_KEYS`, each with the closest known key (``difflib``), or ``""``. A misspelled key
+    activates nothing, so a session that needs the plugin says why it is not active."""
+    import difflib
+
+    inicfg = getattr(config, "inicfg", None) or {}
+    unknown = sorted(k for k in inicfg if k.replace("-", "_").startswith("sparse_mla") and k not in INI_KEYS)
+    parts = []
+    for key in unknown:
+        close = difflib.get_close_matches(key, list(INI_KEYS), n=1, cutoff=0.5)
+        parts.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    if not parts:
+        return ""
+    return f"; the ini file sets {', '.join(parts)}, not a key of the plugin (known: {', '.join(INI_KEYS)})"
 
 
 def activation(config: pytest.Config) -> str | None:

@@ -85,7 +85,7 @@ def pytest_configure(config: pytest.Config) -> None:
             from pytest_sparse_mla import selection
 
             if selection.names_shipped_suites(config):  # say it once, before xdist starts workers
-                raise pytest.UsageError(NEEDS_PLUGIN)
+                raise pytest.UsageError(NEEDS_PLUGIN + options.unknown_ini_key_hint(config))
         return
     from pytest_sparse_mla import implementations, xdist_gpu
     from pytest_sparse_mla.snapshot import session as snapshot_session
@@ -209,7 +209,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if not options.is_active(config):
         suite_items = selection.shipped_suite_items(items)
         if suite_items and getattr(config, "workerinput", None) is None:
-            raise pytest.UsageError(f"{suite_items[0].nodeid}: {NEEDS_PLUGIN}")
+            raise pytest.UsageError(f"{suite_items[0].nodeid}: {NEEDS_PLUGIN}{options.unknown_ini_key_hint(config)}")
         for item in suite_items:  # an xdist worker: a usage error there is an internal error
             item.stash[_NEEDS_PLUGIN_KEY] = True
         return
@@ -248,6 +248,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> 
 
         if isinstance(call.excinfo.value, guard.ResultFormError):
             report.user_properties.append((guard.RESULT_FORM_KEY, str(call.excinfo.value.msg)))
+            report.longrepr = guard.RESULT_FORM_POINTER  # the message itself is said once, in the summary
             item.session.shouldstop = guard.RESULT_FORM_STOP  # this process (an xdist worker too) stops
     if report.when == "call" and (report.failed or hasattr(report, "wasxfail")):
         opts = item.config.stash.get(options.OPTIONS_KEY, None)

@@ -39,6 +39,7 @@ import contextlib
 import inspect
 import json
 import re
+import types
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -340,8 +341,17 @@ def _import_root(spec: str) -> str | None:
 
 
 def _impl_string(impl: Any) -> str:
+    """The import string of ``impl``: a module's name (a module selected as the implementation), else
+    ``module:Class`` of its class."""
+    if isinstance(impl, types.ModuleType):
+        return impl.__name__
     cls = type(impl)
     return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def _impl_name(impl: Any, spec: str | None) -> str:
+    """The implementation's ``name``, or its import string where it declares none."""
+    return str(getattr(impl, "name", "") or spec or _impl_string(impl))
 
 
 def write_reproducers(
@@ -388,7 +398,7 @@ def write_reproducers(
             "nodeid": nodeid,
             "impl": impl_spec or _impl_string(impl),
             "impl_path": _import_root(impl_spec or _impl_string(impl)),
-            "impl_name": str(getattr(impl, "name", "")),
+            "impl_name": _impl_name(impl, impl_spec),
             "device": str(rec.args[0].device) if rec.args and hasattr(rec.args[0], "device") else "cpu",
             "args": rec.args,
             "kwargs": rec.kwargs,
@@ -408,7 +418,7 @@ def write_reproducers(
     index = Path(directory) / "index.jsonl"
     index.parent.mkdir(parents=True, exist_ok=True)
     with index.open("a", encoding="utf-8") as fh:
-        fh.write(json.dumps({"nodeid": nodeid, "outcome": outcome, "impl": str(getattr(impl, "name", "")),
+        fh.write(json.dumps({"nodeid": nodeid, "outcome": outcome, "impl": _impl_name(impl, impl_spec),
                              "scripts": [str(p / "repro.py") for p in written]}) + "\n")  # fmt: skip
     if not written:
         base.mkdir(parents=True, exist_ok=True)
@@ -436,7 +446,7 @@ def _script(nodeid: str, impl: Any, verdict: list[str], native: NativeCall | Non
 """Reproducer written by pytest-sparse-mla (--sparse-mla-repro-dir).
 
 Test: {nodeid}
-Implementation: {getattr(impl, "name", "")} ({impl_spec or _impl_string(impl)}); this script {how}.
+Implementation: {_impl_name(impl, impl_spec)} ({impl_spec or _impl_string(impl)}); this script {how}.
 Recorded: {" / ".join(verdict)}
 
 Needs torch and the implementation only. Usage:

@@ -166,7 +166,9 @@ def shipped_suite_items(items: list[pytest.Item]) -> list[pytest.Item]:
 
 def candidate_ids(item: pytest.Item) -> list[str]:
     """The ids an entry may match for ``item``: its node id and, when the item comes from the
-    shipped suites (wherever installed), ``suites/<path in the suites package>::<rest>``."""
+    shipped suites (wherever installed), ``suites/<path in the suites package>::<rest>`` and the
+    same without ``suites/`` (the node id a ``--pyargs pytest_sparse_mla.suites`` run prints when
+    its rootdir is the suites package)."""
     ids = [item.nodeid]
     path = Path(item.path).resolve()
     for suites in _suites_dirs():
@@ -175,9 +177,10 @@ def candidate_ids(item: pytest.Item) -> list[str]:
         except ValueError:
             continue
         _, sep, rest = item.nodeid.partition("::")
-        canonical = f"{SUITES_ID_PREFIX}{rel.as_posix()}" + (f"::{rest}" if sep else "")
-        if canonical not in ids:
-            ids.append(canonical)
+        in_package = rel.as_posix() + (f"::{rest}" if sep else "")
+        for candidate in (f"{SUITES_ID_PREFIX}{in_package}", in_package):
+            if candidate not in ids:
+                ids.append(candidate)
         break
     return ids
 
@@ -219,11 +222,17 @@ def apply_files(config: pytest.Config, items: list[pytest.Item]) -> None:
     xfail = read_id_file(opts.xfail_file) if opts.xfail_file is not None else []
     skip = read_id_file(opts.skip_file) if opts.skip_file is not None else []
     unmatched = apply_selection(items, xfail=xfail, skip=skip)
+    shipped = bool(unmatched) and bool(shipped_suite_items(items))
     for entry in unmatched:
         kind = "xfail" if any(entry is e for e in xfail) else "skip"
+        hint = "" if not shipped or entry.prefix.startswith(SUITES_ID_PREFIX) else (
+            f" (a shipped suite's test is listed as '{SUITES_ID_PREFIX}<file>::<test>', e.g. "
+            f"'{SUITES_ID_PREFIX}test_formats.py::test_padded_stride_of_an_odd_page_size', wherever the suites "
+            "are installed)"
+        )  # fmt: skip
         warnings.warn(
             SparseMlaSelectionWarning(
-                f"--sparse-mla-{kind}-file: {entry.prefix!r} ({entry.where}) matches no collected test"
+                f"--sparse-mla-{kind}-file: {entry.prefix!r} ({entry.where}) matches no collected test{hint}"
             ),
             stacklevel=1,
         )

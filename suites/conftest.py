@@ -28,6 +28,17 @@ else:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Load the ``sparse_mla`` Hypothesis profile unless the command line chose one."""
+    """Stop with a usage error when ``-p no:sparse_mla`` turned the plugin off (the suites' fixtures
+    and markers are the plugin's); load the ``sparse_mla`` Hypothesis profile unless the command
+    line chose one.
+
+    Raises:
+        pytest.UsageError: the plugin is blocked.
+    """
+    if config.pluginmanager.is_blocked("sparse_mla"):
+        raise pytest.UsageError(
+            "the pytest-sparse-mla suites need the plugin, which -p no:sparse_mla turned off: "
+            "drop -p no:sparse_mla and run with -p sparse_mla"
+        )
     if settings is not None and not config.getoption("hypothesis_profile", None):
         settings.load_profile("sparse_mla")

@@ -114,13 +114,13 @@ def test_padding_with_minus_one_is_neutral(
     widened = [("indices", inputs.indices), ("extra_indices", inputs.extra_indices)]
     if all(over[k].shape[1] == v.shape[1] for k, v in widened if k in over):
         _na(f"no wider row within the envelope's widths ({env.topk}, {env.extra_topk})")
+    widths = ", ".join(f"{k} to {int(v.shape[1])} lanes" for k, v in over.items())  # before `indices` leaves `over`
     padded = sparse_mla_impl.sparse_mla_forward(
         inputs.q, inputs.cache.packed, over.pop("indices", inputs.indices), **inputs.kwargs(**over)
     )
-    widths = "/".join(str(int(v.shape[1])) for v in over.values())
     sparse_mla_tolerances.check_invariant(
         padded, base, oracle=inputs.run(oracle_forward), fmt=fmt, claim="padding",
-        what=f"{which} row padded with -1 lanes to {widths}",
+        what=f"index rows padded with -1: {widths}",
     )  # fmt: skip
 
 

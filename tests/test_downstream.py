@@ -200,21 +200,24 @@ def test_id_files_excuse_installed_suite_ids_and_warn_on_unmatched(
         "\n"
         "suites/test_attention_accuracy.py::test_lse_conventions[dsv4-sink-flashinfer-1.0]  # sink ignored\n"
         "suites/test_attention_accuracy.py::test_renamed_long_ago\n"
+        "test_attention_accuracy.py::test_gone_too\n"
     )
-    skips = pytester.path / "skips.txt"
-    skips.write_text("suites/test_attention_accuracy.py::test_lse_conventions[dsv4-no-sink\n")
+    skips = pytester.path / "skips.txt"  # the id as a --pyargs run rooted in the package prints it
+    skips.write_text("test_attention_accuracy.py::test_lse_conventions[dsv4-no-sink\n")
     monkeypatch.setenv("PYTHONPATH", _pythonpath(TESTS))
     result = pytester.runpytest_subprocess(
         "-p", "sparse_mla", "--pyargs", ACCURACY, "--sparse-mla-impl", "kernel_catalogue:drops_sink",
         "--sparse-mla-xfail-file", str(xfails), "--sparse-mla-skip-file", str(skips),
         "-k", LSE_PAIR, "-p", "no:cacheprovider", "-rxs",
     )  # fmt: skip
-    result.assert_outcomes(xfailed=1, skipped=1, warnings=1)
+    result.assert_outcomes(xfailed=1, skipped=1, warnings=2)
     result.stdout.fnmatch_lines(
         [
-            "sparse-mla: xfail file: *xfails.txt (2 ids)",
+            "sparse-mla: xfail file: *xfails.txt (3 ids)",
             "*SparseMlaSelectionWarning: --sparse-mla-xfail-file: "
             "'suites/test_attention_accuracy.py::test_renamed_long_ago' (*xfails.txt:4) matches no collected test",
+            "*SparseMlaSelectionWarning: --sparse-mla-xfail-file: 'test_attention_accuracy.py::test_gone_too' "
+            "(*xfails.txt:5) matches no collected test (a shipped suite's test is listed as 'suites/<file>::<test>'*",
             "*XFAIL*test_lse_conventions[[]dsv4-sink-flashinfer-1.0[]] - listed in "
             "--sparse-mla-xfail-file (*xfails.txt:3)",
             "*SKIPPED*listed in --sparse-mla-skip-file (*skips.txt:1)",

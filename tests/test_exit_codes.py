@@ -72,5 +72,34 @@ def test_results_of_the_wrong_form_end_the_run_in_one_usage_error(tmp_path, work
     assert out.count("= sparse-mla usage error =") == 1, out[-3000:]
     summary = out.split("= sparse-mla usage error =")[1]
     assert says in summary and "BF16 tensor [num_tokens, num_heads, d_v]" in summary, summary[:1000]
+    assert out.count("BF16 tensor [num_tokens, num_heads, d_v]") == 1, out[-3000:]  # not once per failed test
     failed = int(re.findall(r"(\d+) failed", out)[-1])
     assert 1 <= failed <= max(1, int(workers)), out[-2000:]
+
+
+def _result_form_error(res: object) -> str:
+    from pytest_sparse_mla import guard
+    from pytest_sparse_mla.envelope import UNIVERSAL
+
+    with pytest.raises(guard.ResultFormError) as info:
+        guard.result_of(res, UNIVERSAL, "k")
+    assert "an (output, lse) pair" in info.value.msg
+    return info.value.msg
+
+
+def test_a_triple_or_a_swapped_pair_is_refused_by_name():
+    """FlashMLA's ``flash_mla_sparse_fwd`` returns ``(output, max_logits, lse)``: taken as a pair,
+    ``max_logits`` would be judged as the LSE. A pair in the order ``(lse, output)`` is named as
+    swapped. A well-formed pair is read as ``(output, lse)``."""
+    import torch
+
+    from pytest_sparse_mla import guard
+    from pytest_sparse_mla.envelope import UNIVERSAL
+
+    out, lse = torch.zeros(2, 4, 512, dtype=torch.bfloat16), torch.zeros(2, 4)
+    msg = _result_form_error((out, lse.clone(), lse))
+    assert "returned a tuple of 3 items; FlashMLA's flash_mla_sparse_fwd" in msg and "(output, max_logits, lse)" in msg
+    assert "returned a list of 1 item;" in _result_form_error([out])
+    assert "(lse, output), the pair swapped" in _result_form_error((lse, out))
+    res = guard.result_of([out, lse], UNIVERSAL, "k")
+    assert res.output is out and res.lse is lse

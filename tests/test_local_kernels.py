@@ -83,11 +83,11 @@ def test_a_miss_lists_every_form_that_would_have_worked(project: Path) -> None:
     result = _run(project, "--sparse-mla-impl", "my_kernel")
     assert result.returncode == pytest.ExitCode.USAGE_ERROR
     for needle in (
-        "--sparse-mla-impl='my_kernel': unknown implementation",
+        "--sparse-mla-impl='my_kernel': unknown implementation (did you mean 'mykernel'?)",
         "a built-in name: flaggems, flashinfer,",
         "an entry-point name (group 'pytest_sparse_mla.implementations'",
         "pytest_sparse_mla_implementations(config) hook",
-        "MODULE or PACKAGE.MODULE (the module itself), importable from sys.path or found as my_kernel.py",
+        "MODULE or PACKAGE.MODULE (the module itself), importable from sys.path (PYTHONPATH) or found as my_kernel.py",
         f"      {project.resolve()}",
         "MODULE:ATTRIBUTE, e.g. 'my_kernel:implementation'",
     ):
@@ -127,3 +127,33 @@ def test_a_module_without_a_forward_names_the_class_inside_it(project: Path) -> 
     result = _run(project, "--sparse-mla-impl", "mykernel")
     assert result.returncode == 4, result.stderr[-2000:]
     assert "did you mean --sparse-mla-impl=mykernel:MyKernel?" in result.stderr, result.stderr[-2000:]
+
+
+def test_a_path_a_misspelling_or_a_failing_module_gets_an_error_that_names_the_fix(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A path to the kernel's file (``./mykernel.py``, an absolute path) is answered with the module
+    name and the folder to put on ``PYTHONPATH``; a misspelled module name with the close module
+    files of the searched folders; a module whose own code raises while it is imported with the
+    exception and the line that raised it (a usage error, not pytest's internal error)."""
+    from pytest_sparse_mla.implementations import locate, registry
+
+    (tmp_path / "mykernel.py").write_text(KERNEL.format(name="k"))
+    (tmp_path / "mk_broken.py").write_text("import math\nrows = [1][3]\n")
+    (tmp_path / "mk_dep.py").write_text("import my_cuda_ext_that_is_not_built\n")
+    assert locate.file_name_hint("./mykernel.py") == "for the file './mykernel.py', give the module name 'mykernel'"
+    absolute = locate.file_name_hint(str(tmp_path / "mykernel.py"))
+    assert absolute is not None and f"PYTHONPATH={tmp_path} pytest ... --sparse-mla-impl mykernel" in absolute
+    miss = locate.miss_message("./mykernel.py", builtins=["reference"], entry_points=[], hook_names=[], dirs=[tmp_path])
+    assert "found as mykernel.py or mykernel/__init__.py" in miss and "e.g. 'mykernel:implementation'" in miss, miss
+    assert locate.close_module_names("mykernal", [tmp_path]) == ["mykernel"]
+    assert "(did you mean 'mykernel'?)" in locate.miss_message(
+        "mykernal", builtins=["reference"], entry_points=[], hook_names=[], dirs=[tmp_path]
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(pytest.UsageError, match=r"importing module 'mk_broken' raised IndexError: list index out of "
+                       rf"range, at {tmp_path}/mk_broken.py:2$"):  # fmt: skip
+        registry._import_object("mk_broken")
+    dep = rf"No module named 'my_cuda_ext_that_is_not_built', at {tmp_path}/mk_dep.py:1"
+    with pytest.raises(pytest.UsageError, match=dep):
+        registry._import_object("mk_dep")

@@ -142,7 +142,7 @@ def test_the_same_project_with_the_plugin_loaded_is_pinned_and_capped(
         (("--disable-plugin-autoload", "-p", "sparse-mla"), "", "-p sparse-mla"),
         (("--sparse-mla-seed", "3"), "", "--sparse-mla-seed"),
         (("--sparse-mla-device", "auto"), "", "--sparse-mla-device"),  # given, even if the default
-        ((), "addopts = -p sparse_mla\n", "-p sparse_mla"),
+        ((), "addopts = -p sparse_mla\n", "-p sparse_mla in the ini addopts"),
         ((), "sparse_mla_impl = reference\n", "ini sparse_mla_impl"),
         ((), "sparse_mla_tolerances =\n    tight.row_sigmas = 5\n", "ini sparse_mla_tolerances"),
     ],
@@ -174,6 +174,20 @@ def test_dash_p_no_sparse_mla_turns_it_off(pytester: pytest.Pytester) -> None:
     assert not any(line.startswith("sparse-mla:") for line in result.stdout.lines)
 
 
+def test_the_shipped_suites_with_the_plugin_turned_off_are_one_usage_error(pytester: pytest.Pytester) -> None:
+    """``-p no:sparse_mla`` blocks the plugin itself, so the suites' own ``conftest.py`` says it: one
+    usage error naming the option, instead of a "fixture not found" error per test."""
+    from pytest_sparse_mla.selection import _suites_dirs
+
+    suites = _suites_dirs()[0]
+    result = pytester.runpytest_subprocess(
+        str(suites / "test_formats.py"), "-p", "no:sparse_mla", "-p", "no:cacheprovider"
+    )
+    assert result.ret == pytest.ExitCode.USAGE_ERROR, result.stdout.str()[-2000:]
+    result.stderr.fnmatch_lines(["*suites need the plugin, which -p no:sparse_mla turned off: drop -p no:sparse_mla*"])
+    assert "fixture" not in result.stdout.str()
+
+
 def test_an_inactive_session_gets_no_fixtures_markers_or_snapshot_guard(pytester: pytest.Pytester) -> None:
     """Not active: the plugin's fixtures and markers are not registered, and a syrupy user's
     ``--snapshot-update -n 2`` is syrupy's business, not refused by this plugin."""
@@ -199,6 +213,19 @@ def test_collecting_the_shipped_suites_without_the_plugin_says_how_to_load_it(py
     assert under_xdist.ret == pytest.ExitCode.USAGE_ERROR, under_xdist.stdout.str()[-2000:]
     under_xdist.stderr.fnmatch_lines([needs])  # once, before any worker starts
     assert under_xdist.stdout.str().count("suites need the plugin") == 0
+
+
+def test_a_misspelled_ini_key_is_named_where_the_suites_need_the_plugin(pytester: pytest.Pytester) -> None:
+    """A misspelled ``sparse_mla_*`` ini key activates nothing: the usage error names it and the
+    closest key of the plugin."""
+    pytester.makeini("[pytest]\nsparse_mla_implementation = mykernel\n")
+    result = pytester.runpytest_subprocess(
+        "--pyargs", "pytest_sparse_mla.suites.test_formats", "-p", "no:cacheprovider"
+    )
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(
+        ["*suites need the plugin*; the ini file sets 'sparse_mla_implementation' (did you mean 'sparse_mla_impl'?)*"]
+    )
 
 
 def test_a_folder_holding_the_shipped_suites_under_xdist_without_the_plugin_is_one_usage_error(

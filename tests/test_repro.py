@@ -23,6 +23,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
 REFERENCE = "pytest_sparse_mla.implementations:ReferenceImplementation"
+ACCURACY = "suites/test_attention_accuracy.py"
 
 #: Runs a script with ``pytest_sparse_mla`` and ``pytest`` made unimportable (the way
 #: ``scripts/check_repros.py`` runs the scripts that call a peer directly).
@@ -88,6 +89,30 @@ def test_a_wrong_kernel_gets_a_script_that_fails_on_it_and_passes_on_the_referen
     ref = _script(scripts[0], "--impl", REFERENCE)
     assert ref.returncode == 0, ref.stdout + ref.stderr
     assert "OK" in ref.stdout
+
+
+_SINKLESS_MODULE = '''"""A module selected as the implementation (no class): it drops the sink."""
+from pytest_sparse_mla.attention import sparse_mla_forward as _reference
+
+
+def sparse_mla_forward(q, kv_cache, indices, **kwargs):
+    kwargs.pop("attn_sink", None)
+    return _reference(q, kv_cache, indices, **kwargs)
+'''
+
+
+def test_a_module_implementation_gets_a_script_that_imports_the_module(_suite, tmp_path, monkeypatch):
+    """``--sparse-mla-impl mymodule`` (a module with a module-level ``sparse_mla_forward``): the
+    script imports the module by its name, not ``builtins:module``, and names it in its header."""
+    (tmp_path / "sinkless_module.py").write_text(_SINKLESS_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    run, out = _suite("sinkless_module", f"{ACCURACY}::test_lse_conventions[dsv4-sink-flashinfer-1.0]")
+    assert run.returncode == 1, run.stdout[-3000:]
+    script = Path(json.loads((out / "index.jsonl").read_text().splitlines()[0])["scripts"][0])
+    header = "Implementation: sinkless_module (sinkless_module); this script imports sinkless_module"
+    assert header in script.read_text()
+    got = _script(script)  # its PYTHONPATH lacks tmp_path: the script finds the module where it was recorded
+    assert got.returncode == 1 and "DISCREPANCY" in got.stdout, got.stdout + got.stderr
 
 
 def test_a_bad_input_the_kernel_accepts_gets_a_script(_suite):

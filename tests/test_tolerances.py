@@ -105,6 +105,21 @@ def test_zero_output_and_per_head_factor_are_named() -> None:
     assert report.message().count("output") <= 2  # no doubled labels
 
 
+def test_a_token_suffix_is_named_only_after_a_token_that_came_out_right() -> None:
+    """Tokens 2..5 wrong after two right ones: token tiling is named. Tokens 2..5 wrong after two
+    empty rows (expected output zero, which any kernel that drops candidates also gets right): it
+    is not, since nothing shows that the tokens before 2 are handled differently."""
+    e = torch.randn((6, 3, 512), generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    wrong = e.clone()
+    wrong[2:] = torch.randn((4, 3, 512), generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    named = tolerances.compare_output(wrong.to(torch.bfloat16), e, profile=KERNEL).message()
+    assert "tokens 2..5 are wrong: token tiling or batch stride?" in named, named
+    e[:2] = 0.0
+    wrong[:2] = 0.0
+    silent = tolerances.compare_output(wrong.to(torch.bfloat16), e, profile=KERNEL).message()
+    assert "FAIL" in silent and "token tiling" not in silent, silent
+
+
 def test_lse_in_natural_log_units_and_causes() -> None:
     """FlashInfer convention with ``lse_scale`` 0.5: a returned difference ``x`` is
     ``x * ln 2 / 0.5`` natural-log units; the kernel profile allows ``2**-10`` (+ ``2**-23 |lse|``)."""

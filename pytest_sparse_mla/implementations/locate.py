@@ -27,19 +27,65 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # annotations only: this module does not import pytest at run time
     import pytest
 
-__all__ = ["ModuleMissing", "search_dirs", "import_module", "miss_message", "is_module_path"]
+__all__ = [
+    "ModuleMissing",
+    "close_module_names",
+    "file_name_hint",
+    "import_module",
+    "is_module_path",
+    "miss_message",
+    "search_dirs",
+]
 
 
 class ModuleMissing(ImportError):
     """No module of that name exists on ``sys.path`` or in any searched folder."""
 
 
+def _file_module(text: str) -> tuple[str, str] | None:
+    """``(module name, folder)`` for a file path given where a module is expected (``mykernel.py``,
+    ``./mykernel.py``, ``/abs/dir/mykernel.py``: folder ``""`` for a bare file name), else ``None``."""
+    path = Path(text)
+    if path.suffix != ".py" or not is_module_path(path.stem):
+        return None
+    folder = "" if text == path.name else str(path.parent)
+    return path.stem, folder
+
+
 def file_name_hint(module: str) -> str | None:
-    """For ``mykernel.py`` (a file name given where a module is expected): the module name to give."""
-    stem, dot, suffix = module.rpartition(".")
-    if dot and suffix == "py" and is_module_path(stem):
+    """For ``mykernel.py`` or a path to it (a file given where a module is expected): the module name
+    to give and, for a path, the folder to put on ``PYTHONPATH``."""
+    found = _file_module(module)
+    if found is None:
+        return None
+    stem, folder = found
+    if not folder or folder == ".":
         return f"for the file {module!r}, give the module name {stem!r}"
-    return None
+    return (
+        f"for the file {module!r}, give the module name {stem!r} with its folder on the import path "
+        f"(PYTHONPATH={folder} pytest ... --sparse-mla-impl {stem}, or run pytest from {folder})"
+    )
+
+
+def close_module_names(module: str, dirs: Sequence[Path]) -> list[str]:
+    """Names of modules (``*.py`` files and packages) in ``dirs`` close to ``module``'s top-level name
+    (``difflib``), for a misspelled ``--sparse-mla-impl``."""
+    import difflib
+
+    top = module.split(".", 1)[0]
+    names: set[str] = set()
+    for folder in dirs:
+        try:
+            entries = list(folder.iterdir())
+        except OSError:
+            continue
+        for entry in entries:
+            if entry.suffix == ".py" and entry.stem.isidentifier():
+                names.add(entry.stem)
+            elif entry.is_dir() and entry.name.isidentifier() and (entry / "__init__.py").is_file():
+                names.add(entry.name)
+    names.discard("conftest")
+    return difflib.get_close_matches(top, sorted(names), n=3, cutoff=0.75)
 
 
 def is_module_path(text: str) -> bool:
@@ -123,11 +169,16 @@ def miss_message(
 
     all_names = {*builtins, *entry_points, *hook_names}
     module = spec.partition(":")[0] or spec
+    file_module = _file_module(module)
+    if file_module is not None:  # the examples below name the module, not the file
+        module = file_module[0]
     top = module.split(".", 1)[0]
     folders = "\n".join(f"      {d}" for d in dirs)
     close = difflib.get_close_matches(spec, sorted(all_names), n=3, cutoff=0.6)
+    if file_module is None and is_module_path(module):
+        close += [m for m in close_module_names(module, dirs) if m != module]
     hints = [f"did you mean {' or '.join(repr(n) for n in close)}?"] if close else []
-    file_hint = file_name_hint(module)
+    file_hint = file_name_hint(spec.partition(":")[0] or spec)
     if file_hint:
         hints.append(file_hint)
     hint = f" ({'; '.join(hints)})" if hints else ""
@@ -139,7 +190,7 @@ def miss_message(
         f"package): {_listed(entry_points)}\n"
         f"  * a name returned by a pytest_sparse_mla_implementations(config) hook in a plugin or an "
         f"initial conftest.py: {_listed(hook_names)}\n"
-        f"  * MODULE or PACKAGE.MODULE (the module itself), importable from sys.path or found as "
+        f"  * MODULE or PACKAGE.MODULE (the module itself), importable from sys.path (PYTHONPATH) or found as "
         f"{top}.py or {top}/__init__.py in one of:\n{folders}\n"
         f"  * MODULE:ATTRIBUTE, e.g. '{module}:implementation' (a class is instantiated without "
         "arguments)"

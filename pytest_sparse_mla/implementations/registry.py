@@ -74,12 +74,23 @@ def available_implementations(config: pytest.Config) -> dict[str, Any]:
     return names
 
 
+def _raised_at(exc: BaseException) -> str:
+    """``", at FILE:LINE"``: the last frame of ``exc``'s traceback outside Python's import machinery
+    (the line of the implementation's module that raised), or ``""``."""
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith("<frozen ")]
+    frames = [f for f in frames if not f.filename.endswith(("importlib/__init__.py", "implementations/locate.py"))]
+    return f", at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+
+
 def _import_object(spec: str, config: pytest.Config | None = None) -> Any:
     """Import ``module[:attribute]`` (from ``sys.path``, else from ``locate.search_dirs``).
 
     Raises:
         locate.ModuleMissing: the module exists nowhere (the caller lists every form).
-        pytest.UsageError: it failed to import, or has no such attribute.
+        pytest.UsageError: it failed to import (an ``ImportError``, or any exception its own code
+            raised while it was imported: named with the file and line), or has no such attribute.
     """
     from pytest_sparse_mla.implementations import locate
 
@@ -94,7 +105,12 @@ def _import_object(spec: str, config: pytest.Config | None = None) -> Any:
         file_hint = locate.file_name_hint(module_name)
         hint = f"; {file_hint}" if file_hint else ""
         raise pytest.UsageError(
-            f"--sparse-mla-impl={spec!r}: cannot import module {module_name!r} ({exc}){hint}"
+            f"--sparse-mla-impl={spec!r}: cannot import module {module_name!r} ({exc}{_raised_at(exc)}){hint}"
+        ) from None
+    except Exception as exc:  # the module's own code failed while it was imported
+        raise pytest.UsageError(
+            f"--sparse-mla-impl={spec!r}: importing module {module_name!r} raised "
+            f"{type(exc).__name__}: {exc}{_raised_at(exc)}"
         ) from None
     for part in attribute.split(".") if attribute else ():
         try:
