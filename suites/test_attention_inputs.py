@@ -107,45 +107,73 @@ def test_zero_tokens_is_a_no_op(sparse_mla_impl, sparse_mla_inputs):
     assert res.lse is None or tuple(res.lse.shape) == (0, heads)
 
 
+#: The two caches a lane may name: the test case, and the argument holding the lane's index row.
+_CACHES = {
+    "main": (dict(), "indices"),
+    "extra": (dict(topk_extra=64, extra_page_block_size=64, extra_num_pages=2, requires=("extra",)), "extra_indices"),
+}
+
+
+def _row_call(inputs: object, argument: str, row: torch.Tensor) -> tuple[tuple[object, ...], dict[str, object]]:
+    """The positional and keyword arguments of ``inputs``' call with ``argument`` replaced by ``row``."""
+    if argument == "indices":
+        return (inputs.q, inputs.cache.packed, row), inputs.kwargs()
+    return (inputs.q, inputs.cache.packed, inputs.indices), inputs.kwargs(**{argument: row})
+
+
 @pytest.mark.sparse_mla_error_class("index-past-cache")
+@pytest.mark.parametrize("which", list(_CACHES))
 def test_a_valid_lane_past_the_cache_does_what_the_envelope_says(
-    sparse_mla_impl, sparse_mla_inputs, sparse_mla_envelope, sparse_mla_tolerances
+    which, sparse_mla_impl, sparse_mla_inputs, sparse_mla_envelope, sparse_mla_tolerances
 ):
-    """A valid lane (inside ``topk_length``, index >= 0) naming slot ``num_pages * page_block_size``:
-    ``index_past_cache="refused"`` raises a ``ValueError`` naming ``indices``; ``"masked"`` gives
-    the result of ``-1`` there; ``"undefined"`` is never asked."""
+    """A valid lane (inside ``topk_length``, index >= 0) naming slot ``num_pages * page_block_size``
+    of its cache (the main or the extra one): ``index_past_cache="refused"`` raises a
+    ``ValueError`` naming ``indices`` / ``extra_indices``; ``"masked"`` gives the result of ``-1``
+    there; ``"undefined"`` is never asked."""
     behaviour = sparse_mla_envelope.index_past_cache
     if behaviour == "undefined":
         pytest.skip("not applicable to this envelope: index_past_cache='undefined'")
-    inputs = sparse_mla_inputs(AttentionCase("past-cache", 4, 8, 64, num_pages=2, with_sink=False))
-    past = inputs.indices.clone()
-    past[-1, 0] = inputs.cache.num_tokens  # one past the last slot
+    extra_case, argument = _CACHES[which]
+    inputs = sparse_mla_inputs(AttentionCase(f"past-cache-{which}", 4, 8, 64, num_pages=2, with_sink=False,
+                                             **extra_case))  # fmt: skip
+    row, cache = getattr(inputs, argument), inputs.cache if which == "main" else inputs.extra
+    past = row.clone()
+    past[-1, 0] = cache.num_tokens  # one past the last slot
     if behaviour == "refused":
+        args, kwargs = _row_call(inputs, argument, past)
         with pytest.raises(ValueError) as excinfo:
-            sparse_mla_impl.bad_call("indices", inputs.q, inputs.cache.packed, past, **inputs.kwargs())
-        assert re.search(r"\bindices\b", str(excinfo.value)), f"the error must name 'indices': {excinfo.value}"
+            sparse_mla_impl.bad_call(argument, *args, **kwargs)
+        assert re.search(rf"\b{argument}\b", str(excinfo.value)), f"the error must name {argument!r}: {excinfo.value}"
         return
-    masked = inputs.indices.clone()
+    masked = row.clone()
     masked[-1, 0] = -1
-    a = sparse_mla_impl.sparse_mla_forward(inputs.q, inputs.cache.packed, past, **inputs.kwargs())
-    b = sparse_mla_impl.sparse_mla_forward(inputs.q, inputs.cache.packed, masked, **inputs.kwargs())
-    sparse_mla_tolerances.check_invariant(a, b, claim="padding", what="a lane past the cache vs -1")
+    args, kwargs = _row_call(inputs, argument, past)
+    a = sparse_mla_impl.sparse_mla_forward(*args, **kwargs)
+    args, kwargs = _row_call(inputs, argument, masked)
+    b = sparse_mla_impl.sparse_mla_forward(*args, **kwargs)
+    sparse_mla_tolerances.check_invariant(a, b, claim="padding", what=f"a lane past the {which} cache vs -1")
 
 
 @pytest.mark.sparse_mla_error_class("negative-indices")
+@pytest.mark.parametrize("which", list(_CACHES))
 def test_every_negative_index_masks_its_lane_where_the_envelope_says_so(
-    sparse_mla_impl, sparse_mla_inputs, sparse_mla_envelope, sparse_mla_tolerances
+    which, sparse_mla_impl, sparse_mla_inputs, sparse_mla_envelope, sparse_mla_tolerances
 ):
-    """``masked_indices="negative"``: lanes holding -2, -7 and ``-2**31`` give the result of -1
-    (FlashMLA's prefill and SGLang mask every negative index; FlashMLA's decode only -1, and
-    declares ``"minus_one"``, for which this is not applicable)."""
+    """``masked_indices="negative"``: lanes holding -2, -7 and ``-2**31`` give the result of -1, in
+    the main and in the extra cache's index rows (FlashMLA's prefill and SGLang mask every negative
+    index; FlashMLA's decode only -1, and declares ``"minus_one"``, for which this is not
+    applicable)."""
     if sparse_mla_envelope.masked_indices != "negative":
         pytest.skip("not applicable to this envelope: masked_indices='minus_one' (only -1 masks a lane)")
-    inputs = sparse_mla_inputs(AttentionCase("negatives", 4, 8, 64, num_pages=2, masked_fraction=0.5))
-    others = inputs.indices.clone()
+    extra_case, argument = _CACHES[which]
+    inputs = sparse_mla_inputs(AttentionCase(f"negatives-{which}", 4, 8, 64, num_pages=2, masked_fraction=0.5,
+                                             extra_masked_fraction=0.5, **extra_case))  # fmt: skip
+    others = getattr(inputs, argument).clone()
     lanes = others == -1
     fill = torch.tensor([-2, -7, -(2**31)], dtype=others.dtype, device=others.device)
     others[lanes] = fill[torch.arange(int(lanes.sum()), device=others.device) % 3]
-    a = sparse_mla_impl.sparse_mla_forward(inputs.q, inputs.cache.packed, others, **inputs.kwargs())
+    args, kwargs = _row_call(inputs, argument, others)
+    a = sparse_mla_impl.sparse_mla_forward(*args, **kwargs)
     b = inputs.run(sparse_mla_impl.sparse_mla_forward)
-    sparse_mla_tolerances.check_invariant(a, b, claim="padding", what="-2 / -7 / -2**31 lanes vs -1 lanes")
+    what = f"-2 / -7 / -2**31 lanes vs -1 lanes ({which} cache)"
+    sparse_mla_tolerances.check_invariant(a, b, claim="padding", what=what)

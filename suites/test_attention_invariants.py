@@ -139,6 +139,50 @@ def test_index_forms_are_equal(sparse_mla_impl, sparse_mla_tolerances, sparse_ml
     wide = _pad(inputs.indices, width, value=12345)  # row pitch 2 x width, view of the first width lanes
     pitched = sparse_mla_impl.sparse_mla_forward(inputs.q, inputs.cache.packed, wide[:, :width], **inputs.kwargs())
     sparse_mla_tolerances.check_invariant(pitched, base, oracle=oracle, what="row-pitched indices")
+    if inputs.extra_indices is not None:  # the extra row pitched the same way (a slice of a wider index buffer)
+        extra_width = inputs.extra_indices.shape[1]
+        extra_wide = _pad(inputs.extra_indices, extra_width, value=12345)
+        pitched = sparse_mla_impl.sparse_mla_forward(
+            inputs.q, inputs.cache.packed, inputs.indices, **inputs.kwargs(extra_indices=extra_wide[:, :extra_width])
+        )
+        sparse_mla_tolerances.check_invariant(pitched, base, oracle=oracle, what="row-pitched extra_indices")
+
+
+def _every_other(x: torch.Tensor, other: float) -> torch.Tensor:
+    """``x`` as a stride-2 view: column 0 of ``[..., 2]``, whose column 1 holds ``other``."""
+    return torch.stack([x, torch.full_like(x, other)], dim=-1)[..., 0]
+
+
+@pytest.mark.sparse_mla_error_class("strided-arguments")
+def test_strided_sink_and_lengths_equal_contiguous_ones(sparse_mla_impl, sparse_mla_tolerances, sparse_mla_inputs):
+    """``attn_sink`` as a stride-2 view (a column of a ``[H, 2]`` parameter; its neighbours NaN) and
+    ``topk_length`` / ``extra_topk_length`` as stride-2 views (a column of ``[T, 2]`` metadata; the
+    neighbours 0) give the contiguous arguments' result: a kernel that reads ``data_ptr()`` as if
+    contiguous reads the neighbours."""
+    case = _case("strided-args", "dsv4", 8, 16, 128, sink_kind="large", topk_length=100, extra_topk_length=70,
+                 masked_fraction=0.0, **DUAL_C128)  # fmt: skip
+    inputs = sparse_mla_inputs(case)
+    rows: dict[str, torch.Tensor] = {}  # lanes past the lengths hold -1 here (stale padding is another test's)
+    for key, length in (("indices", "topk_length"), ("extra_indices", "extra_topk_length")):
+        row, n = getattr(inputs, key), getattr(inputs, length)
+        if row is not None and n is not None:
+            lanes = torch.arange(row.shape[1], device=row.device)
+            rows[key] = row.masked_fill(lanes[None, :] >= n[:, None].to(row.device), -1)
+    main_row = rows.pop("indices", inputs.indices)
+    base = sparse_mla_impl.sparse_mla_forward(inputs.q, inputs.cache.packed, main_row, **inputs.kwargs(**rows))
+    over: dict[str, torch.Tensor] = {}
+    if inputs.attn_sink is not None:
+        over["attn_sink"] = _every_other(inputs.attn_sink, math.nan)
+    for key in ("topk_length", "extra_topk_length"):
+        if getattr(inputs, key) is not None:
+            over[key] = _every_other(getattr(inputs, key), 0)
+    if not over:
+        _na("no attn_sink and no lengths in this envelope")
+    strided = sparse_mla_impl.sparse_mla_forward(
+        inputs.q, inputs.cache.packed, main_row, **inputs.kwargs(**rows, **over)
+    )
+    oracle = oracle_forward(inputs.q, inputs.cache.packed, main_row, **inputs.kwargs(**rows))
+    sparse_mla_tolerances.check_invariant(strided, base, oracle=oracle, what=f"stride-2 views of {', '.join(over)}")
 
 
 @pytest.mark.sparse_mla_error_class("permutation")
@@ -487,22 +531,28 @@ def test_a_tokens_result_does_not_depend_on_the_other_tokens(
     fmt, num_tokens, sparse_mla_impl, sparse_mla_tolerances, sparse_mla_inputs, sparse_mla_envelope
 ):
     """The first 64 tokens of a ``num_tokens``-token call (prefill) equal the 64-token call
-    (decode) over the same rows (for a kernel that takes no 64-token call: its smallest call)."""
+    (decode) over the same rows (for a kernel that takes no 64-token call: its smallest call), and
+    the other tokens equal a call over them alone (where the envelope takes that many tokens): a
+    prefill kernel that reads token ``t % 128``'s rows past token 127 fails the second."""
     case = _case("batch", fmt, num_tokens, 64, 128, requires=("tokens",), **_dual(fmt, DUAL_C128))
     inputs = sparse_mla_inputs(case)
     part = sparse_mla_envelope.tokens_for(64)
     if part >= num_tokens:
         _na(f"a call of fewer than {num_tokens} tokens (min_tokens={sparse_mla_envelope.min_tokens})")
     full = inputs.run(sparse_mla_impl.sparse_mla_forward)
-    kw = inputs.kwargs()
-    for key in ("indices", "extra_indices", "topk_length", "extra_topk_length"):
-        if key in kw:
-            kw[key] = kw[key][:part]
-    first = sparse_mla_impl.sparse_mla_forward(inputs.q[:part], inputs.cache.packed, inputs.indices[:part], **kw)
-    oracle = oracle_forward(inputs.q[:part], inputs.cache.packed, inputs.indices[:part], **kw)
-    head = SimpleNamespace(output=full.output[:part], lse=None if full.lse is None else full.lse[:part])
-    what = f"tokens 0..{part - 1} of a {num_tokens}-token call vs a {part}-token call"
-    sparse_mla_tolerances.check_invariant(head, first, oracle=oracle, fmt=fmt, claim="batch", what=what)
+    spans = [(0, part)]
+    if sparse_mla_envelope.tokens_for(num_tokens - part) == num_tokens - part:
+        spans.append((part, num_tokens))
+    for lo, hi in spans:
+        kw = inputs.kwargs()
+        for key in ("indices", "extra_indices", "topk_length", "extra_topk_length"):
+            if kw.get(key) is not None:
+                kw[key] = kw[key][lo:hi]
+        alone = sparse_mla_impl.sparse_mla_forward(inputs.q[lo:hi], inputs.cache.packed, inputs.indices[lo:hi], **kw)
+        oracle = oracle_forward(inputs.q[lo:hi], inputs.cache.packed, inputs.indices[lo:hi], **kw)
+        rows = SimpleNamespace(output=full.output[lo:hi], lse=None if full.lse is None else full.lse[lo:hi])
+        what = f"tokens {lo}..{hi - 1} of a {num_tokens}-token call vs a {hi - lo}-token call of them alone"
+        sparse_mla_tolerances.check_invariant(rows, alone, oracle=oracle, fmt=fmt, claim="batch", what=what)
 
 
 @pytest.mark.sparse_mla_error_class("per-layer-views", "layout")

@@ -125,6 +125,9 @@ OUTSIDE_FLASHMLA: dict[str, str] = {
     "head_fold_32_dsv32": "it folds exactly 32 heads into two groups of 16; the envelope takes 64 or 128 heads",
     "only_minus_one_masked": "the envelope itself declares masked_indices='minus_one' (FlashMLA's decode)",
     "dsv32_drops_extra_cache": "the envelope takes no extra cache for DSV3.2 (FlashMLA's V32 decode)",
+    "extra_only_minus_one_masked": "the envelope itself declares masked_indices='minus_one' (FlashMLA's decode)",
+    "partial_tile_dropped": "the envelope takes widths that are multiples of 64 only: no row has a partial tile",
+    "main_length_unclamped": "the envelope declares topk_length_range='row': no length lies beyond its row",
 }
 #: Suffix of the module attribute that gives a catalogue kernel with FlashMLA's envelope.
 FLASHMLA_SUFFIX = "__flashmla"
@@ -360,6 +363,129 @@ def _main_rows_remapped(self: _WrapsReference, q: Any, kv_cache: Any, indices: A
     return self._reference(q, kv_cache, remap(rows, n).to(rows.dtype), **kw)
 
 
+def _extra_rows_remapped(self: _WrapsReference, q: Any, kv_cache: Any, indices: Any, kw: dict[str, Any],
+                         remap: Callable[[torch.Tensor, int], torch.Tensor]) -> Any:
+    """The reference over ``remap(extra index rows, extra cache slots)`` (main rows as given)."""
+    if _has_extra(kw):
+        record = formats.cache_formats(kw.get("fmt", "dsv4"))[1]
+        n = formats.parse_cache(kw["extra_kv_cache"], record, page_block_size=kw.get("extra_page_block_size"),
+                                name="extra_kv_cache").num_tokens  # fmt: skip
+        rows = _rows(kw["extra_indices"]).to(torch.int64)
+        kw["extra_indices"] = remap(rows, n).to(torch.int32)
+    return self._reference(q, kv_cache, indices, **kw)
+
+
+@wrong(
+    "extra-cache lanes: only -1 masks a lane (the main cache masks every negative index); -2 and below are "
+    "read as (index mod extra slots)",
+    "bound and mask checks written for the main cache and not repeated for the second index tensor",
+)
+class extra_only_minus_one_masked(_WrapsReference):
+    def sparse_mla_forward(self, q, kv_cache, indices, **kw):
+        return _extra_rows_remapped(self, q, kv_cache, indices, kw, lambda r, n: torch.where(r < -1, r % n, r))
+
+
+@wrong(
+    "a valid extra-cache lane past the extra cache is wrapped (index mod its slots) instead of refused "
+    "(main lanes are checked)",
+    "bound and mask checks written for the main cache and not repeated for the second index tensor",
+)
+class extra_past_cache_wraps(_WrapsReference):
+    def sparse_mla_forward(self, q, kv_cache, indices, **kw):
+        return _extra_rows_remapped(self, q, kv_cache, indices, kw, lambda r, n: torch.where(r >= n, r % n, r))
+
+
+def _partial_tile_dropped(rows: torch.Tensor, _slots: int = 0) -> torch.Tensor:
+    """``rows`` with the lanes of a partial last 64-lane tile set to ``-1`` (``topk // 64`` tiles)."""
+    keep = rows.shape[-1] // 64 * 64
+    return torch.where(torch.arange(rows.shape[-1], device=rows.device) >= keep, -1, rows)
+
+
+@wrong(
+    "the lanes of a partial last tile are never read: the tile count is topk // 64 (floor), so the last "
+    "topk % 64 lanes of each main and extra row are dropped",
+    "FlashInfer tests a topk of 500 as a 'partial final tile' (tests/attention/test_sparse_mla_sm120.py)",
+)
+class partial_tile_dropped(_WrapsReference):
+    def sparse_mla_forward(self, q, kv_cache, indices, **kw):
+        if _has_extra(kw):
+            kw["extra_indices"] = _partial_tile_dropped(_rows(kw["extra_indices"]))
+        return _main_rows_remapped(self, q, kv_cache, indices, kw, _partial_tile_dropped)
+
+
+@wrong(
+    "a main topk_length beyond its row is not clamped to the row: lanes past the row are read from the "
+    "next token's index row (flat [T * topk] memory; past the last row, -1)",
+    "FlashInfer documents a topk_length above topk as clamped to the row; a loop bound of topk_length alone",
+)
+class main_length_unclamped(_WrapsReference):
+    def sparse_mla_forward(self, q, kv_cache, indices, **kw):
+        length, rows = kw.get("topk_length"), _rows(indices).contiguous()
+        if length is None or int(length.max()) <= rows.shape[1]:
+            return self._reference(q, kv_cache, indices, **kw)
+        t, k = rows.shape
+        lengths = length.to(torch.int64).clamp(min=0)
+        width = int(lengths.max())
+        lanes = torch.arange(width, device=rows.device)
+        flat = torch.cat([rows.reshape(-1), torch.full((width,), -1, dtype=rows.dtype, device=rows.device)])
+        wide = flat[torch.arange(t, device=rows.device)[:, None] * k + lanes]
+        kw["topk_length"] = lengths.to(torch.int32)
+        return self._reference(q, kv_cache, torch.where(lanes < lengths[:, None], wide, -1).to(rows.dtype), **kw)
+
+
+@wrong(
+    "the main cache addressed as 64-token pages whatever its page_block_size (page = index >> 6, slot = "
+    "index & 63, DSV4 footer at 64 * 576 bytes)",
+    "SGLang splits 128- and 256-token pages into 64-token pages for kernels compiled for 64 "
+    "(flash_mla_sm120.py _split_kv_pages_to_64); FlashInfer compiled a main page of 128 as 64 until 0.7.1",
+)
+class main_page_64_addressing(_WrapsReference):
+    def sparse_mla_forward(self, q, kv_cache, indices, **kw):
+        record = formats.cache_formats(kw.get("fmt", "dsv4"))[0]
+        layout = formats.parse_cache(kv_cache, record, page_block_size=kw.get("page_block_size"))
+        if layout.page_block_size <= 64:
+            return self._reference(q, kv_cache, indices, **kw)
+        pages64 = formats.as_form(formats.page_bytes_view(kv_cache, layout), record, 64, "2d")
+        slots, rows = layout.num_pages * 64, _rows(indices)
+        kw["page_block_size"] = 64  # lanes past the 64-token view: read as masked (real memory: another token)
+        return self._reference(q, pages64, torch.where(rows >= slots, -1, rows).to(rows.dtype), **kw)
+
+
+def _as_if_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s elements read from its data pointer with contiguous strides."""
+    return torch.as_strided(t, t.shape, torch.empty(t.shape).stride(), t.storage_offset())
+
+
+@wrong(
+    "attn_sink, topk_length and extra_topk_length read as if contiguous: the stride of a column of a "
+    "[H, 2] parameter or of [T, 2] (main, extra) metadata is ignored",
+    "kernels that take data_ptr() of per-head and per-token arguments without their strides",
+)
+class ignores_sink_and_length_strides(_WrapsReference):
+    def sparse_mla_forward(self, q, kv_cache, indices, **kw):
+        for key in ("attn_sink", "topk_length", "extra_topk_length"):
+            if kw.get(key) is not None:
+                kw[key] = _as_if_contiguous(kw[key])
+        return self._reference(q, kv_cache, indices, **kw)
+
+
+@wrong(
+    "prefill tiles of 128 tokens whose metadata pointer is not advanced: token t >= 128 attends with token "
+    "t % 128's index rows and lengths (its own query, sink and output)",
+    "prefill path bugs invisible to calls of 128 tokens or fewer",
+)
+class prefill_rows_mod_128(_WrapsReference):
+    def sparse_mla_forward(self, q, kv_cache, indices, **kw):
+        num_tokens = int(q.shape[0]) if isinstance(q, torch.Tensor) else 0
+        if num_tokens <= 128:
+            return self._reference(q, kv_cache, indices, **kw)
+        src = torch.arange(num_tokens, device=q.device) % 128
+        for key in ("topk_length", "extra_topk_length", "extra_indices"):
+            if kw.get(key) is not None:
+                kw[key] = _rows(kw[key])[src] if kw[key].dim() > 1 else kw[key][src]
+        return self._reference(q, kv_cache, _rows(indices)[src], **kw)
+
+
 @wrong(
     "only -1 masks a lane, though the kernel claims every negative index does: -2 and below are read "
     "as (index mod num_slots), as an unsigned page computation wraps",
@@ -385,11 +511,25 @@ class past_cache_wraps(_WrapsReference):
     "DeepSeek-V3.2 serves topk 2048 (FlashMLA tests/test_flash_mla_sparse_decoding.py); fixed-size lane buffers",
 )
 class main_lanes_past_512_dropped(_WrapsReference):
+    lanes = 512
+
     def sparse_mla_forward(self, q, kv_cache, indices, **kw):
         def drop(rows: torch.Tensor, _slots: int) -> torch.Tensor:
-            return torch.where(torch.arange(rows.shape[-1], device=rows.device) >= 512, -1, rows)
+            return torch.where(torch.arange(rows.shape[-1], device=rows.device) >= self.lanes, -1, rows)
 
         return _main_rows_remapped(self, q, kv_cache, indices, kw, drop)
+
+
+_MainLanesDropped = type(main_lanes_past_512_dropped)  # the class (the module attribute is its instance)
+
+
+@wrong(
+    "main-cache lanes from 1024 on are never read (a lane buffer sized for DSV4's widest main row given "
+    "DSV3.2's topk 2048)",
+    "DeepSeek-V3.2 serves topk 2048 (FlashMLA tests/test_flash_mla_sparse_decoding.py); fixed-size lane buffers",
+)
+class main_lanes_past_1024_dropped(_MainLanesDropped):
+    lanes = 1024
 
 
 @wrong(
@@ -850,7 +990,7 @@ class TileKernel:
         rows, valid = self._lanes(idx, topk_length, tables[0].shape[0], 0, zero_row)
         if extra_idx is not None:
             e_rows, e_valid = self._lanes(
-                extra_idx, extra_topk_length, tables[1].shape[0], tables[0].shape[0], zero_row
+                extra_idx, extra_topk_length, tables[1].shape[0], tables[0].shape[0], zero_row, "extra_indices"
             )
             rows, valid = torch.cat([rows, e_rows], 1), torch.cat([valid, e_valid], 1)
 
@@ -863,8 +1003,9 @@ class TileKernel:
         return SparseMlaOutput(output, lse, route_for(num_tokens))
 
     def _lanes(self, idx: torch.Tensor, length: torch.Tensor | None, num_rows: int, offset: int,
-               zero_row: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """Table rows and validity of every lane, padded with zero-row lanes to whole tiles."""
+               zero_row: int, name: str = "indices") -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """Table rows and validity of every lane, padded with zero-row lanes to whole tiles (a valid
+        lane past its cache: ``ValueError`` naming ``name``)."""
         idx = idx.to(torch.int64)
         topk = idx.shape[1]
         valid = idx >= 0
@@ -873,7 +1014,7 @@ class TileKernel:
         bad = valid & (idx >= num_rows)
         if bool(bad.any()):
             t, lane = bad.nonzero()[0].tolist()
-            raise ValueError(f"indices[{t}, {lane}]={int(idx[t, lane])} is out of range (cache of {num_rows} tokens)")
+            raise ValueError(f"{name}[{t}, {lane}]={int(idx[t, lane])} is out of range (cache of {num_rows} tokens)")
         rows = torch.where(valid, idx + offset, self.masked_lane_row(idx, offset, zero_row))
         pad = (-topk) % self.lane_tile
         if pad:
@@ -1561,8 +1702,21 @@ FIRST_TESTS: dict[str, tuple[str, ...]] = {
     "ignores_extra_topk_length": (_POISONED,),
     "masked_lanes_multiplied": (_POISONED,),
     "ignores_index_row_stride": (f"{_INV}test_index_forms_are_equal",),
-    "only_minus_one_masked": (f"{_INP}test_every_negative_index_masks_its_lane_where_the_envelope_says_so",),
-    "past_cache_wraps": (f"{_INP}test_a_valid_lane_past_the_cache_does_what_the_envelope_says",),
+    "only_minus_one_masked": (f"{_INP}test_every_negative_index_masks_its_lane_where_the_envelope_says_so[main]",),
+    "past_cache_wraps": (f"{_INP}test_a_valid_lane_past_the_cache_does_what_the_envelope_says[main]",),
+    "extra_only_minus_one_masked": (
+        f"{_INP}test_every_negative_index_masks_its_lane_where_the_envelope_says_so[extra]",
+    ),
+    "extra_past_cache_wraps": (f"{_INP}test_a_valid_lane_past_the_cache_does_what_the_envelope_says[extra]",),
+    "main_lanes_past_1024_dropped": (f"{_ACC}test_error_classes_are_visible[cf-dsv32-k2048-all-valid]",),
+    "partial_tile_dropped": (f"{_ACC}test_error_classes_are_visible[cf-tail-lanes-k200-e100]",),
+    "main_length_unclamped": (f"{_ACC}test_error_classes_are_visible[cf-peaked-main-len-beyond-row]",),
+    "main_page_64_addressing": (
+        f"{_ACC}test_error_classes_are_visible[cf-main-page256-dual-c4]",
+        f"{_ACC}test_error_classes_are_visible[cf-dsv32-main-page128]",
+    ),
+    "ignores_sink_and_length_strides": (f"{_INV}test_strided_sink_and_lengths_equal_contiguous_ones",),
+    "prefill_rows_mod_128": (f"{_INV}test_a_tokens_result_does_not_depend_on_the_other_tokens[130-dsv4]",),
     "accepts_fp32_q": (f"{_INP}test_bad_input_raises_a_clear_error[q-float32]",),
     **{
         name: (_V41_PEAKED,)

@@ -502,6 +502,20 @@ CONFORMANCE_CASES: tuple[AttentionCase, ...] = (
     _cf("peaked-dsv32-dual-c4", 8, 16, 128, query="peaked", fmt="dsv3_2", requires=("extra",), **_C4),
     # valid lanes past 512 in one row (DSV3.2 serves topk 2048; DSpark rows are 192 wide)
     _cf("wide-row-k1024", 2, 16, 1024, query="peaked", masked_fraction=0.25, num_pages=32),
+    # every lane valid up to DSV3.2's production width (a kernel whose lane buffer holds DSV4's 1024 drops the rest)
+    _cf("dsv32-k2048-all-valid", 2, 16, 2048, fmt="dsv3_2", masked_fraction=0.0, num_pages=64, requires=("width",)),
+    # rows whose last tile is partial and valid (a tile count of topk // 64 never reads lanes 192..199, 64..99)
+    _cf("tail-lanes-k200-e100", 4, 16, 200, masked_fraction=0.0, topk_extra=100, extra_page_block_size=64,
+        extra_num_pages=4, extra_masked_fraction=0.0, requires=("width",)),
+    # main caches of 256- and 128-token pages (DeepSeek-V4 serves 256; a kernel addressing idx >> 6 reads
+    # another token)
+    _cf("main-page256-dual-c4", 8, 16, 128, query="peaked", page_block_size=256, num_pages=4, **_C4,
+        requires=("page",)),
+    _cf("dsv32-main-page128", 8, 16, 128, query="peaked", fmt="dsv3_2", page_block_size=128, num_pages=8,
+        requires=("page",)),
+    # a main topk_length beyond its row (clamped to the row: lanes past it are the next token's row in memory)
+    _cf("peaked-main-len-beyond-row", 8, 16, 128, query="peaked", topk_length=200, masked_fraction=0.0, **_C4,
+        requires=("topk_length",)),
     # more DeepSeek-V4.1 calls (records, sink, lengths, prefill)
     _cf("v41-peaked-dual-c128-large-sink", 8, 16, 128, query="peaked", fmt="dsv4_1", sink_kind="large", **_C128,
         requires=("sink",)),
