@@ -154,10 +154,14 @@ def _every_other(x: torch.Tensor, other: float) -> torch.Tensor:
 
 
 @pytest.mark.sparse_mla_error_class("strided-arguments")
-def test_strided_sink_and_lengths_equal_contiguous_ones(sparse_mla_impl, sparse_mla_tolerances, sparse_mla_inputs):
-    """``attn_sink`` as a stride-2 view (a column of a ``[H, 2]`` parameter; its neighbours NaN) and
-    ``topk_length`` / ``extra_topk_length`` as stride-2 views (a column of ``[T, 2]`` metadata; the
-    neighbours 0) give the contiguous arguments' result: a kernel that reads ``data_ptr()`` as if
+@pytest.mark.parametrize("which", ["attn_sink", "lengths"])
+def test_strided_sink_and_lengths_equal_contiguous_ones(
+    which, sparse_mla_impl, sparse_mla_tolerances, sparse_mla_inputs
+):
+    """``attn_sink`` as a stride-2 view (a column of a ``[H, 2]`` parameter; its neighbours NaN), or
+    ``topk_length`` and ``extra_topk_length`` as stride-2 views (columns of ``[T, 2]`` metadata; the
+    neighbours 0), give the contiguous arguments' result, or are refused with an error naming the
+    argument (FlashMLA: ``attn_sink must be contiguous``). A kernel that reads ``data_ptr()`` as if
     contiguous reads the neighbours."""
     case = _case("strided-args", "dsv4", 8, 16, 128, sink_kind="large", topk_length=100, extra_topk_length=70,
                  masked_fraction=0.0, **DUAL_C128)  # fmt: skip
@@ -169,18 +173,19 @@ def test_strided_sink_and_lengths_equal_contiguous_ones(sparse_mla_impl, sparse_
             lanes = torch.arange(row.shape[1], device=row.device)
             rows[key] = row.masked_fill(lanes[None, :] >= n[:, None].to(row.device), -1)
     main_row = rows.pop("indices", inputs.indices)
-    base = sparse_mla_impl.sparse_mla_forward(inputs.q, inputs.cache.packed, main_row, **inputs.kwargs(**rows))
-    over: dict[str, torch.Tensor] = {}
-    if inputs.attn_sink is not None:
-        over["attn_sink"] = _every_other(inputs.attn_sink, math.nan)
-    for key in ("topk_length", "extra_topk_length"):
-        if getattr(inputs, key) is not None:
-            over[key] = _every_other(getattr(inputs, key), 0)
+    names = ["attn_sink"] if which == "attn_sink" else ["topk_length", "extra_topk_length"]
+    over = {k: _every_other(getattr(inputs, k), math.nan if k == "attn_sink" else 0)
+            for k in names if getattr(inputs, k) is not None}  # fmt: skip
     if not over:
-        _na("no attn_sink and no lengths in this envelope")
-    strided = sparse_mla_impl.sparse_mla_forward(
-        inputs.q, inputs.cache.packed, main_row, **inputs.kwargs(**rows, **over)
-    )
+        _na(f"no {which} in this envelope")
+    base = sparse_mla_impl.sparse_mla_forward(inputs.q, inputs.cache.packed, main_row, **inputs.kwargs(**rows))
+    try:
+        strided = sparse_mla_impl.sparse_mla_forward(
+            inputs.q, inputs.cache.packed, main_row, **inputs.kwargs(**rows, **over)
+        )
+    except (ValueError, TypeError, RuntimeError) as exc:  # a refusal must name what it refuses
+        assert any(k in str(exc) for k in over), f"a refusal of stride-2 {', '.join(over)} must name it: {exc}"
+        return
     oracle = oracle_forward(inputs.q, inputs.cache.packed, main_row, **inputs.kwargs(**rows))
     sparse_mla_tolerances.check_invariant(strided, base, oracle=oracle, what=f"stride-2 views of {', '.join(over)}")
 

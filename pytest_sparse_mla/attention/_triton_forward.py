@@ -335,7 +335,15 @@ def _merge_weights(m_run, l_run, m_c, l_c, LOWEST: tl.constexpr):
     shift = tl.maximum(m_new, LOWEST)
     wa = tl.exp(m_run - shift)
     wb = tl.exp(m_c - shift)
-    return m_new, l_run * wa + l_c * wb, wa, wb
+    return m_new, tl.fma(l_run, wa, l_c * wb), wa, wb
+
+
+@triton.jit
+def _fold(acc_run, wa, acc_c, wb):
+    """``acc_run * wa + acc_c * wb`` per row as one explicit ``fma(acc_run, wa, acc_c * wb)``, so the
+    compiler cannot contract the expression one way in the unsplit kernel and another way in the
+    combine kernel: both give the same bits."""
+    return tl.fma(acc_run, wa[:, None], acc_c * wb[:, None])
 
 
 @triton.jit
@@ -492,11 +500,11 @@ def _attention_kernel(
                 DSV4, BLOCK_H, LANES, CHUNK, UPCAST, LOWEST,
             )  # fmt: skip
             m_run, l_run, wa, wb = _merge_weights(m_run, l_run, m_i, l_i, LOWEST)
-            r0 = r0 * wa[:, None] + a0 * wb[:, None]
+            r0 = _fold(r0, wa, a0, wb)
             if not DSV4:
-                r1 = r1 * wa[:, None] + a1 * wb[:, None]
-                r2 = r2 * wa[:, None] + a2 * wb[:, None]
-                r3 = r3 * wa[:, None] + a3 * wb[:, None]
+                r1 = _fold(r1, wa, a1, wb)
+                r2 = _fold(r2, wa, a2, wb)
+                r3 = _fold(r3, wa, a3, wb)
             bad_run += bad
         sink = tl.load(sink_ptr + heads * stride_sink, mask=hmask, other=float("-inf"))
         sink = tl.where(has_sink != 0, sink, float("-inf"))  # no sink: any fp32 [H] buffer, unused
@@ -541,7 +549,7 @@ def _combine_kernel(
         a0 = tl.load(part_ptr + (slot * num_heads + heads.to(tl.int64))[:, None] * 512 + cols[None, :],
                      mask=hmask[:, None], other=0.0)  # fmt: skip
         m_run, l_run, wa, wb = _merge_weights(m_run, l_run, m_i, l_i, LOWEST)
-        r0 = r0 * wa[:, None] + a0 * wb[:, None]
+        r0 = _fold(r0, wa, a0, wb)
         bad_run += tl.load(part_bad_ptr + slot)
     sink = tl.load(sink_ptr + heads * stride_sink, mask=hmask, other=float("-inf"))
     sink = tl.where(has_sink != 0, sink, float("-inf"))  # no sink: any fp32 [H] buffer, unused

@@ -521,15 +521,29 @@ def _torch_loop(
     lse: torch.Tensor,
     output_fp32: torch.Tensor | None,
 ) -> None:
-    """``backend="torch"``: fixed-shape batched GEMMs per head group of :data:`HEAD_GROUP`."""
+    """``backend="torch"``: fixed-shape batched GEMMs per head group of :data:`HEAD_GROUP`.
+
+    Off the CPU every chunk runs at the full chunk size (the last one padded with masked tokens):
+    cuBLAS picks its algorithm by shape, so a 1-token call and a 65-token call would otherwise
+    round one token's sums differently (seen on an H200: one element in 32,768 one unit in the
+    last place apart), and a token's bits would depend on the call's size."""
     num_tokens, num_heads, d_qk = (int(v) for v in q.shape)
     device = q.device
     attn_sink = finish.attn_sink
+    fixed = device.type != "cpu"
+    tc = chunk_tokens or default_chunk_tokens(device)
+    if not fixed:
+        tc = min(num_tokens, tc)
+    padded = -(-num_tokens // tc) * tc if fixed else num_tokens
+    if padded != num_tokens:  # masked tokens (bias -inf on every lane) up to whole chunks
+        extra = padded - num_tokens
+        rows = torch.cat([rows, rows.new_zeros((extra, rows.shape[1]))])
+        valid = torch.cat([valid, valid.new_zeros((extra, valid.shape[1]))])
     num_tiles = rows.shape[1] // LANE_TILE
     # [tiles, T, L] so each (tile, chunk) slice is contiguous; bias is 0 (valid) or -inf (masked).
-    lane_rows = rows.view(num_tokens, num_tiles, LANE_TILE).transpose(0, 1).contiguous()
-    lane_bias = torch.zeros((num_tiles, num_tokens, 1, LANE_TILE), dtype=torch.float32, device=device)
-    lane_bias.masked_fill_(~valid.view(num_tokens, num_tiles, 1, LANE_TILE).transpose(0, 1), float("-inf"))
+    lane_rows = rows.view(padded, num_tiles, LANE_TILE).transpose(0, 1).contiguous()
+    lane_bias = torch.zeros((num_tiles, padded, 1, LANE_TILE), dtype=torch.float32, device=device)
+    lane_bias.masked_fill_(~valid.view(padded, num_tiles, 1, LANE_TILE).transpose(0, 1), float("-inf"))
 
     num_groups = -(-num_heads // HEAD_GROUP)
     sink = None
@@ -538,7 +552,6 @@ def _torch_loop(
         sink[:num_heads] = attn_sink
         sink = sink.view(num_groups, 1, HEAD_GROUP, 1)
 
-    tc = min(num_tokens, chunk_tokens or default_chunk_tokens(device))
     g = HEAD_GROUP
     q_buf = torch.zeros((num_groups, tc, g, d_qk), dtype=torch.float32, device=device)
     row_buf = torch.empty((tc * LANE_TILE, d_qk), dtype=torch.float32, device=device)
@@ -549,25 +562,28 @@ def _torch_loop(
 
     for start in range(0, num_tokens, tc):
         n = min(tc, num_tokens - start)
+        span = tc if fixed else n  # the rows every step computes: n, or the whole (padded) chunk
         q_chunk = q[start : start + n]
+        if span > n:
+            q_buf[:, n:span].zero_()
         for gi in range(num_groups):
             h0 = gi * g
             width = min(g, num_heads - h0)
             q_buf[gi, :n, :width].copy_(q_chunk[:, h0 : h0 + width])
-        run_max[:, :n].fill_(float("-inf"))
-        run_sum[:, :n].zero_()
-        acc[:, :n].zero_()
-        scores = score_buf[:, :n]  # [groups, n, G, L]
-        m_old = run_max[:, :n]
+        run_max[:, :span].fill_(float("-inf"))
+        run_sum[:, :span].zero_()
+        acc[:, :span].zero_()
+        scores = score_buf[:, :span]  # [groups, span, G, L]
+        m_old = run_max[:, :span]
         for tile in range(num_tiles):
-            flat = row_buf[: n * LANE_TILE]
-            torch.index_select(table, 0, lane_rows[tile, start : start + n].view(-1), out=flat)
-            keys = flat.view(n, LANE_TILE, d_qk)
+            flat = row_buf[: span * LANE_TILE]
+            torch.index_select(table, 0, lane_rows[tile, start : start + span].view(-1), out=flat)
+            keys = flat.view(span, LANE_TILE, d_qk)
             keys_t = keys.transpose(1, 2)
             values = keys[..., :d_v]
-            bias = lane_bias[tile, start : start + n]
+            bias = lane_bias[tile, start : start + span]
             for gi in range(num_groups):  # scores = bias + sm_scale * q @ K^T (bias -inf: masked)
-                torch.baddbmm(bias, q_buf[gi, :n], keys_t, alpha=sm_scale, out=score_buf[gi, :n])
+                torch.baddbmm(bias, q_buf[gi, :span], keys_t, alpha=sm_scale, out=score_buf[gi, :span])
             # Elementwise steps and the (exact) max run on all groups at once; the order-dependent
             # sums run per group on fixed shapes.
             m_new = torch.maximum(m_old, scores.amax(dim=-1, keepdim=True))
@@ -575,18 +591,18 @@ def _torch_loop(
             m_use = m_new.clamp(min=_FP32_LOWEST)
             alpha = (m_old - m_use).exp_()
             scores.sub_(m_use).exp_()
-            run_sum[:, :n].mul_(alpha)
-            acc[:, :n].mul_(alpha)
+            run_sum[:, :span].mul_(alpha)
+            acc[:, :span].mul_(alpha)
             for gi in range(num_groups):
-                p = score_buf[gi, :n]
-                run_sum[gi, :n].add_(p.sum(dim=-1, keepdim=True))
-                acc[gi, :n].baddbmm_(p, values)
+                p = score_buf[gi, :span]
+                run_sum[gi, :span].add_(p.sum(dim=-1, keepdim=True))
+                acc[gi, :span].baddbmm_(p, values)
             m_old.copy_(m_new)
         # Finalise: out = acc / sum, times sigmoid(lse - sink); LSE per convention.
-        out, lse_out = finish(run_max[:, :n], run_sum[:, :n], acc[:, :n], sink)
-        # [groups, n, G, ...] -> [n, H, ...]
-        out = out.transpose(0, 1).reshape(n, num_groups * g, d_v)[:, :num_heads]
+        out, lse_out = finish(run_max[:, :span], run_sum[:, :span], acc[:, :span], sink)
+        # [groups, span, G, ...] -> [n, H, ...]
+        out = out.transpose(0, 1).reshape(span, num_groups * g, d_v)[:n, :num_heads]
         output[start : start + n] = out
         if output_fp32 is not None:
             output_fp32[start : start + n] = out
-        lse[start : start + n] = lse_out.transpose(0, 1).reshape(n, num_groups * g)[:, :num_heads]
+        lse[start : start + n] = lse_out.transpose(0, 1).reshape(span, num_groups * g)[:n, :num_heads]
