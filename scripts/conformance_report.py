@@ -193,10 +193,12 @@ def build(results: Path, smoke_path: Path | None = None, notes_path: Path | None
     impls.sort(key=lambda n: (order.index(n) if n in order else len(order), n))
     notes_path = notes_path or ROOT / "docs" / "conformance" / "notes.json"
     notes = json.loads(notes_path.read_text()) if notes_path.exists() else {}
+    machine = json.loads((results / "machine.json").read_text()) if (results / "machine.json").exists() else {}
+    workers = machine.get("xdist", 4)  # device_conformance.sh's XDIST (runs before it recorded it used 4)
     doc: dict[str, Any] = {
-        "machine": json.loads((results / "machine.json").read_text()) if (results / "machine.json").exists() else {},
-        "command": "RESULTS=results bash scripts/device_conformance.sh "
-        "(per implementation: pytest -p sparse_mla suites --sparse-mla-impl IMPL --sparse-mla-require-gpu -n 4 "
+        "machine": machine,
+        "command": f"RESULTS=results XDIST={workers} bash scripts/device_conformance.sh "
+        f"(per implementation: pytest -p sparse_mla suites --sparse-mla-impl IMPL --sparse-mla-require-gpu -n {workers} "
         "--sparse-mla-xfail-file pytest_sparse_mla/xfail/IMPL.txt --sparse-mla-report-json ... --junitxml ...)",
         "implementations": {impl: summarize(impl, results, notes) for impl in impls},
         "declarations": declarations(),

@@ -49,7 +49,8 @@ python3 - "$OUT/machine.json" <<'PY'
 import json, os, platform, subprocess, sys, time
 import torch
 info = {"date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "python": platform.python_version(),
-        "torch": torch.__version__, "cuda_runtime": torch.version.cuda, "cpu_count": os.cpu_count()}
+        "torch": torch.__version__, "cuda_runtime": torch.version.cuda, "cpu_count": os.cpu_count(),
+        "xdist": int(os.environ.get("XDIST", "4"))}
 try:
     import triton
     info["triton"] = triton.__version__

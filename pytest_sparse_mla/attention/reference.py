@@ -32,6 +32,9 @@ How it computes (the properties the invariant suites check hold *by construction
 * Tokens are processed in chunks (``chunk_tokens``; default 64 on CPU, 512 on CUDA), so memory is
   bounded by the chunk, not by ``num_tokens``: DeepSeek-V4 prefill shapes (4096 tokens, 64 heads,
   128 + 512 candidates) run in well under 100 MiB of working memory besides the dequantized caches.
+  Off the CPU every chunk runs at the full chunk size (the last padded with masked tokens), so the
+  GEMM shapes, and with them cuBLAS's algorithm, do not depend on ``num_tokens``: a token's bits do
+  not depend on the call's size.
 * A positive index past its cache inside the valid prefix is counted per token on the device
   (``SparseMlaOutput.out_of_range``; the lane is skipped, never read). The one host
   synchronisation of a call is the check of those counts after the computation, which raises
