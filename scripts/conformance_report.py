@@ -199,7 +199,8 @@ def build(results: Path, smoke_path: Path | None = None, notes_path: Path | None
         "machine": machine,
         "command": f"RESULTS=results XDIST={workers} bash scripts/device_conformance.sh "
         "(per implementation: pytest -p sparse_mla suites --sparse-mla-impl IMPL --sparse-mla-require-gpu "
-        f"-n {workers} --sparse-mla-xfail-file pytest_sparse_mla/xfail/IMPL.txt --sparse-mla-report-json ... --junitxml ...)",
+        f"-n {workers} --sparse-mla-xfail-file pytest_sparse_mla/xfail/IMPL.txt --sparse-mla-report-json ... "
+        "--junitxml ...)",
         "implementations": {impl: summarize(impl, results, notes) for impl in impls},
         "declarations": declarations(),
     }
