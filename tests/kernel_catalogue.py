@@ -363,6 +363,16 @@ def _main_rows_remapped(self: _WrapsReference, q: Any, kv_cache: Any, indices: A
     return self._reference(q, kv_cache, remap(rows, n).to(rows.dtype), **kw)
 
 
+def _with_metadata_of(self: _WrapsReference, q: Any, kv_cache: Any, indices: Any, kw: dict[str, Any],
+                      src: torch.Tensor) -> Any:
+    """The reference with token ``t`` given token ``src[t]``'s index rows and lengths (its own query,
+    sink and output): a prefill kernel whose metadata pointer is advanced wrongly."""
+    for key in ("topk_length", "extra_topk_length", "extra_indices"):
+        if kw.get(key) is not None:
+            kw[key] = _rows(kw[key])[src] if kw[key].dim() > 1 else kw[key][src]
+    return self._reference(q, kv_cache, _rows(indices)[src], **kw)
+
+
 def _extra_rows_remapped(self: _WrapsReference, q: Any, kv_cache: Any, indices: Any, kw: dict[str, Any],
                          remap: Callable[[torch.Tensor, int], torch.Tensor]) -> Any:
     """The reference over ``remap(extra index rows, extra cache slots)`` (main rows as given)."""
@@ -479,11 +489,7 @@ class prefill_rows_mod_128(_WrapsReference):
         num_tokens = int(q.shape[0]) if isinstance(q, torch.Tensor) else 0
         if num_tokens <= 128:
             return self._reference(q, kv_cache, indices, **kw)
-        src = torch.arange(num_tokens, device=q.device) % 128
-        for key in ("topk_length", "extra_topk_length", "extra_indices"):
-            if kw.get(key) is not None:
-                kw[key] = _rows(kw[key])[src] if kw[key].dim() > 1 else kw[key][src]
-        return self._reference(q, kv_cache, _rows(indices)[src], **kw)
+        return _with_metadata_of(self, q, kv_cache, indices, kw, torch.arange(num_tokens, device=q.device) % 128)
 
 
 @wrong(
@@ -837,12 +843,7 @@ class prefill_mixes_token_pairs(_WrapsReference):
         if num_tokens <= 64:
             return self._reference(q, kv_cache, indices, **kw)
         src = torch.arange(num_tokens, device=q.device)
-        src = src - src % 2
-        indices = _rows(indices)[src]
-        for key in ("topk_length", "extra_topk_length", "extra_indices"):
-            if kw.get(key) is not None:
-                kw[key] = _rows(kw[key])[src] if kw[key].dim() > 1 else kw[key][src]
-        return self._reference(q, kv_cache, indices, **kw)
+        return _with_metadata_of(self, q, kv_cache, indices, kw, src - src % 2)
 
 
 @wrong(
