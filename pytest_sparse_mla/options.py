@@ -37,7 +37,6 @@ __all__ = [
     "HELP_GROUP_TITLE",
     "IMPL_FORMS",
     "INI_KEYS",
-    "unknown_ini_key_hint",
     "OPTIONS_KEY",
     "PLUGIN_NAMES",
     "SparseMlaOptions",
@@ -50,6 +49,7 @@ __all__ = [
     "marker_lines",
     "parse_device",
     "parse_grid",
+    "unknown_ini_key_hint",
     "usage_errors",
 ]
 
@@ -255,10 +255,9 @@ def _named_with_p(config: pytest.Config) -> str | None:
     ``addopts``), or ``PYTEST_PLUGINS``; ``None`` when the plugin was not named."""
     import shlex
 
-    def names(args: list[str], value: str) -> bool:
+    def names(args: list[str], value: str) -> bool:  # "-p value" or "-pvalue" (pytest's only forms)
         pairs = zip(args, [*args[1:], ""] if args else [], strict=True)  # (argument, the one after it)
-        joined = (f"-p{value}", f"--plugin={value}")
-        return any((a in ("-p", "--plugin") and b == value) or a in joined for a, b in pairs)
+        return any((a == "-p" and b == value) or a == f"-p{value}" for a, b in pairs)
 
     for value in getattr(config.option, "plugins", None) or ():
         if value in PLUGIN_NAMES:

@@ -203,6 +203,13 @@ def _lse_nat(lse: torch.Tensor, lse_convention: str, lse_scale: float) -> torch.
     return lse.double() * (_LN2 / lse_scale)
 
 
+def _as_if_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s elements read from its data pointer with contiguous strides: a view into a wider tensor
+    (a pitched index row, a query slice of a fused projection, a column of a parameter) then reads its
+    neighbours' elements."""
+    return torch.as_strided(t, t.shape, torch.empty(t.shape).stride(), t.storage_offset())
+
+
 class _WrapsReference:
     """A kernel that forwards to the bundled reference after changing one thing."""
 
@@ -461,22 +468,44 @@ class main_page_64_addressing(_WrapsReference):
         return self._reference(q, pages64, torch.where(rows >= slots, -1, rows).to(rows.dtype), **kw)
 
 
-def _as_if_contiguous(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s elements read from its data pointer with contiguous strides."""
-    return torch.as_strided(t, t.shape, torch.empty(t.shape).stride(), t.storage_offset())
+class _IgnoresStrides(_WrapsReference):
+    """The reference with the keyword arguments in ``keys`` read as if contiguous."""
 
+    keys: tuple[str, ...] = ()
 
-@wrong(
-    "attn_sink, topk_length and extra_topk_length read as if contiguous: the stride of a column of a "
-    "[H, 2] parameter or of [T, 2] (main, extra) metadata is ignored",
-    "kernels that take data_ptr() of per-head and per-token arguments without their strides",
-)
-class ignores_sink_and_length_strides(_WrapsReference):
     def sparse_mla_forward(self, q, kv_cache, indices, **kw):
-        for key in ("attn_sink", "topk_length", "extra_topk_length"):
+        for key in self.keys:
             if kw.get(key) is not None:
                 kw[key] = _as_if_contiguous(kw[key])
         return self._reference(q, kv_cache, indices, **kw)
+
+
+@wrong(
+    "attn_sink read as if contiguous: the stride of a column of an [H, 2] parameter is ignored",
+    "kernels that take attn_sink.data_ptr() without its stride (FlagGems' sparse decode, this project's "
+    "H200 conformance run)",
+)
+class ignores_sink_stride(_IgnoresStrides):
+    keys = ("attn_sink",)
+
+
+@wrong(
+    "topk_length and extra_topk_length read as if contiguous: the stride of a column of [T, 2] (main, "
+    "extra) metadata is ignored",
+    "kernels that load lengths at ptr + token without the stride (SGLang's Triton sparse decode, this "
+    "project's H200 conformance run)",
+)
+class ignores_length_strides(_IgnoresStrides):
+    keys = ("topk_length", "extra_topk_length")
+
+
+@wrong(
+    "extra_indices read as if packed: the row stride of a pitched extra index view is ignored (the main "
+    "index rows honour theirs)",
+    "a second index tensor passed through another metadata path than the first",
+)
+class ignores_extra_index_row_stride(_IgnoresStrides):
+    keys = ("extra_indices",)
 
 
 @wrong(
@@ -677,12 +706,6 @@ class ignores_storage_offset(_WrapsReference):
         return self._reference(q, _rebased(kv_cache), indices, **kw)
 
 
-def _dense_rows(indices: torch.Tensor) -> torch.Tensor:
-    """The index tensor read as if its rows were packed (row stride = topk): a pitched view's rows
-    then run into its padding."""
-    return torch.as_strided(indices, indices.shape, torch.empty(indices.shape).stride(), indices.storage_offset())
-
-
 @wrong(
     "index rows read as if packed: the row stride of a pitched [T, topk] view (a slice of a wider table) is ignored",
     "FlashInfer's own bitwise check of row-pitched index views (tests/attention/test_sparse_mla_sm120.py)",
@@ -690,14 +713,8 @@ def _dense_rows(indices: torch.Tensor) -> torch.Tensor:
 class ignores_index_row_stride(_WrapsReference):
     def sparse_mla_forward(self, q, kv_cache, indices, **kw):
         if kw.get("extra_indices") is not None:
-            kw["extra_indices"] = _dense_rows(kw["extra_indices"])
-        return self._reference(q, kv_cache, _dense_rows(indices), **kw)
-
-
-def _dense_queries(q: torch.Tensor) -> torch.Tensor:
-    """``q`` read as if it were contiguous from its first element: a view into a wider tensor (a
-    slice of a fused projection, every other token) then reads its neighbours' elements."""
-    return torch.as_strided(q, q.shape, torch.empty(q.shape).stride(), q.storage_offset())
+            kw["extra_indices"] = _as_if_contiguous(kw["extra_indices"])
+        return self._reference(q, kv_cache, _as_if_contiguous(indices), **kw)
 
 
 @wrong(
@@ -706,7 +723,7 @@ def _dense_queries(q: torch.Tensor) -> torch.Tensor:
 )
 class ignores_q_strides(_WrapsReference):
     def sparse_mla_forward(self, q, kv_cache, indices, **kw):
-        return self._reference(_dense_queries(q), kv_cache, indices, **kw)
+        return self._reference(_as_if_contiguous(q), kv_cache, indices, **kw)
 
 
 def _tight(cache: torch.Tensor, fmt: Any, page_block_size: int | None, name: str = "kv_cache") -> torch.Tensor:
@@ -1716,7 +1733,9 @@ FIRST_TESTS: dict[str, tuple[str, ...]] = {
         f"{_ACC}test_error_classes_are_visible[cf-main-page256-dual-c4]",
         f"{_ACC}test_error_classes_are_visible[cf-dsv32-main-page128]",
     ),
-    "ignores_sink_and_length_strides": (f"{_INV}test_strided_sink_and_lengths_equal_contiguous_ones[attn_sink]",),
+    "ignores_sink_stride": (f"{_INV}test_strided_sink_and_lengths_equal_contiguous_ones[attn_sink]",),
+    "ignores_length_strides": (f"{_INV}test_strided_sink_and_lengths_equal_contiguous_ones[lengths]",),
+    "ignores_extra_index_row_stride": (f"{_INV}test_index_forms_are_equal",),
     "prefill_rows_mod_128": (f"{_INV}test_a_tokens_result_does_not_depend_on_the_other_tokens[130-dsv4]",),
     "accepts_fp32_q": (f"{_INP}test_bad_input_raises_a_clear_error[q-float32]",),
     **{
