@@ -18,13 +18,17 @@ from typing import Any
 
 import pytest
 
-__all__ = ["MARKER", "INTENDED", "RAN", "FITTED", "Coverage", "mark_intended", "get"]
+__all__ = [
+    "MARKER", "INTENDED", "RAN", "FITTED", "SEARCH", "Coverage", "mark_intended", "get", "merge_dims", "merge_summaries",
+]  # fmt: skip
 
 MARKER = "sparse_mla_error_class"
 #: ``user_properties`` keys: classes a test exists for, classes it ran, what fitting changed.
 INTENDED = "sparse_mla_intended"
 RAN = "sparse_mla_ran"
 FITTED = "sparse_mla_fitted"
+#: ``user_properties`` key of a search test's summary (``search.SearchRun.summary``).
+SEARCH = "sparse_mla_search"
 _KEY = pytest.StashKey["Coverage"]()
 
 
@@ -61,12 +65,15 @@ class Coverage:
         self.failed: Counter[str] = Counter()
         self.not_run: dict[str, Counter[str]] = defaultdict(Counter)
         self.intended: Counter[str] = Counter()
+        self.search: list[dict[str, Any]] = []
 
     def add(self, report: pytest.TestReport) -> None:
         """Count one report: the ``call`` phase, or a ``setup`` phase that skipped or failed."""
         if report.when == "teardown" or (report.when == "setup" and report.passed):
             return
         props: dict[str, Any] = dict(report.user_properties)
+        if report.when == "call" and SEARCH in props:
+            self.search.append(props[SEARCH])
         intended: tuple[str, ...] = tuple(props.get(INTENDED, ()))
         if not intended:
             return
@@ -120,6 +127,35 @@ class Coverage:
         return lines
 
 
+    def search_report(self) -> dict[str, Any] | None:
+        """What the search drew over the session (``merge_summaries``), or ``None`` when no search ran."""
+        return merge_summaries(self.search) if self.search else None
+
+    def search_lines(self) -> list[str]:
+        """The terminal table of the search: per input-space dimension, the range or the categories drawn."""
+        report = self.search_report()
+        if report is None:
+            return []
+        from pytest_sparse_mla import input_space
+
+        lines = [f"{report['tests']} search tests, {report['calls']} calls drawn (shrinking included), "
+                 f"{report['failed']} failed"]  # fmt: skip
+        names = [d.name for d in input_space.DIMENSIONS]
+        names += sorted(set(report["dims"]) - set(names))
+        width = max(len(n) for n in names)
+        for name in names:
+            slot = report["dims"].get(name)
+            if slot is None:
+                lines.append(f"{name:<{width}}  (not drawn)")
+            elif "min" in slot:
+                lines.append(f"{name:<{width}}  {slot['min']:g} .. {slot['max']:g}")
+            else:
+                values = sorted(slot["values"].items(), key=lambda kv: -kv[1])
+                text = ", ".join(f"{v} ({n})" for v, n in values)
+                lines.append(f"{name:<{width}}  {text[:150]}{'...' if len(text) > 150 else ''}")
+        return lines
+
+
 def _skip_reason(report: pytest.TestReport) -> str:
     longrepr = report.longrepr
     text = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
@@ -132,3 +168,35 @@ def get(config: pytest.Config) -> Coverage:
     if cov is None:
         cov = config.stash[_KEY] = Coverage()
     return cov
+
+
+def merge_dims(drawn: list[dict[str, Any]], into: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Per dimension: the range of numbers drawn (``{"min", "max"}``) or the count of each category
+    (``{"values": {value: count}}``); merged into ``into`` (a previous result) when given."""
+    out: dict[str, Any] = into if into is not None else {}
+    for row in drawn:
+        for name, value in row.items():
+            slot = out.setdefault(name, {})
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                slot["min"] = min(slot.get("min", value), value)
+                slot["max"] = max(slot.get("max", value), value)
+            else:
+                values = slot.setdefault("values", {})
+                values[str(value)] = values.get(str(value), 0) + 1
+    return out
+
+
+def merge_summaries(summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    """One summary of several :meth:`SearchRun.summary` results (several tests, shards, workers)."""
+    dims: dict[str, Any] = {}
+    for s in summaries:
+        for name, slot in s["dims"].items():
+            target = dims.setdefault(name, {})
+            if "min" in slot:
+                target["min"] = min(target.get("min", slot["min"]), slot["min"])
+                target["max"] = max(target.get("max", slot["max"]), slot["max"])
+            for value, count in slot.get("values", {}).items():
+                values = target.setdefault("values", {})
+                values[value] = values.get(value, 0) + count
+    return {"tests": len(summaries), "calls": sum(s["calls"] for s in summaries),
+            "failed": sum(s["failed"] for s in summaries), "dims": dims}  # fmt: skip

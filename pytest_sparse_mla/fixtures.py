@@ -335,6 +335,45 @@ def sparse_mla_tolerances(request: pytest.FixtureRequest, sparse_mla_envelope: E
     return replace(resolved, bitwise_claims=frozenset(sparse_mla_envelope.bitwise_invariance))
 
 
+# --- the search (pytest_sparse_mla.search) ---------------------------------------------------------
+
+
+@pytest.fixture
+def sparse_mla_search_shard(request: pytest.FixtureRequest) -> int:
+    """This search test's shard index (``--sparse-mla-search-shards``; 0 when not sharded)."""
+    return int(getattr(request, "param", 0))
+
+
+@pytest.fixture
+def sparse_mla_search(
+    request: pytest.FixtureRequest, sparse_mla_options: options.SparseMlaOptions, sparse_mla_search_shard: int
+) -> Any:
+    """The Hypothesis run of a search test: a :class:`pytest_sparse_mla.search.SearchRun`.
+
+    Use it inside the test: ``@given(call=search.calls(envelope, device))`` on an inner function
+    that calls ``sparse_mla_search.note(call, inputs)``, then ``sparse_mla_search.run(inner)``.
+    Budget from ``--sparse-mla-search-examples`` (default 8 calls; 0 skips the test),
+    ``--sparse-mla-search-seed`` (default: derandomized, no example database) and the shard
+    (``--sparse-mla-search-shards``: shard ``k`` draws from ``seed + k``). What the run drew goes to
+    the test's ``user_properties`` (terminal summary "sparse-mla search", ``--sparse-mla-report-json``
+    ``"search"``).
+
+    Skips the test when hypothesis is not installed or the budget is 0.
+    """
+    pytest.importorskip("hypothesis")
+    from pytest_sparse_mla import search
+
+    if sparse_mla_options.search_examples == 0:
+        pytest.skip("--sparse-mla-search-examples=0: the search is off")
+
+    def keep(key: str, value: Any) -> None:
+        request.node.user_properties.append((key, value))
+
+    return search.SearchRun(
+        sparse_mla_options.search_examples, sparse_mla_options.search_seed, sparse_mla_search_shard, keep
+    )
+
+
 # --- golden snapshots (pytest_sparse_mla.snapshot) --------------------------------------------
 
 

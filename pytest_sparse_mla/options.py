@@ -110,6 +110,13 @@ class SparseMlaOptions:
         tolerances: parsed ``sparse_mla_tolerances`` ini lines,
             ``{profile: {parameter: value}}`` (``pytest_sparse_mla.tolerances.parse_ini_lines``).
         activated_by: why the plugin is active in this session (e.g. ``"-p sparse_mla"``).
+        search_examples: calls the search draws per property test and shard (``0``: the search
+            tests skip); default 8, derandomized.
+        search_seed: ``None`` (derandomized: every run draws the same calls; no example database)
+            or the seed of shard 0 (shard ``k`` uses ``seed + k``; failures are saved in
+            Hypothesis's example database and replayed first on the next run).
+        search_shards: the search tests are parametrised over this many shards (``shard0`` ...),
+            which pytest-xdist spreads over workers and GPUs.
     """
 
     device: str = "auto"
@@ -126,6 +133,9 @@ class SparseMlaOptions:
     repro_dir: Path | None = None
     tolerances: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     activated_by: str = ""
+    search_examples: int = 8
+    search_seed: int | None = None
+    search_shards: int = 1
 
 
 OPTIONS_KEY = pytest.StashKey[SparseMlaOptions]()
@@ -209,6 +219,26 @@ def add_options(parser: pytest.Parser) -> None:
         metavar="DIR",
         help="For every wrong call of a failing or xfailed test, write a standalone reproducer "
         "(repro.py + inputs.pt: needs only torch and the implementation) under DIR",
+    )
+    group.addoption(
+        "--sparse-mla-search-examples",
+        default=None,
+        metavar="N",
+        help="Calls the search draws per property test and shard (default 8; 0 skips the search). "
+        "A nightly or GPU budget: e.g. 500 with --sparse-mla-search-seed and --sparse-mla-search-shards",
+    )
+    group.addoption(
+        "--sparse-mla-search-seed",
+        default=None,
+        metavar="N",
+        help="Draw at random from seed N (shard k: N+k) with Hypothesis's example database, instead of "
+        "the derandomized default",
+    )
+    group.addoption(
+        "--sparse-mla-search-shards",
+        default=None,
+        metavar="K",
+        help="Split each search test into K shards with distinct seeds (spread over xdist workers; default 1)",
     )
     from pytest_sparse_mla import tolerances
 
@@ -426,6 +456,20 @@ def _seed(config: pytest.Config) -> int:
         raise pytest.UsageError(f"--sparse-mla-seed={text!r}: expected an integer") from None
 
 
+def _int_option(config: pytest.Config, name: str, default: int | None, low: int) -> int | None:
+    """``--sparse-mla-<name>`` as an int ``>= low`` (``default`` when not given)."""
+    text = config.getoption(name.replace("-", "_"), None)
+    if text is None:
+        return default
+    try:
+        value = int(text)
+    except (TypeError, ValueError):
+        value = low - 1
+    if value < low:
+        raise pytest.UsageError(f"--{name}={text!r}: expected an integer >= {low}")
+    return value
+
+
 def _tolerances(config: pytest.Config) -> dict[str, dict[str, Any]]:
     from pytest_sparse_mla import tolerances
 
@@ -462,6 +506,9 @@ def from_config(config: pytest.Config, activated_by: str = "") -> SparseMlaOptio
         repro_dir=_output_path(config, "--sparse-mla-repro-dir"),
         tolerances=_tolerances(config),
         activated_by=activated_by,
+        search_examples=_int_option(config, "sparse-mla-search-examples", 8, 0) or 0,
+        search_seed=_int_option(config, "sparse-mla-search-seed", None, 0),
+        search_shards=_int_option(config, "sparse-mla-search-shards", 1, 1) or 1,
     )
 
 

@@ -275,6 +275,15 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> 
     return report
 
 
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """A search test (one that uses the ``sparse_mla_search`` fixture) runs once per shard
+    (``--sparse-mla-search-shards``), ids ``shard0`` ...: xdist spreads the shards, each with its seed."""
+    if "sparse_mla_search" in metafunc.fixturenames and options.is_active(metafunc.config):
+        shards = options.get_options(metafunc.config).search_shards
+        metafunc.parametrize("sparse_mla_search_shard", range(shards), ids=[f"shard{k}" for k in range(shards)],
+                             indirect=True)  # fmt: skip
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """Fail (not skip) a GPU test that cannot run when ``--sparse-mla-require-gpu`` is given, and a
     shipped suite test collected by an xdist worker of a session that does not use the plugin.
@@ -321,6 +330,11 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     if table:
         terminalreporter.section(f"sparse-mla error-class coverage ({options.get_options(config).impl})", sep="-")
         for line in table:
+            terminalreporter.write_line(line)
+    search = coverage.get(config).search_lines()
+    if search:
+        terminalreporter.section("sparse-mla search: what was drawn", sep="-")
+        for line in search:
             terminalreporter.write_line(line)
     lines = xdist_gpu.summary_lines(config)
     if lines:

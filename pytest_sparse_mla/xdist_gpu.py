@@ -209,6 +209,7 @@ def finish(config: pytest.Config) -> None:
             **envelope.as_dict(),
         },
         "coverage": coverage.get(config).rows(),
+        "search": coverage.get(config).search_report(),
     }
     opts.report_json.write_text(json.dumps(report, indent=2, sort_keys=True, default=str) + "\n")
 

@@ -1,0 +1,746 @@
+"""The search: sparse-MLA calls drawn by Hypothesis over the input space, inside an envelope.
+
+The fixed cases (``attention.cases``) draw inputs someone chose; a kernel wrong only at a magnitude,
+a page size, a score regime or a sink nobody chose passes them. This module draws whole calls from
+the input-space model (``pytest_sparse_mla.input_space``: every dimension, its legal range and the
+values drawn) restricted to what the implementation's :class:`~pytest_sparse_mla.envelope.Envelope`
+declares, and builds their tensors so that every drawn call also checks what the fixed suites check
+one case at a time:
+
+* **unreferenced bytes are poison**: every cache byte no valid lane reads (other tokens' records,
+  page padding, other layers of the pool) is an E4M3/UE8M0 NaN pattern, and lanes past
+  ``topk_length`` name poisoned slots (or FlashInfer's stale ``1 << 30``, or ``-1``);
+* **nothing is written outside the outputs**: each cache lies inside a larger allocation with
+  random canary bytes before and after it; every input tensor's whole storage is compared byte
+  for byte after the call;
+* **scores are placed, not hoped for**: queries are scaled per (token, head) so that the row's
+  logits (with the call's ``sm_scale``) have the drawn spread and common offset, optionally one
+  dominant candidate, using a key component shared by every cache row; the sink is drawn relative
+  to each head's LSE.
+
+:func:`calls` is the Hypothesis strategy of :class:`DrawnCall` (plain values: Hypothesis shrinks
+them to a minimal call); :func:`build` turns one into :class:`SearchInputs` on a device;
+:func:`diagnose` names the likely cause of a failure from the evidence (which counterfactual call
+the kernel's output matches; where the bad rows are); :func:`record` is what the coverage report
+keeps of a drawn call, keyed by the model's dimension names.
+
+Imports torch and hypothesis (a ``test`` extra): only the search suite imports it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+import torch
+from hypothesis import strategies as st
+
+from pytest_sparse_mla import coverage, formats, input_space
+from pytest_sparse_mla.envelope import Envelope
+
+__all__ = ["DrawnCache", "DrawnCall", "SearchInputs", "build", "calls", "diagnose", "record"]
+
+INT32_MIN = -(2**31)
+#: The byte of a canary region before and after each cache is drawn per call; these are the bytes
+#: that poison never-read cache bytes (E4M3 NaN ``0x7f`` / ``0xff``; as a UE8M0 scale ``0xff`` is NaN).
+POISON_BYTES: tuple[int, ...] = (0x7F, 0xFF)
+_STALE = 1 << 30
+
+
+@dataclass(frozen=True)
+class DrawnCache:
+    """One cache of a drawn call, as plain values (what Hypothesis draws and shrinks).
+
+    Attributes:
+        width: index lanes per token (``topk``; a multiple the envelope takes).
+        page_block_size, num_pages: tokens per page, pages.
+        lengths: ``None`` (no length tensor) or ``(low, high)``: per-token lengths uniform in it.
+        masked_fraction: fraction of lanes set to the mask value; ``scattered`` places them
+            anywhere in the row, else at its end.
+        mask_value: ``-1``, ``-2`` or ``INT32_MIN`` (the latter two only where every negative masks).
+        pattern: valid lanes' slots: ``"uniform"``, ``"few"`` (at most 3 distinct slots: duplicates),
+            ``"ends"`` (slot 0 and the last slot included), ``"one-page"``.
+        stale: what lanes past ``topk_length`` hold (``input_space.STALE_VALUES``).
+        value_exponent, rope_exponent: powers of two scaling the NoPE and the RoPE part.
+        wide: per-64-group magnitudes spread over ``2**-24 .. 2**8``.
+        form, stride: tensor form; ``"tight"``, ``"padded"`` or extra bytes (an int) over padded.
+        layer, num_layers: the cache is layer ``layer`` of a pool of ``num_layers`` (the others poison).
+        canary: canary bytes before the cache in its allocation (the same count follows it).
+    """
+
+    width: int
+    page_block_size: int
+    num_pages: int
+    lengths: tuple[int, int] | None
+    masked_fraction: float
+    scattered: bool
+    mask_value: int
+    pattern: str
+    stale: str
+    value_exponent: int
+    rope_exponent: int
+    wide: bool
+    form: str
+    stride: str | int
+    layer: int
+    num_layers: int
+    canary: int
+
+
+@dataclass(frozen=True)
+class DrawnCall:
+    """A drawn ``sparse_mla_forward`` call, as plain values.
+
+    Attributes:
+        fmt, num_tokens, num_heads: call format, ``T``, ``H``.
+        main, extra: the caches (``extra`` ``None``: one cache).
+        empty_fraction: fraction of tokens whose every lane (both caches) is masked.
+        sm_scale: ``(name, value)``; the name is one of ``input_space.SM_SCALES`` or ``"log-uniform"``.
+        score_spread, score_offset, peak: the logit regime (``input_space``; ``peak`` 0: none).
+        sink: ``None`` (no ``attn_sink``) or one offset per head cycle (``-inf`` allowed).
+        lse_convention, lse_scale: ``None`` when the implementation returns no LSE.
+        strided_query: the queries are a view with padded head and token strides.
+        poison: the byte of never-read cache bytes.
+        seed: seed of the tensors' generator.
+    """
+
+    fmt: str
+    num_tokens: int
+    num_heads: int
+    main: DrawnCache
+    extra: DrawnCache | None
+    empty_fraction: float
+    sm_scale: tuple[str, float]
+    score_spread: float
+    score_offset: float
+    peak: float
+    sink: tuple[float, ...] | None
+    lse_convention: str | None
+    lse_scale: float
+    strided_query: bool
+    poison: int
+    seed: int
+
+    def describe(self) -> str:
+        """One line: the call's shape and regime (failure messages, notes)."""
+        parts = [f"{self.fmt} T={self.num_tokens} H={self.num_heads}", _cache_words("main", self.main)]
+        if self.extra is not None:
+            parts.append(_cache_words("extra", self.extra))
+        sink = "none" if self.sink is None else "[" + ", ".join(f"{s:g}" for s in self.sink) + "]+LSE"
+        parts.append(
+            f"sm_scale={self.sm_scale[0]} spread={self.score_spread:g} offset={self.score_offset:g} "
+            f"peak={self.peak:g} sink={sink} lse={self.lse_convention}x{self.lse_scale:.3g} "
+            f"empty={self.empty_fraction:g} strided_q={self.strided_query} poison=0x{self.poison:02x} seed={self.seed}"
+        )
+        return "; ".join(parts)
+
+
+def _cache_words(name: str, c: DrawnCache) -> str:
+    lengths = "none" if c.lengths is None else f"{c.lengths[0]}..{c.lengths[1]}"
+    return (
+        f"{name}: topk={c.width} ps={c.page_block_size} pages={c.num_pages} lengths={lengths} "
+        f"masked={c.masked_fraction:g}{'/scattered' if c.scattered else ''} ({c.mask_value}) {c.pattern} "
+        f"stale={c.stale} 2**{c.value_exponent} rope 2**{c.rope_exponent}{' wide' if c.wide else ''} "
+        f"{c.form}/{c.stride} layer {c.layer}/{c.num_layers} canary {c.canary}"
+    )
+
+
+# --- strategies ------------------------------------------------------------------------------------
+
+
+def _widths(widths: Any, cap: int) -> st.SearchStrategy[int]:
+    """Index-row widths taken by ``widths`` (an ``envelope.Widths``) up to ``cap``."""
+    lo = max(widths.min, widths.multiple)
+    lo = -(-lo // widths.multiple) * widths.multiple
+    hi = cap if widths.max is None else min(cap, widths.max)
+    hi = max(lo, hi - hi % widths.multiple)
+    steps = st.integers(lo // widths.multiple, hi // widths.multiple).map(lambda k: k * widths.multiple)
+    return st.one_of(st.sampled_from(sorted({lo, min(hi, 128 - 128 % widths.multiple or lo)})), steps)
+
+
+def _pages(taken: tuple[int, ...] | None, sizes: tuple[int, ...]) -> st.SearchStrategy[int]:
+    return st.sampled_from(list(taken) if taken is not None else list(sizes))
+
+
+@st.composite
+def _cache(
+    draw: Any, envelope: Envelope, fmt: formats.PackedFormat, width_spec: Any, pages: tuple[int, ...] | None,
+    sizes: tuple[int, ...], cap: int, max_pages: int, with_lengths: bool,
+) -> DrawnCache:  # fmt: skip
+    width = draw(_widths(width_spec, cap))
+    ps = draw(_pages(pages, sizes))
+    min_pages = max(1, -(-min(width, 64) // ps))
+    num_pages = draw(st.integers(min_pages, max(min_pages, max_pages // max(1, ps // 16))))
+    lengths = None
+    if with_lengths and draw(st.booleans()):
+        row = envelope.topk_length_range == "row"
+        lo = draw(st.integers(0 if row else -3, width))
+        hi = draw(st.integers(lo, width if row else width + 3))
+        lengths = (lo, hi)
+    negative = envelope.masked_indices == "negative"
+    bpt = fmt.bytes_per_token
+    strides: list[str | int] = ["padded", 16, 256]
+    if (ps * bpt) % 16 == 0:
+        strides.insert(0, "tight")
+    num_layers = draw(st.integers(1, 4))
+    return DrawnCache(
+        width=width,
+        page_block_size=ps,
+        num_pages=num_pages,
+        lengths=lengths,
+        masked_fraction=draw(st.sampled_from([0.5, 0.0, 0.25, 0.9, 1.0])),
+        scattered=draw(st.booleans()),
+        mask_value=draw(st.sampled_from([-1, -2, INT32_MIN] if negative else [-1])),
+        pattern=draw(st.sampled_from(["uniform", "few", "ends", "one-page"])),
+        stale=draw(st.sampled_from(input_space.STALE_VALUES)),
+        value_exponent=draw(st.one_of(st.just(0), st.integers(*input_space.VALUE_EXPONENTS))),
+        rope_exponent=draw(st.one_of(st.just(0), st.integers(*input_space.VALUE_EXPONENTS))),
+        wide=draw(st.booleans()),
+        form=draw(st.sampled_from(list(formats.FORMS)[::-1])),  # nhd first: the common form
+        stride=draw(st.sampled_from(strides)),
+        layer=draw(st.integers(0, num_layers - 1)),
+        num_layers=num_layers,
+        canary=draw(st.sampled_from([0, 256, 4096])),
+    )
+
+
+@st.composite
+def calls(draw: Any, envelope: Envelope, device: str = "cpu") -> DrawnCall:
+    """Hypothesis strategy of :class:`DrawnCall` inside ``envelope``; ``device`` ``"cuda"`` draws
+    larger calls (more tokens and lanes).
+
+    Every drawn call is one the envelope takes (formats, tokens, heads, widths, page sizes, extra
+    cache, lengths and their range, sink, masking, LSE conventions), so the guard never refuses it.
+    """
+    cuda = device == "cuda"
+    fmt_name = draw(st.sampled_from(list(envelope.formats)))
+    main_fmt, extra_fmt = formats.cache_formats(fmt_name)
+    top = 300 if cuda else 96
+    lo_t = max(1, envelope.min_tokens)
+    hi_t = top if envelope.max_tokens is None else max(lo_t, min(top, envelope.max_tokens))
+    special = [t for t in (lo_t, 64, 65, hi_t) if lo_t <= t <= hi_t]
+    num_tokens = draw(st.one_of(st.sampled_from(special), st.integers(lo_t, hi_t)))
+    heads = list(envelope.num_heads) if envelope.num_heads is not None else None
+    num_heads = draw(st.sampled_from(heads) if heads else st.one_of(st.integers(1, 40), st.sampled_from([64, 128])))
+    if num_tokens * num_heads > (4096 if not cuda else 65536):  # keep a CPU example cheap
+        num_tokens = max(lo_t, min(num_tokens, (4096 if not cuda else 65536) // num_heads))
+    lengths_ok = envelope.takes_lengths(fmt_name)
+    cap = 1100 if cuda else 320
+    main = draw(_cache(envelope, main_fmt, envelope.topk, envelope.page_block_sizes, (64, 1, 2, 16, 128, 256),
+                       cap, 12, lengths_ok))  # fmt: skip
+    extra = None
+    if envelope.takes_extra(fmt_name) and draw(st.booleans()):
+        extra = draw(_cache(envelope, extra_fmt, envelope.extra_topk, envelope.extra_page_block_sizes,
+                            (64, 2, 1, 4), cap, 64, lengths_ok))  # fmt: skip
+    name = draw(st.sampled_from([*input_space.SM_SCALES, "log-uniform"]))
+    if name == "log-uniform":
+        scale = 2.0 ** draw(st.floats(-12.0, 4.0, allow_nan=False))
+    else:
+        scale = input_space.SM_SCALES[name]
+    sink = None
+    if envelope.takes_sink(fmt_name) and draw(st.booleans()):
+        kinds = st.one_of(st.sampled_from(input_space.SINK_OFFSETS), st.just(-math.inf))
+        sink = tuple(draw(st.lists(kinds, min_size=1, max_size=4)))
+    convention = draw(st.sampled_from(list(envelope.lse_conventions))) if envelope.returns_lse else None
+    lse_scale = draw(st.sampled_from([1.0, math.log(2.0), 0.5])) if convention == "flashinfer" else 1.0
+    return DrawnCall(
+        fmt=fmt_name,
+        num_tokens=num_tokens,
+        num_heads=num_heads,
+        main=main,
+        extra=extra,
+        empty_fraction=draw(st.sampled_from([0.0, 0.25, 1.0])),
+        sm_scale=(name, scale),
+        score_spread=draw(st.sampled_from(input_space.SCORE_SPREADS[2:] + input_space.SCORE_SPREADS[:2])),
+        score_offset=draw(st.sampled_from(sorted(input_space.SCORE_OFFSETS, key=abs))),
+        peak=draw(st.sampled_from((0.0, *input_space.PEAKS))),
+        sink=sink,
+        lse_convention=convention,
+        lse_scale=lse_scale,
+        strided_query=draw(st.booleans()),
+        poison=draw(st.sampled_from(POISON_BYTES)),
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+# --- building the tensors --------------------------------------------------------------------------
+
+
+@dataclass
+class SearchInputs:
+    """The tensors of a :class:`DrawnCall` on one device.
+
+    Attributes:
+        call: the drawn call.
+        q: ``[T, H, d_qk]`` BF16 (a strided view when ``call.strided_query``).
+        kv_cache, indices: the main cache (a view inside a canaried allocation) and ``[T, topk]`` int32.
+        kwargs: the other keyword arguments of ``sparse_mla_forward``.
+        valid: ``[T, topk_main + topk_extra]`` bool, the lanes that attend (both caches).
+        storages: every input's whole allocation, as flat uint8 tensors (compared after the call).
+        before: CPU copies of ``storages`` taken before the call.
+        scores: ``[T, H, topk_main + topk_extra]`` float64 logits of the valid lanes (``-inf`` elsewhere).
+    """
+
+    call: DrawnCall
+    q: torch.Tensor
+    kv_cache: torch.Tensor
+    indices: torch.Tensor
+    kwargs: dict[str, Any]
+    valid: torch.Tensor
+    storages: dict[str, torch.Tensor]
+    before: dict[str, torch.Tensor]
+    scores: torch.Tensor
+
+    def changed_inputs(self) -> list[str]:
+        """The inputs whose allocation (canaries, poison and other layers included) changed since
+        :func:`build`, with the first changed byte offset."""
+        out = []
+        for name, storage in self.storages.items():
+            now = storage.cpu()
+            diff = (now != self.before[name]).nonzero()
+            if diff.numel():
+                out.append(f"{name} (byte {int(diff[0, 0])} of its allocation, {diff.shape[0]} bytes changed)")
+        return out
+
+
+def _token_byte_mask(f: formats.PackedFormat, ps: int, page_bytes: int, slots: torch.Tensor) -> torch.Tensor:
+    """``[page_bytes]`` bool per page of the bytes a reader uses for the slots ``slots`` (``[ps]``
+    bool) of one page: footer layout codes + RoPE ``[t*576, +576)`` and 7 scale bytes ``[ps*576 +
+    t*8, +7)`` (byte 7 is padding nobody reads); inline records ``[t*B, +B)``."""
+    mask = torch.zeros(page_bytes, dtype=torch.bool)
+    for t in slots.nonzero().flatten().tolist():
+        if f.layout == "footer":
+            row = f.data_bytes_per_token
+            mask[t * row : (t + 1) * row] = True
+            mask[ps * row + t * 8 : ps * row + t * 8 + 7] = True
+        else:
+            mask[t * f.bytes_per_token : (t + 1) * f.bytes_per_token] = True
+    return mask
+
+
+def _source(c: DrawnCache, f: formats.PackedFormat, g: torch.Generator, bias: torch.Tensor | None) -> torch.Tensor:
+    """BF16 ``[P, ps, d_qk]`` latent rows of one cache: ``randn / 10`` (+ the shared key component),
+    NoPE times ``2**value_exponent`` (and per-group ``wide`` magnitudes), RoPE times ``2**rope_exponent``."""
+    shape = (c.num_pages, c.page_block_size, f.d_qk)
+    x = (torch.randn(shape, generator=g, dtype=torch.float64) / 10).clamp(-1, 1)
+    if bias is not None:
+        x = x + bias
+    if c.wide:
+        groups = torch.randint(-24, 9, (*shape[:-1], f.d_qk // 64, 1), generator=g).to(torch.float64)
+        x = (x.reshape(*shape[:-1], f.d_qk // 64, 64) * torch.exp2(groups)).reshape(shape)
+    exponent = c.value_exponent
+    if f.code == "e2m1":  # E2M1 with E4M3 group scales holds magnitudes 2**-10 .. 6 * 448 only
+        exponent = max(-8, min(exponent, 11))
+    x[..., : f.d_nope] *= 2.0**exponent
+    x[..., f.d_nope :] *= 2.0**c.rope_exponent
+    limit = formats.NOPE_OVERFLOW / 2
+    x[..., : f.d_nope] = x[..., : f.d_nope].clamp(-limit, limit)
+    return x.to(torch.bfloat16)
+
+
+def _indices(c: DrawnCache, T: int, slots: int, g: torch.Generator, empty: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """``(indices, lengths, valid)`` of one cache before stale lanes are filled (they hold ``-1``)."""
+    W = c.width
+    if c.pattern == "few":
+        pool = torch.randint(0, slots, (3,), generator=g)
+        idx = pool[torch.randint(0, 3, (T, W), generator=g)]
+    elif c.pattern == "one-page":
+        page = int(torch.randint(0, max(1, slots // c.page_block_size), (1,), generator=g))
+        idx = page * c.page_block_size + torch.randint(0, min(c.page_block_size, slots), (T, W), generator=g)
+    else:
+        idx = torch.randint(0, slots, (T, W), generator=g)
+        if c.pattern == "ends":
+            idx[:, 0::3] = 0
+            idx[:, 1::3] = slots - 1
+    masked = int(round(W * c.masked_fraction))
+    if c.scattered:
+        order = torch.argsort(torch.rand((T, W), generator=g), dim=1)
+        mask = order < masked
+    else:
+        mask = torch.zeros((T, W), dtype=torch.bool)
+        mask[:, W - masked :] = masked > 0
+    mask |= empty.unsqueeze(1)
+    idx = torch.where(mask, torch.full_like(idx, c.mask_value), idx)
+    valid = ~mask
+    lengths = None
+    if c.lengths is not None:
+        lo, hi = c.lengths
+        lengths = torch.randint(lo, hi + 1, (T,), generator=g)
+        lengths = torch.where(empty, torch.zeros_like(lengths), lengths)
+        past = torch.arange(W).unsqueeze(0) >= lengths.clamp(0, W).unsqueeze(1)
+        valid &= ~past
+        idx = torch.where(past, torch.full_like(idx, -1), idx)
+    return idx.to(torch.int64), lengths, valid
+
+
+def _place(
+    packed: torch.Tensor, c: DrawnCache, f: formats.PackedFormat, keep: torch.Tensor, poison: int,
+    g: torch.Generator, device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The packed cache (``[P, stride]`` CPU pages) with every byte not read for the slots in
+    ``keep`` (``[P * ps]`` bool) poisoned, as layer ``c.layer`` of a pool of ``c.num_layers``
+    (other layers poison) inside one allocation with ``c.canary`` random bytes before and after it.
+    Returns ``(view in c.form, the whole allocation)``."""
+    P, stride = int(packed.shape[0]), int(packed.stride(0))
+    pages = packed.as_strided((P, stride), (stride, 1), packed.storage_offset()).clone()
+    ps = c.page_block_size
+    for p in range(P):
+        used = _token_byte_mask(f, ps, stride, keep[p * ps : (p + 1) * ps])
+        pages[p][~used] = poison
+    pool = torch.full((P, c.num_layers * stride), poison, dtype=torch.uint8)
+    pool[:, c.layer * stride : (c.layer + 1) * stride] = pages
+    pre = torch.randint(0, 256, (c.canary,), generator=g, dtype=torch.uint8)
+    flat = torch.cat([pre, pool.flatten(), torch.randint(0, 256, (c.canary,), generator=g, dtype=torch.uint8)])
+    flat = flat.to(device)
+    view = flat.as_strided((P, stride), (c.num_layers * stride, 1), c.canary + c.layer * stride)
+    return formats.as_form(view, f, ps, c.form), flat
+
+
+def _stale(c: DrawnCache, idx: torch.Tensor, lengths: torch.Tensor | None, keep: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    """Lanes past ``topk_length`` filled with ``c.stale``: ``1 << 30``, a poisoned slot, or ``-1``."""
+    if lengths is None:
+        return idx
+    W = idx.shape[1]
+    past = torch.arange(W).unsqueeze(0) >= lengths.clamp(0, W).unsqueeze(1)
+    if c.stale == "1<<30":
+        fill = torch.full_like(idx, _STALE)
+    elif c.stale == "poisoned-slot" and bool((~keep).any()):
+        free = (~keep).nonzero().flatten()
+        fill = free[torch.randint(0, free.numel(), idx.shape, generator=g)]
+    else:
+        fill = torch.full_like(idx, -1)
+    return torch.where(past, fill, idx)
+
+
+def build(call: DrawnCall, device: torch.device | str = "cpu") -> SearchInputs:
+    """The tensors of ``call`` on ``device`` (drawn on the CPU from ``call.seed``).
+
+    Raises:
+        ValueError: as ``formats.quantize_pack`` (never for a call :func:`calls` drew).
+    """
+    device = torch.device(device)
+    g = torch.Generator().manual_seed(call.seed)
+    main_fmt, extra_fmt = formats.cache_formats(call.fmt)
+    T, H = call.num_tokens, call.num_heads
+    d = main_fmt.d_qk
+    bias = None
+    if call.score_offset:  # a key component every cache row shares: the queries' offset direction
+        bias = (torch.randn(d, generator=g, dtype=torch.float64) / 10).clamp(-1, 1) * 4
+    empty = torch.rand(T, generator=g) < call.empty_fraction
+    parts = []
+    for c, f in ((call.main, main_fmt), (call.extra, extra_fmt)):
+        if c is None:
+            continue
+        source = _source(c, f, g, None if bias is None else bias[: f.d_qk])
+        stride_spec: formats.StrideSpec = c.stride if isinstance(c.stride, str) else (
+            formats.page_stride_bytes(f, c.page_block_size, "padded") + c.stride)  # fmt: skip
+        packed = formats.quantize_pack(source, f, page_stride=stride_spec, form="2d")
+        table = formats.unpack_dequantize(
+            formats.as_form(packed, f, c.page_block_size, "nhd"), f, page_block_size=c.page_block_size
+        ).reshape(-1, f.d_qk).double()
+        slots = c.num_pages * c.page_block_size
+        idx, lengths, valid = _indices(c, T, slots, g, empty)
+        keep = torch.zeros(slots, dtype=torch.bool)
+        keep[idx[valid]] = True
+        idx = _stale(c, idx, lengths, keep, g)
+        cache, flat = _place(packed, c, f, keep, call.poison, g, device)
+        parts.append((c, f, cache, flat, idx, lengths, valid, table))
+    keys = torch.cat([table[idx.clamp(0, table.shape[0] - 1)] for (_, _, _, _, idx, _, _, table) in parts], dim=1)
+    valid = torch.cat([v for (*_, v, _) in parts], dim=1)  # [T, N]
+    q = _queries(call, keys, valid, g, d)
+    scores = call.sm_scale[1] * torch.einsum("thd,tnd->thn", q.double(), keys)
+    scores = scores.masked_fill(~valid.unsqueeze(1), -math.inf)
+    storages: dict[str, torch.Tensor] = {}
+    if call.strided_query:
+        wide = torch.full((T + 1, H + 3, d + 64), float("nan"), dtype=torch.bfloat16)
+        wide[:T, :H, :d] = q
+        wide = wide.to(device)
+        q_dev = wide[:T, :H, :d]
+        storages["q"] = wide.view(torch.uint8).flatten()
+    else:
+        q_dev = q.to(device)
+        storages["q"] = q_dev.view(torch.uint8).flatten()
+    (mc, _, main_cache, main_flat, main_idx, main_len, _, _) = parts[0]
+    storages["kv_cache"] = main_flat
+    kwargs: dict[str, Any] = {"sm_scale": call.sm_scale[1], "fmt": call.fmt}
+    indices = main_idx.to(torch.int32).to(device)
+    storages["indices"] = indices.view(torch.uint8).flatten()
+    if main_len is not None:
+        kwargs["topk_length"] = main_len.to(torch.int32).to(device)
+    if len(parts) > 1:
+        (_, _, extra_cache, extra_flat, extra_idx, extra_len, _, _) = parts[1]
+        kwargs["extra_kv_cache"] = extra_cache
+        kwargs["extra_indices"] = extra_idx.to(torch.int32).to(device)
+        storages["extra_kv_cache"] = extra_flat
+        storages["extra_indices"] = kwargs["extra_indices"].view(torch.uint8).flatten()
+        if extra_len is not None:
+            kwargs["extra_topk_length"] = extra_len.to(torch.int32).to(device)
+    if call.sink is not None:
+        kwargs["attn_sink"] = _sink(call, scores).to(device)
+    if call.lse_convention is not None:
+        kwargs["lse_convention"] = call.lse_convention
+        if call.lse_convention == "flashinfer":
+            kwargs["lse_scale"] = call.lse_scale
+    for name in ("topk_length", "extra_topk_length", "attn_sink"):
+        if name in kwargs:
+            storages[name] = kwargs[name].view(torch.uint8).flatten()
+    before = {name: s.cpu().clone() for name, s in storages.items()}
+    return SearchInputs(call, q_dev, main_cache, indices, kwargs, valid, storages, before, scores)
+
+
+def _queries(call: DrawnCall, keys: torch.Tensor, valid: torch.Tensor, g: torch.Generator, d: int) -> torch.Tensor:
+    """BF16 ``[T, H, d]`` queries whose logits over the valid lanes have the drawn spread, offset and
+    peak (per token and head; exact before the BF16 rounding of the queries)."""
+    T, H = call.num_tokens, call.num_heads
+    base = torch.randn((T, H, d), generator=g, dtype=torch.float64)
+    base = base / base.norm(dim=-1, keepdim=True)
+    scale = call.sm_scale[1]
+    if scale == 0.0 or not bool(valid.any()):
+        return (base * 8).to(torch.bfloat16)
+    w = valid.double().unsqueeze(1)  # [T, 1, N]
+    n = w.sum(-1).clamp(min=1)  # [T, 1]
+    raw = scale * torch.einsum("thd,tnd->thn", base, keys)
+    mean = (raw * w).sum(-1) / n
+    std = (((raw - mean.unsqueeze(-1)) ** 2 * w).sum(-1) / n).sqrt()
+    alpha = torch.where(std > 0, call.score_spread / std.clamp(min=1e-300), torch.zeros_like(std))
+    q = base * alpha.unsqueeze(-1)
+    if call.score_offset:
+        # the offset direction: the mean valid key of the token (the shared component dominates it)
+        center = (keys * valid.double().unsqueeze(-1)).sum(1) / n  # [T, d]
+        along = scale * (center * center).sum(-1, keepdim=True)  # [T, 1] logit of the unit multiple
+        beta = torch.where(along.abs() > 0, (call.score_offset - alpha * mean) / along.where(along.abs() > 0, 1.0), 0.0)
+        q = q + beta.unsqueeze(-1) * center.unsqueeze(1)
+    if call.peak:
+        lanes = valid.double() + torch.rand(valid.shape, generator=g, dtype=torch.float64) * 0.5
+        pick = lanes.argmax(-1)  # a valid lane per token (the same for every head of the token)
+        pick = (pick.unsqueeze(1) + torch.arange(H).unsqueeze(0)) % valid.shape[1]
+        k = keys.gather(1, pick.unsqueeze(-1).expand(-1, -1, d))  # [T, H, d]
+        norm2 = (k * k).sum(-1, keepdim=True)
+        bump = torch.where(norm2 > 0, call.peak / (scale * norm2.clamp(min=1e-300)), torch.zeros_like(norm2))
+        q = q + bump * k
+    top = 2.0**120
+    q = torch.nan_to_num(q, nan=0.0, posinf=top, neginf=-top).clamp(-top, top)
+    # Mixed magnitudes across caches and groups can push some logits far past the drawn regime: shrink
+    # such a (token, head) query until its largest logit is within the regime's reach.
+    reach = abs(call.score_offset) + 8 * call.score_spread + call.peak + 10
+    logits = (scale * torch.einsum("thd,tnd->thn", q, keys)).abs().masked_fill(~valid.unsqueeze(1), 0).amax(-1)
+    q = q * torch.where(logits > reach, reach / logits.clamp(min=1e-300), torch.ones_like(logits)).unsqueeze(-1)
+    return q.to(torch.bfloat16)
+
+
+def _sink(call: DrawnCall, scores: torch.Tensor) -> torch.Tensor:
+    """``[H]`` fp32: head ``h`` gets ``call.sink[h % len]`` plus the median over tokens of its LSE
+    without sink (natural log; 0 where every row of the head is empty)."""
+    lse = torch.logsumexp(scores, dim=-1)  # [T, H]
+    lse = torch.where(torch.isfinite(lse), lse, torch.nan)
+    median = lse.nanmedian(dim=0).values.nan_to_num(nan=0.0)
+    offsets = torch.tensor([call.sink[h % len(call.sink)] for h in range(call.num_heads)], dtype=torch.float64)
+    return (median + offsets).to(torch.float32)
+
+
+# --- what a failure says and what a run covered ------------------------------------------------------
+
+
+def record(call: DrawnCall, inputs: SearchInputs | None = None) -> dict[str, Any]:
+    """What the coverage report keeps of one drawn call: ``{dimension name: value}``, with the
+    names of ``input_space.DIMENSIONS`` (numbers for ranges, strings for categories)."""
+    m, e = call.main, call.extra
+    out: dict[str, Any] = {
+        "fmt": call.fmt,
+        "num_tokens": call.num_tokens,
+        "num_heads": call.num_heads,
+        "topk": m.width,
+        "topk_length": "none" if m.lengths is None else f"{'negative' if m.lengths[0] < 0 else 'in-row'}"
+        f"{'+beyond' if m.lengths[1] > m.width else ''}",
+        "masked_lanes": f"{m.masked_fraction:g}{'/scattered' if m.scattered else ''}/{m.mask_value}",
+        "index_pattern": m.pattern,
+        "stale_lanes": m.stale if m.lengths is not None else "no-lengths",
+        "page_block_size": m.page_block_size,
+        "num_pages": m.num_pages,
+        "extra_cache": "none" if e is None else f"ps{e.page_block_size}",
+        "value_exponent": m.value_exponent,
+        "score_spread": call.score_spread,
+        "score_offset": call.score_offset,
+        "peak": call.peak,
+        "sm_scale": call.sm_scale[0],
+        "attn_sink": "none" if call.sink is None else ("-inf" if all(math.isinf(s) for s in call.sink) else "finite"),
+        "lse_convention": f"{call.lse_convention}/{'decode' if call.num_tokens <= 64 else 'prefill'}",
+        "cache_form": m.form,
+        "page_stride": str(m.stride),
+        "storage_offset": f"layer{m.layer}/{m.num_layers}",
+        "query_layout": "strided" if call.strided_query else "contiguous",
+        "pool_bytes": "small",
+    }
+    if inputs is not None:
+        finite = inputs.scores[torch.isfinite(inputs.scores)]
+        if finite.numel():
+            out["realized_max_logit"] = float(finite.abs().max())
+    return out
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Normwise relative error of ``a`` vs ``b`` (NaN-aware: NaN counts as infinitely wrong)."""
+    a, b = a.double().cpu(), b.double().cpu()
+    if bool(torch.isnan(a).any()) and not bool(torch.isnan(b).any()):
+        return math.inf
+    num = float(torch.nan_to_num(a - b, nan=0.0).norm())
+    den = float(b.norm())
+    return num / den if den > 0 else num
+
+
+def diagnose(
+    output: torch.Tensor, inputs: SearchInputs, oracle: Any, oracle_forward: Any, tolerance: float = 0.02
+) -> list[str]:
+    """Likely causes of a wrong ``output`` (``[T, H, 512]``), from the evidence.
+
+    Counterfactuals: the oracle of the same call with one rule broken (``sm_scale`` of ``d_qk **
+    -0.5``, no sink, the sink in log2 units, no extra cache, no ``topk_length``, masked lanes read
+    as slot 0, ...); a counterfactual whose output the kernel's matches (normwise relative error
+    below ``tolerance``, and clearly closer than the true oracle) is named. Then where the wrong
+    rows are (route, heads, empty rows, rows with lengths, non-finite values).
+
+    Returns:
+        Lines of text (empty when nothing stands out).
+    """
+    call = inputs.call
+    f = formats.cache_formats(call.fmt)[0]
+    kw = dict(inputs.kwargs)
+    truth = _relative(output, oracle.output)
+    candidates: dict[str, dict[str, Any]] = {}
+    if call.sm_scale[1] != f.d_qk**-0.5:
+        candidates[f"sm_scale ignored (d_qk ** -0.5 = {f.d_qk**-0.5:.4g} used instead of {call.sm_scale[1]:.4g})"] = {
+            **kw, "sm_scale": f.d_qk**-0.5}  # fmt: skip
+    if call.sm_scale[1] != 512**-0.5 and f.d_qk != 512:
+        candidates["sm_scale ignored (512 ** -0.5 used)"] = {**kw, "sm_scale": 512**-0.5}
+    if "attn_sink" in kw:
+        candidates["attn_sink ignored"] = {k: v for k, v in kw.items() if k != "attn_sink"}
+        candidates["attn_sink taken as a log2 logit (times ln 2)"] = {**kw, "attn_sink": kw["attn_sink"] * math.log(2)}
+        candidates["attn_sink taken as a natural logit scaled by log2(e)"] = {
+            **kw, "attn_sink": kw["attn_sink"] / math.log(2)}  # fmt: skip
+    if "extra_kv_cache" in kw:
+        candidates["extra cache ignored"] = {
+            k: v for k, v in kw.items() if k not in ("extra_kv_cache", "extra_indices", "extra_topk_length")
+        }
+    if "topk_length" in kw or "extra_topk_length" in kw:
+        full = {k: v for k, v in kw.items() if k not in ("topk_length", "extra_topk_length")}
+        if call.main.stale == "-1" and (call.extra is None or call.extra.stale == "-1"):
+            candidates["topk_length ignored (lanes past it read)"] = full
+    if call.sm_scale[1] != 0.0:
+        candidates["scores scaled twice by sm_scale"] = {**kw, "sm_scale": call.sm_scale[1] ** 2}
+        candidates["sm_scale applied in base 2 (times log2 e)"] = {**kw, "sm_scale": call.sm_scale[1] / math.log(2)}
+    lines: list[str] = []
+    for words, args in candidates.items():
+        try:
+            alt = oracle_forward(inputs.q, inputs.kv_cache, inputs.indices, **args)
+        except (ValueError, TypeError):
+            continue
+        err = _relative(output, alt.output)
+        if err < tolerance and err < truth / 4:
+            lines.append(f"likely cause: {words} (the output matches that call's oracle: relative error "
+                         f"{err:.2e}, {truth:.2e} against the true oracle)")  # fmt: skip
+    lines += _where(output, inputs, oracle)
+    return lines
+
+
+def _where(output: torch.Tensor, inputs: SearchInputs, oracle: Any) -> list[str]:
+    """Where the bad rows are: non-finite values, empty rows, route, heads."""
+    call = inputs.call
+    out = output.double().cpu()
+    exp = oracle.output.double().cpu()
+    scale = exp.abs().amax(-1).clamp(min=1e-300)  # [T, H]
+    err = torch.nan_to_num((out - exp).abs().amax(-1) / scale, nan=math.inf)
+    bad = err > 0.05
+    lines = []
+    if not bool(bad.any()):
+        return lines
+    empty = ~inputs.valid.any(-1)  # [T]
+    nonfinite = ~torch.isfinite(out).all(-1)
+    if bool(nonfinite.any()):
+        lines.append(f"{int(nonfinite.sum())} rows hold NaN/Inf: a poisoned byte (an unreferenced slot, page "
+                     "padding, another layer, a stale lane past topk_length) or a masked lane was read, or "
+                     "exp overflowed (largest |logit| "
+                     f"{float(inputs.scores[torch.isfinite(inputs.scores)].abs().max()) if bool(torch.isfinite(inputs.scores).any()) else 0:.3g})")  # fmt: skip
+    if bool(empty.any()) and bool(bad[empty].any()):
+        lines.append("rows without a valid lane are wrong (expected output exactly 0)")
+    tokens = bad.any(-1).nonzero().flatten().tolist()
+    heads = bad.any(0).nonzero().flatten().tolist()
+    if call.num_tokens > 64 and tokens and min(tokens) > 0:
+        lines.append(f"wrong tokens start at token {min(tokens)} (T={call.num_tokens}: prefill route)")
+    if heads and len(heads) < call.num_heads:
+        lines.append(f"only heads {heads[:8]}{'...' if len(heads) > 8 else ''} of {call.num_heads} are wrong")
+    if "attn_sink" in inputs.kwargs:
+        sink = inputs.kwargs["attn_sink"].double().cpu()
+        lse = torch.logsumexp(inputs.scores, -1)
+        dominated = (sink.unsqueeze(0) > lse + 5) & torch.isfinite(sink).unsqueeze(0)
+        if bool(dominated.any()) and bool((bad & dominated).sum() * 2 >= bad.sum()):
+            lines.append("the wrong rows are mostly those whose sink dominates the scores (sink > LSE + 5)")
+    return lines
+
+
+def with_seed(call: DrawnCall, seed: int) -> DrawnCall:
+    """``call`` with another tensor seed (the same shapes and regime, other values)."""
+    return replace(call, seed=seed)
+
+
+def as_dict(call: DrawnCall) -> dict[str, Any]:
+    """The drawn call as a JSON-ready dict (reproducers, reports)."""
+    return asdict(call)
+
+
+# --- one property test's run: budget, seed, what it drew ---------------------------------------------
+
+#: ``user_properties`` key of a search test's summary (``SearchRun.summary``), read by ``coverage``.
+SEARCH_KEY = coverage.SEARCH
+
+
+class SearchRun:
+    """The Hypothesis run of one search test (the ``sparse_mla_search`` fixture).
+
+    Args:
+        examples: calls to draw (``max_examples``).
+        seed: ``None``: derandomized, no example database; else the seed of this shard's run
+            (``seed + shard``), with Hypothesis's default example database.
+        shard: this test's shard index.
+        keep: called as ``keep(SEARCH_KEY, summary)`` when the run ends (the test's
+            ``user_properties``), pass or fail.
+    """
+
+    def __init__(self, examples: int, seed: int | None, shard: int, keep: Any) -> None:
+        self.examples, self.seed, self.shard, self.keep = examples, seed, shard, keep
+        self.drawn: list[dict[str, Any]] = []
+        self.failed = False
+
+    def note(self, call: DrawnCall, inputs: SearchInputs | None = None) -> None:
+        """Record one drawn call (every call built, shrinking included)."""
+        self.drawn.append(record(call, inputs))
+
+    def settings(self) -> Any:
+        """The Hypothesis ``settings`` of this run."""
+        from hypothesis import HealthCheck, settings
+
+        extra: dict[str, Any] = {"database": None} if self.seed is None else {}
+        return settings(
+            max_examples=self.examples, derandomize=self.seed is None, deadline=None, print_blob=True,
+            suppress_health_check=list(HealthCheck), **extra,
+        )  # fmt: skip
+
+    def run(self, test: Any) -> None:
+        """Run the ``@given`` function ``test`` under :meth:`settings` (and this shard's seed)."""
+        import hypothesis
+
+        test = self.settings()(test)
+        if self.seed is not None:
+            test = hypothesis.seed(self.seed + self.shard)(test)
+        try:
+            test()
+        except BaseException:
+            self.failed = True
+            raise
+        finally:
+            self.keep(SEARCH_KEY, self.summary())
+
+    def summary(self) -> dict[str, Any]:
+        """``{"calls", "failed", "seed", "dims": {name: {"min", "max"} | {"values": {v: n}}}}``."""
+        return {"calls": len(self.drawn), "failed": int(self.failed), "seed": self.seed,
+                "dims": coverage.merge_dims(self.drawn)}  # fmt: skip

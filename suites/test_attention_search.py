@@ -1,0 +1,134 @@
+"""The search: properties of the suites asserted on calls drawn over the whole input space.
+
+Specification. For every call Hypothesis draws inside the implementation's envelope
+(``pytest_sparse_mla.search.calls``: every dimension of ``pytest_sparse_mla.input_space``, from
+one token to the prefill route, widths, page sizes, lengths, masks, duplicates, the first and last
+slot, magnitudes over each format's whole range, placed score regimes, ``sm_scale`` values real
+models pass and others the contract admits, sinks from ``-inf`` to far above the scores, both LSE
+conventions, cache forms, page strides, per-layer views and strided queries):
+
+* **The float64 oracle**: output and LSE match ``oracle_forward`` under the implementation's
+  tolerance profile (the sink as an extra logit, the LSE convention and its empty-row sentinels
+  included; a kernel without an LSE is judged on its output, which the sink and every lane still
+  move); a row without a valid lane outputs exactly 0.
+* **Never-read bytes**: every cache byte no valid lane reads is an FP8 NaN pattern, lanes past
+  ``topk_length`` name poisoned slots or hold stale padding: none reaches the output.
+* **Nothing written outside the outputs**: every input's whole allocation (canary bytes before and
+  after each cache, the other layers of its pool, the queries' padding) is unchanged by the call.
+* **Lane order and padding**: permuting a row's valid lanes and padding it with ``-1`` lanes (to a
+  width the envelope takes) leaves the result within two roundings.
+
+A failure shrinks to a minimal call; its message gives the call in words, the likely cause read from
+the evidence (``search.diagnose``) and Hypothesis's ``@reproduce_failure`` line; with
+``--sparse-mla-repro-dir`` the minimal call gets a standalone reproducer. Budget: the
+``sparse_mla_search`` fixture (``--sparse-mla-search-examples``, ``--sparse-mla-search-seed``,
+``--sparse-mla-search-shards``; derandomized and small by default).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("hypothesis")
+
+from hypothesis import given  # noqa: E402
+
+from pytest_sparse_mla import repro, search  # noqa: E402
+from pytest_sparse_mla.attention import oracle_forward  # noqa: E402
+
+pytestmark = [pytest.mark.sparse_mla_needs("sparse_mla_forward"), pytest.mark.sparse_mla_error_class("search")]
+
+
+def _check_form(res: object, inputs: search.SearchInputs) -> None:
+    t, h = inputs.call.num_tokens, inputs.call.num_heads
+    assert res.output.dtype == torch.bfloat16 and tuple(res.output.shape) == (t, h, 512), (
+        f"output: expected BF16 [{t}, {h}, 512], got {res.output.dtype} {tuple(res.output.shape)}"
+    )
+    if res.lse is not None:
+        assert res.lse.dtype == torch.float32 and tuple(res.lse.shape) == (t, h), (
+            f"lse: expected fp32 [{t}, {h}], got {res.lse.dtype} {tuple(res.lse.shape)}"
+        )
+
+
+def _judge(impl: object, inputs: search.SearchInputs, tol: object) -> None:
+    """One drawn call against the oracle, its inputs and its empty rows (module docstring)."""
+    call = inputs.call
+    res = impl.sparse_mla_forward(inputs.q, inputs.kv_cache, inputs.indices, **inputs.kwargs)
+    changed = inputs.changed_inputs()
+    assert not changed, f"the call wrote into its inputs: {'; '.join(changed)}\ncall: {call.describe()}"
+    _check_form(res, inputs)
+    oracle = oracle_forward(inputs.q, inputs.kv_cache, inputs.indices, **inputs.kwargs)
+    empty = ~inputs.valid.any(-1).to(res.output.device)
+    if bool(empty.any()):
+        rows = res.output[empty]
+        assert bool((rows == 0).all()), (
+            f"{int(empty.sum())} rows have no valid lane: their output must be exactly 0; got max |output| "
+            f"{float(rows.float().abs().nan_to_num(nan=float('inf')).max()):.3g}\ncall: {call.describe()}"
+        )
+    try:
+        tol.check_result(res, oracle, fmt=call.fmt, what="drawn call")
+    except AssertionError as exc:
+        hints = search.diagnose(res.output, inputs, oracle, oracle_forward)
+        raise AssertionError("\n".join([str(exc), *hints, f"call: {call.describe()}"])) from None
+
+
+def test_a_drawn_call_matches_the_oracle(
+    sparse_mla_impl, sparse_mla_envelope, sparse_mla_tolerances, sparse_mla_device, sparse_mla_search
+):
+    @given(call=search.calls(sparse_mla_envelope, sparse_mla_device.type))
+    def drawn(call: search.DrawnCall) -> None:
+        repro.begin_test()  # the reproducer is the last (shrunk) example's call
+        inputs = search.build(call, sparse_mla_device)
+        sparse_mla_search.note(call, inputs)
+        _judge(sparse_mla_impl, inputs, sparse_mla_tolerances)
+
+    sparse_mla_search.run(drawn)
+
+
+def _reorder(indices: torch.Tensor, lengths: torch.Tensor | None, generator: torch.Generator) -> torch.Tensor:
+    """Each row's lanes below its length (all lanes without lengths) in a random order."""
+    num_tokens, width = indices.shape
+    lanes = torch.arange(width).expand(num_tokens, width)
+    inside = lanes < (lengths.cpu().long().clamp(0, width).unsqueeze(1) if lengths is not None else width)
+    keys = torch.where(inside, torch.rand((num_tokens, width), generator=generator), 1.0 + lanes)
+    return indices.gather(1, keys.argsort(dim=1).to(indices.device))
+
+
+def _padded(indices: torch.Tensor, widths: object) -> torch.Tensor:
+    """``indices`` with ``-1`` lanes up to the next width ``widths`` takes (itself when none)."""
+    width = indices.shape[1]
+    wider = widths.fit(width + 1)[1]
+    if wider <= width:
+        return indices
+    pad = torch.full((indices.shape[0], wider - width), -1, dtype=indices.dtype, device=indices.device)
+    return torch.cat([indices, pad], dim=1)
+
+
+def test_a_drawn_call_does_not_depend_on_lane_order_or_padding(
+    sparse_mla_impl, sparse_mla_envelope, sparse_mla_tolerances, sparse_mla_device, sparse_mla_search
+):
+    env = sparse_mla_envelope
+
+    @given(call=search.calls(env, sparse_mla_device.type))
+    def drawn(call: search.DrawnCall) -> None:
+        repro.begin_test()
+        inputs = search.build(call, sparse_mla_device)
+        sparse_mla_search.note(call, inputs)
+        g = torch.Generator().manual_seed(call.seed + 1)
+        kw = dict(inputs.kwargs)
+        base = sparse_mla_impl.sparse_mla_forward(inputs.q, inputs.kv_cache, inputs.indices, **kw)
+        moved = _padded(_reorder(inputs.indices, kw.get("topk_length"), g), env.topk)
+        if "extra_indices" in kw:
+            kw["extra_indices"] = _padded(_reorder(kw["extra_indices"], kw.get("extra_topk_length"), g), env.extra_topk)
+        other = sparse_mla_impl.sparse_mla_forward(inputs.q, inputs.kv_cache, moved, **kw)
+        oracle = oracle_forward(inputs.q, inputs.kv_cache, inputs.indices, **inputs.kwargs)
+        try:
+            sparse_mla_tolerances.check_invariant(
+                other, base, oracle=oracle, fmt=call.fmt, bitwise=False,
+                what="valid lanes permuted within their length, rows padded with -1",
+            )  # fmt: skip
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\ncall: {call.describe()}") from None
+
+    sparse_mla_search.run(drawn)
