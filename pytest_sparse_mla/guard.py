@@ -24,7 +24,8 @@ stale-scratch bug of sgl-project/sglang PR #39288 passed or failed with the allo
 
 Every other attribute is the implementation's own. Deliberately malformed calls (the bad-input
 suite) go through :meth:`GuardedImplementation.bad_call`, straight to the implementation. Each call
-is recorded for ``--sparse-mla-repro-dir`` (:mod:`pytest_sparse_mla.repro`).
+is recorded for ``--sparse-mla-repro-dir`` (:mod:`pytest_sparse_mla.repro`) and as the kernel call in
+flight (:mod:`pytest_sparse_mla.device_health`: a dead CUDA context's or a timeout's message names it).
 """
 
 from __future__ import annotations
@@ -268,27 +269,34 @@ class GuardedImplementation:
                 "a bug of the suite's case fitting, not of the kernel",
                 pytrace=False,
             )
-        from pytest_sparse_mla import repro
+        from pytest_sparse_mla import device_health, repro
 
         with repro.judged_call(args, kwargs) as rec:
+            running = device_health.begin_call(self._name, "sparse_mla_forward", args, kwargs)
             try:
                 res = self.unguarded.sparse_mla_forward(*args, **kwargs)
             except Unsupported as exc:
                 if self.declared:
                     pytest.fail(f"{self._name} refused a call inside its declared envelope: {exc}", pytrace=False)
                 pytest.skip(f"{self._name} refused the call: {exc}")
+            finally:
+                device_health.end_call(running)
             result = result_of(res, env, self._name)
             repro.set_result(rec, result.output, result.lse)
         return result
 
-    @staticmethod
-    def _recorded_split(split: Any, *args: Any, **kwargs: Any) -> Any:
+    def _recorded_split(self, split: Any, *args: Any, **kwargs: Any) -> Any:
         """The implementation's ``page_split`` (reached as ``.page_split`` when it has one), run with
-        uninitialised memory poisoned and recorded for ``--sparse-mla-repro-dir``."""
-        from pytest_sparse_mla import repro
+        uninitialised memory poisoned, recorded for ``--sparse-mla-repro-dir`` and as the kernel call
+        in flight (``device_health``)."""
+        from pytest_sparse_mla import device_health, repro
 
         with repro.judged_call(args, kwargs, capability="page_split") as rec, uninitialised_memory_poisoned():
-            out = split(*args, **kwargs)
+            running = device_health.begin_call(self._name, "page_split", args, kwargs)
+            try:
+                out = split(*args, **kwargs)
+            finally:
+                device_health.end_call(running)
             repro.set_result(rec, out, None)
         return out
 
@@ -297,10 +305,14 @@ class GuardedImplementation:
         deliberately bad input (no guard): it must raise a ``TypeError`` or ``ValueError`` naming
         ``argument`` (``""``: any such error). Recorded for ``--sparse-mla-repro-dir`` with that
         expectation."""
-        from pytest_sparse_mla import repro
+        from pytest_sparse_mla import device_health, repro
 
         with repro.judged_call(args, kwargs, expect_error=argument, capability=capability):
-            return getattr(self.unguarded, capability)(*args, **kwargs)
+            running = device_health.begin_call(self._name, capability, args, kwargs)
+            try:
+                return getattr(self.unguarded, capability)(*args, **kwargs)
+            finally:
+                device_health.end_call(running)
 
     def __repr__(self) -> str:
         return f"<guarded {self.unguarded!r}>"

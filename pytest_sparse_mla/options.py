@@ -49,6 +49,7 @@ __all__ = [
     "marker_lines",
     "parse_device",
     "parse_grid",
+    "parse_timeout",
     "unknown_ini_key_hint",
     "usage_errors",
 ]
@@ -104,6 +105,10 @@ class SparseMlaOptions:
         golden_dir: absolute root of the golden snapshots, or ``None`` for the packaged goldens.
         xfail_file / skip_file: absolute paths of the files of test ids to mark xfail / skip.
         gpu_per_worker: pin each xdist worker to one visible GPU.
+        timeout: ``--sparse-mla-timeout``: seconds per test through pytest-timeout (``0``: no limit),
+            or ``None`` for the default scaled to the device and the case
+            (``pytest_sparse_mla.device_health.default_timeout``).
+        timeout_given: ``--sparse-mla-timeout`` was given (``auto`` too): it then needs pytest-timeout.
         report_json: absolute path of the JSON run report, or ``None``.
         repro_dir: absolute directory for standalone reproducers of failing calls
             (``pytest_sparse_mla.repro``), or ``None``.
@@ -129,6 +134,8 @@ class SparseMlaOptions:
     xfail_file: Path | None = None
     skip_file: Path | None = None
     gpu_per_worker: bool = True
+    timeout: float | None = None
+    timeout_given: bool = False
     report_json: Path | None = None
     repro_dir: Path | None = None
     tolerances: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
@@ -208,6 +215,15 @@ def add_options(parser: pytest.Parser) -> None:
         help="Do not pin each xdist worker to one visible GPU",
     )
     group.addoption(
+        "--sparse-mla-timeout",
+        default=None,
+        metavar="SECONDS",
+        help="Time limit per suite test through pytest-timeout (needs it installed): SECONDS, 0 for none, or "
+        "auto (the default when pytest-timeout is installed and no --timeout is given: 120 s on CUDA, 600 s "
+        "on the CPU, x3 for a large case and for a Hypothesis test); the failure names the kernel call that "
+        "did not return",
+    )
+    group.addoption(
         "--sparse-mla-report-json",
         default=None,
         metavar="PATH",
@@ -275,6 +291,7 @@ _DESTS = (
     "sparse_mla_skip_file",
     "sparse_mla_deployment_report",
     "sparse_mla_no_gpu_pinning",
+    "sparse_mla_timeout",
     "sparse_mla_report_json",
     "sparse_mla_repro_dir",
 )
@@ -363,6 +380,24 @@ def parse_device(value: str) -> str:
     if value not in DEVICES:
         raise pytest.UsageError(f"--sparse-mla-device={value!r}: expected one of {', '.join(DEVICES)}")
     return value
+
+
+def parse_timeout(value: str | None) -> float | None:
+    """Validate ``--sparse-mla-timeout``: ``auto`` (or not given) is ``None`` (the default scaled to
+    the case), else a number of seconds, ``0`` for no limit.
+
+    Raises:
+        pytest.UsageError: not ``auto`` and not a number >= 0.
+    """
+    if value is None or str(value).strip().lower() == "auto":
+        return None
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = -1.0
+    if not seconds >= 0:
+        raise pytest.UsageError(f"--sparse-mla-timeout={value!r}: expected a number of seconds >= 0, 0 (none) or auto")
+    return seconds
 
 
 def parse_grid(value: str | None) -> str | None:
@@ -502,6 +537,8 @@ def from_config(config: pytest.Config, activated_by: str = "") -> SparseMlaOptio
             "--sparse-mla-skip-file", config.getoption("sparse_mla_skip_file", None), config.rootpath
         ),
         gpu_per_worker=not config.getoption("sparse_mla_no_gpu_pinning", False),
+        timeout=parse_timeout(config.getoption("sparse_mla_timeout", None)),
+        timeout_given=config.getoption("sparse_mla_timeout", None) is not None,
         report_json=_output_path(config, "--sparse-mla-report-json"),
         repro_dir=_output_path(config, "--sparse-mla-repro-dir"),
         tolerances=_tolerances(config),

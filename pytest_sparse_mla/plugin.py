@@ -116,6 +116,7 @@ def pytest_configure(config: pytest.Config) -> None:
     implementations.configure(config)
     if getattr(config, "workerinput", None) is None:  # the controller gathers the coverage table
         config.pluginmanager.register(_ControllerHooks(config), "sparse_mla:controller")
+        config.pluginmanager.register(_DeviceFaultHooks(config), "sparse_mla:device-faults")
 
 
 class _ControllerHooks:
@@ -163,6 +164,41 @@ class _ControllerHooks:
             terminalreporter.section("sparse-mla usage error", sep="=", red=True, bold=True)
             terminalreporter.write_line(f"ERROR: {self.result_form}")
             terminalreporter.write_line("(the run stopped at the first such result: every test would fail alike)")
+
+
+class _DeviceFaultHooks:
+    """Controller (or a run without xdist): the tests that left the CUDA context dead or timed out
+    (``device_health``): collected from the reports, xdist's crash report of a worker that ended
+    itself made that test's teardown report, a terminal summary section."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+
+    def pytest_sessionstart(self, session: pytest.Session) -> None:
+        from pytest_sparse_mla import device_health
+
+        device_health.controller_start(self.config, session)
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        from pytest_sparse_mla import device_health
+
+        device_health.observe(self.config, report)
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_handlecrashitem(self, crashitem: str, report: pytest.TestReport, sched: Any) -> None:
+        """pytest-xdist: a worker that ended itself after a dead CUDA context or a timeout."""
+        from pytest_sparse_mla import device_health
+
+        device_health.absorb_crash_report(self.config, crashitem, report)
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        from pytest_sparse_mla import device_health
+
+        lines = device_health.summary_lines(self.config)
+        if lines:
+            terminalreporter.section("sparse-mla device faults", sep="-", red=True)
+            for line in lines:
+                terminalreporter.write_line(line)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -221,6 +257,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     selection.apply_files(config, items)
     implementations.skip_unservable(config, items)
     coverage.mark_intended(items)
+    from pytest_sparse_mla import device_health
+
+    device_health.apply_timeouts(config, items)  # pytest-timeout's marker, scaled to the case
 
 
 @pytest.hookimpl(wrapper=True)
@@ -240,9 +279,18 @@ def pytest_runtest_call(item: pytest.Item) -> Any:
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> Any:
     """A failure that is a result of the wrong form (``guard.ResultFormError``) stops this process's
-    run and is marked for the controller (``_ControllerHooks``). With ``--sparse-mla-repro-dir``: a
-    failed or xfailed test's wrong calls become standalone reproducers (``repro``)."""
+    run and is marked for the controller (``_ControllerHooks``). A test after which the CUDA context
+    is dead fails saying so, and a pytest-timeout failure names the kernel call that did not return
+    (``device_health``). With ``--sparse-mla-repro-dir``: a failed or xfailed test's wrong calls
+    become standalone reproducers (``repro``; a failed write is a warning and a report section)."""
+    active = options.is_active(item.config)
+    if active:
+        from pytest_sparse_mla import device_health
+
+        device_health.note_timeout(call)
     report = yield
+    if active:
+        device_health.judge_report(item, call, report)
     if call.excinfo is not None and report.failed:
         from pytest_sparse_mla import guard
 
@@ -265,9 +313,12 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> 
                 model = tol.model if tol is not None else fallback
                 outcome = "xfailed" if hasattr(report, "wasxfail") else "failed"
                 spec = opts.impl if ":" in opts.impl else None  # an import string names the object itself
-                written = repro.write_reproducers(
-                    opts.repro_dir, item.nodeid, impl.unguarded, model, outcome, impl_spec=spec
-                )
+                written, error = repro.write_safely(
+                    opts.repro_dir, item.nodeid, impl.unguarded, model, outcome, impl_spec=spec,
+                    context_error=device_health.context_error_of(report) if active else None,
+                )  # fmt: skip
+                if error is not None:
+                    report.sections.append(("sparse-mla reproducers", f"not written: {error}"))
                 if written:
                     report.sections.append(
                         ("sparse-mla reproducers", "\n".join(f"python {p / 'repro.py'}" for p in written))
@@ -290,15 +341,37 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     With ``--sparse-mla-repro-dir``, start recording the test's calls."""
     opts = item.config.stash.get(options.OPTIONS_KEY, None)
     if opts is not None:  # an active session: record this test's calls only with a repro dir
-        from pytest_sparse_mla import repro
+        from pytest_sparse_mla import device_health, repro
 
         repro.enable(opts.repro_dir is not None)
         repro.begin_test()
+        device_health.begin_test()
     if item.stash.get(_NEEDS_PLUGIN_KEY, False):
         pytest.fail(NEEDS_PLUGIN, pytrace=False)
     mark = item.get_closest_marker(options.GPU_REQUIRED_MARKER)
     if mark is not None:  # only an active session adds it
         pytest.fail(f"--sparse-mla-require-gpu: {mark.kwargs['reason']}", pytrace=False)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    """An xdist worker whose CUDA context this test killed exits here, its reports sent, so that
+    pytest-xdist starts a fresh worker for the rest (``device_health.exit_if_dead``)."""
+    if options.is_active(item.config):
+        from pytest_sparse_mla import device_health
+
+        device_health.exit_if_dead(item)
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> bool | None:
+    """pytest-timeout's thread method: report the test with the kernel call that did not return
+    before pytest-timeout ends the process (``device_health.start_thread_timer``)."""
+    if not options.is_active(item.config):
+        return None
+    from pytest_sparse_mla import device_health
+
+    return device_health.start_thread_timer(item, settings)
 
 
 @pytest.hookimpl(wrapper=True)

@@ -152,6 +152,11 @@ class Profile:
             many independent rows concentrates, so fewer are needed).
         lse_abs: absolute LSE bound in natural-log units (before the score-error term).
         bitwise_invariants: whether by-construction invariants must hold bit for bit.
+        query_abs_floor: ``a``, the absolute rounding error of a NoPE query element where the
+            compute mode quantizes queries with a scale floor (FP8: FlashInfer's ``quantize_q_to_smem``
+            floors the group amax at ``1e-4``, so the E4M3 scale is at least ``2**-21`` and a query
+            element is off by up to half a subnormal step, ``2**-31``); the logit error gains
+            ``a * max_j |sm_scale| sum_d |K_jd|``. 0 for compute modes that keep BF16 queries.
     """
 
     name: str
@@ -163,6 +168,7 @@ class Profile:
     overall_sigmas: float
     lse_abs: float
     bitwise_invariants: bool = False
+    query_abs_floor: float = 0.0
 
 
 #: the tunable parameters (ini / marker keys).
@@ -171,7 +177,7 @@ PARAMETERS: tuple[str, ...] = tuple(f.name for f in fields(Profile) if f.name !=
 DEFAULT_PROFILES: dict[str, Profile] = {
     "tight": Profile("tight", U_FP32, 4, 0.0, False, 4.0, 2.0, 1e-6, bitwise_invariants=True),
     "kernel": Profile("kernel", U_BF16, 3, U_BF16, False, 4.0, 2.0, 2.0**-10),
-    "kernel-fp8": Profile("kernel-fp8", U_E4M3, 3, U_E4M3, True, 4.0, 2.0, 2.0**-10),
+    "kernel-fp8": Profile("kernel-fp8", U_E4M3, 3, U_E4M3, True, 4.0, 2.0, 2.0**-10, query_abs_floor=2.0**-31),
 }
 
 
@@ -214,12 +220,16 @@ def _d_qk(fmt: Any) -> int:
     return int(formats.get_format(fmt).d_qk)
 
 
-def _score_error(profile: Profile, fmt: Any, score_magnitude: Any) -> Any:
-    """``ds`` per row: the worst-case logit error in natural-log units."""
+def _score_error(profile: Profile, fmt: Any, score_magnitude: Any, key_magnitude: Any = None) -> Any:
+    """``ds`` per row: the worst-case logit error in natural-log units (relative rounding of each
+    product, plus the query quantization floor times the key magnitude where the profile has one)."""
     u_s = profile.score_unit_roundoff
     if _fmt_bf16_exact(fmt) and not profile.score_rounding_on_bf16_exact:
         u_s = 0.0
-    return (u_s + _d_qk(fmt) * U_FP32) * score_magnitude
+    ds = (u_s + _d_qk(fmt) * U_FP32) * score_magnitude
+    if profile.query_abs_floor and key_magnitude is not None:
+        ds = ds + profile.query_abs_floor * key_magnitude
+    return ds
 
 
 @dataclass(frozen=True)
@@ -229,6 +239,7 @@ class _Scales:
     score_magnitude: Any  # [T, H]
     max_candidates: int
     from_oracle: bool
+    key_magnitude: Any = None  # [T, H] or None
 
 
 def _scales_of(expected: Any, given: Any) -> _Scales:
@@ -240,6 +251,7 @@ def _scales_of(expected: Any, given: Any) -> _Scales:
         return _Scales(
             given.abs_weighted.to(torch.float64), given.rms_weighted.to(torch.float64),
             given.score_magnitude.to(torch.float64), int(given.max_candidates), True,
+            None if getattr(given, "key_magnitude", None) is None else given.key_magnitude.to(torch.float64),
         )  # fmt: skip
     e = expected
     row_max = e.abs().amax(dim=-1, keepdim=True).expand_as(e)
@@ -361,7 +373,8 @@ def output_bound(
     u_o = _unit_roundoff(output_dtype if output_dtype is not None else torch.bfloat16)
     if other_dtype is not None:
         u_o = max(u_o, _unit_roundoff(other_dtype))
-    ds = _score_error(profile, fmt, sc.score_magnitude) if sc.from_oracle else torch.zeros_like(sc.rms_weighted)
+    ds = (_score_error(profile, fmt, sc.score_magnitude, sc.key_magnitude) if sc.from_oracle
+          else torch.zeros_like(sc.rms_weighted))  # fmt: skip
     factor = 2.0 if other_dtype is not None else 1.0
     m_coef = profile.p_roundings * profile.p_unit_roundoff + sc.max_candidates * U_FP32  # scalar
     worst = (m_coef + torch.expm1(2.0 * ds)).unsqueeze(-1) * sc.abs_weighted  # [T, H, D]
@@ -409,7 +422,8 @@ def compare_output(
     u_o = _unit_roundoff(actual.dtype)
     if pair:
         u_o = max(u_o, _unit_roundoff(expected.dtype))
-    ds = _score_error(profile, fmt, sc.score_magnitude) if sc.from_oracle else torch.zeros_like(sc.rms_weighted)
+    ds = (_score_error(profile, fmt, sc.score_magnitude, sc.key_magnitude) if sc.from_oracle
+          else torch.zeros_like(sc.rms_weighted))  # fmt: skip
     factor = 2.0 if pair else 1.0
     score_term = torch.expm1(2.0 * ds)  # (e^{2 ds} - 1): the weights' worst relative change
     elem_bound = output_bound(e, profile=profile, fmt=fmt, scales=scales, output_dtype=actual.dtype,
@@ -536,7 +550,9 @@ def lse_bound(natural: Any, *, profile: Profile, fmt: Any = "dsv4", scales: Any 
     e = natural.to(torch.float64)
     ds = torch.zeros_like(e)
     if scales is not None:
-        ds = _score_error(profile, fmt, scales.score_magnitude.to(torch.float64).reshape(e.shape))
+        keys = getattr(scales, "key_magnitude", None)
+        keys = None if keys is None else keys.to(torch.float64).reshape(e.shape)
+        ds = _score_error(profile, fmt, scales.score_magnitude.to(torch.float64).reshape(e.shape), keys)
     factor = 2.0 if pair else 1.0
     return factor * (profile.lse_abs + ds + 2.0**-23 * e.abs().nan_to_num(posinf=0.0, neginf=0.0))
 

@@ -194,7 +194,7 @@ def finish(config: pytest.Config) -> None:
         return
     from dataclasses import asdict
 
-    from pytest_sparse_mla import capabilities, coverage, guard, implementations
+    from pytest_sparse_mla import capabilities, coverage, device_health, guard, implementations
 
     records = config.stash.get(_RECORDS, {}) or {"controller": _device_record(config)}
     impl = implementations.get_implementation(config)
@@ -209,6 +209,7 @@ def finish(config: pytest.Config) -> None:
             **envelope.as_dict(),
         },
         "coverage": coverage.get(config).rows(),
+        "device_faults": device_health.fault_entries(config),
         "search": coverage.get(config).search_report(),
     }
     opts.report_json.write_text(json.dumps(report, indent=2, sort_keys=True, default=str) + "\n")

@@ -1,0 +1,165 @@
+"""Self-tests of the search (``pytest_sparse_mla.search``) and its input-space model.
+
+* ``docs/input-space.md`` is the model's table, and every dimension of the model is one the search
+  records (and the reverse), so neither can drift from the other.
+* Every drawn call lies inside the envelope it was drawn for (FlashMLA's, a tight one, the
+  universal one): the guard would otherwise fail the test as a fitting bug.
+* The tensors are what the model says: never-read cache bytes are poison, by hand from the byte
+  layout; the drawn score regime is realised (logits placed, not hoped for); canaries catch a
+  write outside the outputs.
+* A failure's hint names the cause from the evidence: the output of a kernel that ignores
+  ``sm_scale`` matches the counterfactual oracle with ``d_qk ** -0.5``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+hypothesis = pytest.importorskip("hypothesis")
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+
+from pytest_sparse_mla import formats, input_space, search  # noqa: E402
+from pytest_sparse_mla.attention import oracle_forward, sparse_mla_forward  # noqa: E402
+from pytest_sparse_mla.attention.call import SparseMlaCall  # noqa: E402
+from pytest_sparse_mla.envelope import UNIVERSAL, Envelope, Widths  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+FLASHMLA_LIKE = Envelope(
+    num_heads=(64, 128), topk=Widths(multiple=64), extra_topk=Widths(multiple=64), topk_length_formats=("dsv4",),
+    extra_cache_formats=("dsv4",), masked_indices="minus_one", topk_length_range="row", lse_conventions=("flashmla",),
+    page_block_sizes=(64,), max_tokens=64,
+)  # fmt: skip
+NO_LSE = Envelope(formats=("dsv4_1",), lse_conventions=(), attn_sink=False, num_heads=(3, 8))
+QUICK = settings(max_examples=10, derandomize=True, database=None, deadline=None, suppress_health_check=list(HealthCheck))
+
+
+def test_the_input_space_document_is_the_model() -> None:
+    text = (ROOT / "docs" / "input-space.md").read_text()
+    assert text == input_space.markdown(), (
+        "docs/input-space.md differs from the model: regenerate it with "
+        "`python -m pytest_sparse_mla.input_space > docs/input-space.md`"
+    )
+
+
+def test_every_dimension_of_the_model_is_recorded_by_the_search() -> None:
+    @QUICK
+    @given(call=search.calls(UNIVERSAL))
+    def drawn(call: search.DrawnCall) -> None:
+        names = {d.name for d in input_space.DIMENSIONS}
+        recorded = set(search.record(call)) - {"realized_max_logit"}
+        assert recorded == names, f"recorded but not modelled: {recorded - names}; modelled, not recorded: {names - recorded}"
+
+    drawn()
+
+
+@pytest.mark.parametrize("envelope", [FLASHMLA_LIKE, NO_LSE, UNIVERSAL], ids=["flashmla-like", "no-lse", "universal"])
+def test_every_drawn_call_lies_inside_its_envelope(envelope: Envelope) -> None:
+    @QUICK
+    @given(call=search.calls(envelope))
+    def drawn(call: search.DrawnCall) -> None:
+        inputs = search.build(call)
+        read = SparseMlaCall.read(inputs.q, inputs.kv_cache, inputs.indices, **inputs.kwargs, validate=True)
+        assert read.envelope_reason(envelope) is None, call.describe()
+        if envelope.masked_indices == "minus_one":
+            for name, lanes in (("indices", inputs.indices), ("extra_indices", inputs.kwargs.get("extra_indices"))):
+                if lanes is not None:
+                    assert not bool(((lanes < 0) & (lanes != -1)).any()), f"{name}: a negative other than -1"
+        if envelope.topk_length_range == "row":
+            for name, width in (("topk_length", inputs.indices.shape[1]),
+                                ("extra_topk_length", None if call.extra is None else call.extra.width)):  # fmt: skip
+                if name in inputs.kwargs:
+                    lengths = inputs.kwargs[name]
+                    assert bool(((lengths >= 0) & (lengths <= width)).all()), f"{name} outside [0, {width}]"
+
+    drawn()
+
+
+def _call(**over: object) -> search.DrawnCall:
+    main = search.DrawnCache(
+        width=64, page_block_size=16, num_pages=6, lengths=(10, 40), masked_fraction=0.25, scattered=True,
+        mask_value=-1, pattern="uniform", stale="poisoned-slot", value_exponent=3, rope_exponent=-2, wide=False,
+        form="nhd", stride=16, layer=1, num_layers=3, canary=256,
+    )  # fmt: skip
+    call = search.DrawnCall(
+        fmt="dsv4", num_tokens=5, num_heads=4, main=main, extra=None, empty_fraction=0.0, sm_scale=("yarn-0.1353",
+        input_space.YARN_SM_SCALE), score_spread=2.0, score_offset=200.0, peak=0.0, sink=(3.0,),
+        lse_convention="flashinfer", lse_scale=1.0, strided_query=True, poison=0x7F, seed=7,
+    )  # fmt: skip
+    return dataclasses.replace(call, **over)
+
+
+def test_never_read_bytes_are_poison_and_read_ones_are_not() -> None:
+    """By hand from the DSV4 footer layout (a 16-token page: ``16 * 576`` data bytes, then ``16 * 8``
+    scale bytes): a token a valid lane names keeps its 576 data bytes and 7 scale bytes; every other
+    byte of the page (other tokens, the 8th scale byte, the page padding) is ``0x7f``."""
+    inputs = search.build(_call())
+    ps, stride = 16, inputs.kv_cache.stride(0)
+    raw = inputs.kv_cache.as_strided((6, 16 * 584), (stride, 1), inputs.kv_cache.storage_offset())
+    lanes = torch.arange(64).unsqueeze(0)
+    lengths = inputs.kwargs["topk_length"].long().clamp(0, 64).unsqueeze(1)
+    valid = (inputs.indices >= 0) & (lanes < lengths)
+    read = set(inputs.indices[valid].tolist())
+    for slot in range(6 * ps):
+        page, t = divmod(slot, ps)
+        data = raw[page, t * 576 : (t + 1) * 576]
+        scales = raw[page, ps * 576 + t * 8 : ps * 576 + t * 8 + 7]
+        pad = raw[page, ps * 576 + t * 8 + 7]
+        assert int(pad) == 0x7F
+        if slot in read:
+            assert not bool((data == 0x7F).all()) and not bool((scales == 0x7F).all()), slot
+        else:
+            assert bool((data == 0x7F).all()) and bool((scales == 0x7F).all()), slot
+    past = ~(lanes < lengths) & (inputs.indices >= 0)
+    assert not (set(inputs.indices[past].tolist()) & read), "a stale lane names a slot a valid lane reads"
+
+
+@pytest.mark.parametrize(("spread", "offset"), [(2.0, 200.0), (0.3, -3000.0), (40.0, 0.0)])
+def test_the_drawn_score_regime_is_realised(spread: float, offset: float) -> None:
+    """The logits (``sm_scale * q.k`` in float64 from the packed cache, independently of the
+    builder's own scores) have about the drawn mean and spread per (token, head)."""
+    inputs = search.build(_call(score_spread=spread, score_offset=offset, strided_query=False))
+    table = formats.unpack_dequantize(inputs.kv_cache, "dsv4").reshape(-1, 512).double()
+    logits = input_space.YARN_SM_SCALE * torch.einsum("thd,tnd->thn", inputs.q.double(),
+                                                      table[inputs.indices.long().clamp(min=0)])  # fmt: skip
+    mask = inputs.valid.unsqueeze(1).expand_as(logits)
+    for t in range(logits.shape[0]):
+        row = logits[t][mask[t]].reshape(logits.shape[1], -1)
+        assert torch.allclose(row.mean(-1), torch.full((row.shape[0],), offset, dtype=torch.float64),
+                              atol=0.05 * abs(offset) + 2 * spread)  # fmt: skip
+        assert bool(((row.std(-1, correction=0) - spread).abs() <= 0.5 * spread + 0.05).all()), row.std(-1)
+
+
+def test_a_write_outside_the_outputs_is_named() -> None:
+    inputs = search.build(_call())
+    assert inputs.changed_inputs() == []
+    storage = inputs.storages["kv_cache"]
+    storage[3] ^= 0xFF  # a canary byte before the cache
+    changed = inputs.changed_inputs()
+    assert len(changed) == 1 and changed[0].startswith("kv_cache (byte 3 of its allocation")
+
+
+def test_the_hint_names_an_ignored_sm_scale() -> None:
+    inputs = search.build(_call(sink=None))
+    oracle = oracle_forward(inputs.q, inputs.kv_cache, inputs.indices, **inputs.kwargs)
+    kw = {**inputs.kwargs, "sm_scale": 512**-0.5}  # the kernel's bug: d_qk ** -0.5 whatever it is given
+    wrong = sparse_mla_forward(inputs.q, inputs.kv_cache, inputs.indices, **kw)
+    hints = search.diagnose(wrong.output, inputs, oracle, oracle_forward)
+    assert any(h.startswith("likely cause: sm_scale ignored (d_qk ** -0.5") for h in hints), hints
+    right = sparse_mla_forward(inputs.q, inputs.kv_cache, inputs.indices, **inputs.kwargs)
+    assert not any(h.startswith("likely cause") for h in search.diagnose(right.output, inputs, oracle, oracle_forward))
+
+
+def test_a_sink_dominated_row_is_named() -> None:
+    inputs = search.build(_call(sink=(1000.0,)))
+    oracle = oracle_forward(inputs.q, inputs.kv_cache, inputs.indices, **inputs.kwargs)
+    wrong = oracle_forward(inputs.q, inputs.kv_cache, inputs.indices,
+                           **{k: v for k, v in inputs.kwargs.items() if k != "attn_sink"})  # fmt: skip
+    hints = search.diagnose(wrong.output, inputs, oracle, oracle_forward)
+    assert any("attn_sink ignored" in h for h in hints), hints
+    assert math.isfinite(float(inputs.kwargs["attn_sink"][0]))
