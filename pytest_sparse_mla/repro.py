@@ -139,7 +139,7 @@ def _snapshot(value: Any) -> Any:
         if value.device.type == "meta":
             return value
         storage = value.detach().untyped_storage()
-        host = storage.clone() if value.device.type == "cpu" else storage.cpu()
+        host = storage.clone() if value.device.type == "cpu" else storage.cpu()  # type: ignore[no-untyped-call]
         copy = torch.empty(0, dtype=value.dtype, device="cpu")
         copy.set_(host, value.storage_offset(), value.size(), value.stride())
         return copy

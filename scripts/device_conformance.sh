@@ -16,7 +16,9 @@
 # (--sparse-mla-repro-dir, in repro/repro-IMPL) and runs them (scripts/check_repros.py: each must fail on its
 # implementation and pass on the reference; repro-check.json). Optional: SMOKE=1 runs scripts/peers_smoke.py (smoke.json), BENCH=1 the
 # peer and reference-attention benchmarks (bench/results.json). Variables: XDIST (workers, default 4), SUITE_TIMEOUT
-# (seconds per implementation, default 240), SMOKE_TIMEOUT (180), SMOKE_MAX_TOKENS (600),
+# (seconds per implementation, default 240), TEST_TIMEOUT (seconds per test through pytest-timeout, default auto:
+# 120 s on CUDA, x3 for large cases; a kernel that kills the CUDA context or hangs costs its test and its xdist
+# worker, which xdist replaces: README "A crash or a hang costs one test"), SMOKE_TIMEOUT (180), SMOKE_MAX_TOKENS (600),
 # BENCH_TIMEOUT (240), PEERS_EXT_OUT (pack a fresh FlashMLA build there),
 # PACK (write everything in $RESULTS into this one .tar.xz at the end).
 set -uo pipefail
@@ -37,6 +39,9 @@ peers_install_project
 PLUGIN=sparse_mla  # the pytest11 entry point; the module itself when the editable install failed
 python3 -c "import importlib.metadata as m, sys; sys.exit(0 if any(e.name == 'sparse_mla' for e in m.entry_points(group='pytest11')) else 1)" \
   || PLUGIN=pytest_sparse_mla.plugin
+TIMEOUT_ARGS=(--sparse-mla-timeout "${TEST_TIMEOUT:-auto}")  # pytest-timeout: in the test extra and the device image
+python3 -c "import pytest_timeout" 2>/dev/null \
+  || { echo "[device_conformance] pytest-timeout is not installed: no per-test time limit" >&2; TIMEOUT_ARGS=(); }
 build_pid=""
 if [[ " ${IMPLS[*]} " == *" flashmla "* ]] || [ "${BENCH:-0}" = 1 ] || [ "${SMOKE:-0}" = 1 ]; then
   peers_flashmla >"$OUT/flashmla-setup.log" 2>&1 &
@@ -96,7 +101,7 @@ run_suite() {  # run_suite IMPL
       -n "${XDIST:-4}" -p no:randomly -p no:cacheprovider -q -rfEX --tb=line \
       --sparse-mla-report-json "$OUT/conformance-$impl.json" \
       --junitxml "$OUT/conformance-$impl.xml" -o junit_family=xunit2 -o junit_logging=no \
-      "${xfail[@]}" >"$OUT/conformance-$impl.log" 2>&1
+      "${TIMEOUT_ARGS[@]}" "${xfail[@]}" >"$OUT/conformance-$impl.log" 2>&1
   local rc=$?
   local xf=null
   [ "${XFAIL:-1}" = 1 ] && [ -f "pytest_sparse_mla/xfail/$impl.txt" ] && xf="\"pytest_sparse_mla/xfail/$impl.txt\""
