@@ -100,7 +100,7 @@ DIMENSIONS: tuple[Dimension, ...] = (
               "1, 2, 4, 8, 16, 63, 64, 65, 80, 128 (CUDA: up to 4096)",
               "1..64 and 65..96 (CPU), 65..300 (CUDA), 64 and 65 weighted, inside `[min_tokens, max_tokens]`"),
     Dimension("num_heads", "any `H >= 1`", _CONTRACT + "; FlashMLA takes 64/128",
-              "1, 5, 8, 16, 17, 32, 33, 64, 128", "1..40, 64, 128 (the envelope's list where it has one)"),
+              "1, 5, 8, 16, 17, 32, 33, 64, 128", "1..40, 64, 128, 192, 256 (the envelope's list where it has one)"),
     Dimension("topk", "any width `>= 1` the envelope's `Widths` take", _CONTRACT,
               "64..2048, mostly 128", "1..320 (CPU), 1..1100 (CUDA), rounded to the envelope's multiple"),
     Dimension("topk_length", "any int32 (clamped to `[0, topk]`), or `[0, topk]` for `topk_length_range='row'`",

@@ -294,6 +294,9 @@ _DESTS = (
     "sparse_mla_timeout",
     "sparse_mla_report_json",
     "sparse_mla_repro_dir",
+    "sparse_mla_search_examples",
+    "sparse_mla_search_seed",
+    "sparse_mla_search_shards",
 )
 
 

@@ -222,7 +222,7 @@ def calls(draw: Any, envelope: Envelope, device: str = "cpu") -> DrawnCall:
     special = [t for t in (lo_t, 64, 65, hi_t) if lo_t <= t <= hi_t]
     num_tokens = draw(st.one_of(st.sampled_from(special), st.integers(lo_t, hi_t)))
     heads = list(envelope.num_heads) if envelope.num_heads is not None else None
-    num_heads = draw(st.sampled_from(heads) if heads else st.one_of(st.integers(1, 40), st.sampled_from([64, 128])))
+    num_heads = draw(st.sampled_from(heads) if heads else st.one_of(st.integers(1, 40), st.sampled_from([64, 128, 192, 256])))
     if num_tokens * num_heads > (4096 if not cuda else 65536):  # keep a CPU example cheap
         num_tokens = max(lo_t, min(num_tokens, (4096 if not cuda else 65536) // num_heads))
     lengths_ok = envelope.takes_lengths(fmt_name)

@@ -240,6 +240,7 @@ class _Scales:
     max_candidates: int
     from_oracle: bool
     key_magnitude: Any = None  # [T, H] or None
+    value_max: Any = None  # [T, H] or None
 
 
 def _scales_of(expected: Any, given: Any) -> _Scales:
@@ -252,6 +253,7 @@ def _scales_of(expected: Any, given: Any) -> _Scales:
             given.abs_weighted.to(torch.float64), given.rms_weighted.to(torch.float64),
             given.score_magnitude.to(torch.float64), int(given.max_candidates), True,
             None if getattr(given, "key_magnitude", None) is None else given.key_magnitude.to(torch.float64),
+            None if getattr(given, "value_max", None) is None else given.value_max.to(torch.float64),
         )  # fmt: skip
     e = expected
     row_max = e.abs().amax(dim=-1, keepdim=True).expand_as(e)
@@ -378,8 +380,19 @@ def output_bound(
     factor = 2.0 if other_dtype is not None else 1.0
     m_coef = profile.p_roundings * profile.p_unit_roundoff + sc.max_candidates * U_FP32  # scalar
     worst = (m_coef + torch.expm1(2.0 * ds)).unsqueeze(-1) * sc.abs_weighted  # [T, H, D]
-    flushed = (sc.max_candidates + 2) * FTZ  # every product w_j V_j and the result may flush to zero
+    flushed = _flushed(sc)  # every product w_j V_j and the result may flush to zero, every weight too
     return factor * (worst + u_o * e.abs() + flushed)
+
+
+def _flushed(sc: _Scales) -> Any:
+    """``(N+2) * 2**-126 * (1 + max_j |V_j|)`` per row, ``[T, H, 1]``: products ``w_j V_j`` and the
+    result flushing to zero, and each weight ``w_j`` itself (a row whose sink or top candidate
+    dominates the others by more than 87 natural-log units: ``exp`` underflows in fp32)."""
+    import torch
+
+    if sc.value_max is None:
+        return torch.full_like(sc.rms_weighted, (sc.max_candidates + 2) * FTZ).unsqueeze(-1)
+    return ((sc.max_candidates + 2) * FTZ * (1.0 + sc.value_max)).unsqueeze(-1)
 
 
 def compare_output(
@@ -465,7 +478,8 @@ def compare_output(
     worst_row = torch.linalg.vector_norm(
         (sc.max_candidates * U_FP32 + score_term).unsqueeze(-1) * sc.abs_weighted, dim=-1
     )
-    row_bound = factor * (profile.row_sigmas * rms2.sqrt() + worst_row) + TINY
+    flushed_row = _flushed(sc)[..., 0] * math.sqrt(e.shape[-1])
+    row_bound = factor * (profile.row_sigmas * rms2.sqrt() + worst_row + flushed_row) + TINY
     row_rel = row_err / e_norm.clamp_min(1e-300)
     bad_rows = row_err > row_bound
     if not nonfinite:

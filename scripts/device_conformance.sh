@@ -19,7 +19,9 @@
 # (seconds per implementation, default 240), TEST_TIMEOUT (seconds per test through pytest-timeout, default auto:
 # 120 s on CUDA, x3 for large cases; a kernel that kills the CUDA context or hangs costs its test and its xdist
 # worker, which xdist replaces: README "A crash or a hang costs one test"), SMOKE_TIMEOUT (180), SMOKE_MAX_TOKENS (600),
-# BENCH_TIMEOUT (240), PEERS_EXT_OUT (pack a fresh FlashMLA build there),
+# BENCH_TIMEOUT (240), PEERS_EXT_OUT (pack a fresh FlashMLA build there), SUITES (what pytest collects, default
+# suites; e.g. suites/test_attention_search.py), EXTRA_ARGS (more pytest arguments, word-split: the search's GPU budget
+# "--sparse-mla-search-examples 40 --sparse-mla-search-seed 1 --sparse-mla-search-shards 4"),
 # PACK (write everything in $RESULTS into this one .tar.xz at the end).
 set -uo pipefail
 OUT=${RESULTS:?set RESULTS to the results directory}
@@ -97,11 +99,11 @@ run_suite() {  # run_suite IMPL
   t0=$(date +%s)
   stamp "suite $impl"
   timeout -s INT -k 20 "${SUITE_TIMEOUT:-240}" \
-    python3 -m pytest -p "$PLUGIN" suites --sparse-mla-impl "$impl" --sparse-mla-require-gpu \
+    python3 -m pytest -p "$PLUGIN" ${SUITES:-suites} --sparse-mla-impl "$impl" --sparse-mla-require-gpu \
       -n "${XDIST:-4}" -p no:randomly -p no:cacheprovider -q -rfEX --tb=line \
       --sparse-mla-report-json "$OUT/conformance-$impl.json" \
       --junitxml "$OUT/conformance-$impl.xml" -o junit_family=xunit2 -o junit_logging=no \
-      "${TIMEOUT_ARGS[@]}" "${xfail[@]}" >"$OUT/conformance-$impl.log" 2>&1
+      "${TIMEOUT_ARGS[@]}" "${xfail[@]}" ${EXTRA_ARGS:-} >"$OUT/conformance-$impl.log" 2>&1
   local rc=$?
   local xf=null
   [ "${XFAIL:-1}" = 1 ] && [ -f "pytest_sparse_mla/xfail/$impl.txt" ] && xf="\"pytest_sparse_mla/xfail/$impl.txt\""

@@ -64,6 +64,9 @@ class ErrorScales:
         key_magnitude: ``[T, H]`` float64, ``max_j |sm_scale| * sum_d |K_jd|`` over the NoPE part
             (0 for an empty row): an absolute error ``a`` in every NoPE query element (a
             quantization floor) moves a logit by at most ``a`` times this.
+        value_max: ``[T, H]`` float64, ``max_j max_d |V_jd|`` over the valid lanes (0 for an empty
+            row): a weight that flushes to zero in fp32 (``2**-126``) moves an output element by
+            at most ``2**-126`` times this.
     """
 
     abs_weighted: torch.Tensor
@@ -71,6 +74,7 @@ class ErrorScales:
     score_magnitude: torch.Tensor
     max_candidates: int
     key_magnitude: torch.Tensor | None = None
+    value_max: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -96,6 +100,7 @@ class OracleOutput:
         scales = None if s is None else ErrorScales(
             s.abs_weighted[tokens, heads], s.rms_weighted[tokens, heads], s.score_magnitude[tokens, heads],
             s.max_candidates, None if s.key_magnitude is None else s.key_magnitude[tokens, heads],
+            None if s.value_max is None else s.value_max[tokens, heads],
         )  # fmt: skip
         return OracleOutput(self.output[tokens, heads], self.lse[tokens, heads], self.lse_convention,
                             self.lse_scale, scales)  # fmt: skip
@@ -247,6 +252,7 @@ def _oracle(call: SparseMlaCall) -> OracleOutput:
     rms_weighted = torch.zeros((num_tokens, num_heads), dtype=torch.float64, device=device)
     score_magnitude = torch.zeros((num_tokens, num_heads), dtype=torch.float64, device=device)
     key_magnitude = torch.zeros((num_tokens, num_heads), dtype=torch.float64, device=device)
+    value_max = torch.zeros((num_tokens, num_heads), dtype=torch.float64, device=device)
     max_candidates = int(counts.max()) if num_tokens else 0
     budget = BLOCK_BYTES["cpu" if device.type == "cpu" else "other"]
     block = max(1, budget // max(1, max_candidates * table.shape[1] * 8))
@@ -274,10 +280,11 @@ def _oracle(call: SparseMlaCall) -> OracleOutput:
         score_magnitude[tokens] = magnitude.amax(dim=2)
         keys = rows[..., : f.d_nope].abs().sum(dim=2).amax(dim=1) * abs(sm_scale)  # [B]
         key_magnitude[tokens] = keys[:, None].expand(-1, num_heads)
+        value_max[tokens] = values.abs().amax(dim=(1, 2))[:, None].expand(-1, num_heads)
     if lse_convention == "flashmla":
         lse = torch.where(torch.isinf(lse_e) & (lse_e < 0), math.inf, lse_e)
     else:
         lse_full = torch.logaddexp(lse_e, sink) if sink is not None else lse_e
         lse = lse_full / math.log(2.0) * lse_scale
-    scales = ErrorScales(abs_weighted, rms_weighted, score_magnitude, max_candidates, key_magnitude)
+    scales = ErrorScales(abs_weighted, rms_weighted, score_magnitude, max_candidates, key_magnitude, value_max)
     return OracleOutput(output, lse, lse_convention, lse_scale, scales)
