@@ -194,7 +194,7 @@ def _cache(
         mask_value=draw(st.sampled_from([-1, -2, INT32_MIN] if negative else [-1])),
         pattern=draw(st.sampled_from(["uniform", "few", "ends", "one-page"])),
         stale=draw(st.sampled_from(input_space.STALE_VALUES)),
-        value_exponent=draw(st.one_of(st.just(0), st.integers(*input_space.VALUE_EXPONENTS))),
+        value_exponent=draw(st.one_of(st.just(0), st.sampled_from([12, -20, 60]), st.integers(*input_space.VALUE_EXPONENTS))),
         rope_exponent=draw(st.one_of(st.just(0), st.integers(*input_space.VALUE_EXPONENTS))),
         wide=draw(st.booleans()),
         form=draw(st.sampled_from(list(formats.FORMS)[::-1])),  # nhd first: the common form
@@ -227,12 +227,12 @@ def calls(draw: Any, envelope: Envelope, device: str = "cpu") -> DrawnCall:
         num_tokens = max(lo_t, min(num_tokens, (4096 if not cuda else 65536) // num_heads))
     lengths_ok = envelope.takes_lengths(fmt_name)
     cap = 1100 if cuda else 320
-    main = draw(_cache(envelope, main_fmt, envelope.topk, envelope.page_block_sizes, (64, 1, 2, 16, 128, 256),
+    main = draw(_cache(envelope, main_fmt, envelope.topk, envelope.page_block_sizes, (64, 1, 2, 16, 128, 256, 3, 48, 96),
                        cap, 12, lengths_ok))  # fmt: skip
     extra = None
     if envelope.takes_extra(fmt_name) and draw(st.booleans()):
         extra = draw(_cache(envelope, extra_fmt, envelope.extra_topk, envelope.extra_page_block_sizes,
-                            (64, 2, 1, 4), cap, 64, lengths_ok))  # fmt: skip
+                            (64, 2, 1, 4, 3, 48), cap, 64, lengths_ok))  # fmt: skip
     name = draw(st.sampled_from([*input_space.SM_SCALES, "log-uniform"]))
     if name == "log-uniform":
         scale = 2.0 ** draw(st.floats(-12.0, 4.0, allow_nan=False))
