@@ -138,7 +138,11 @@ class Head64SparseMla:
         peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
         p = torch.exp(scores - peak)
         denom = p.sum(dim=-1)
-        lse = torch.log(denom) + peak[..., 0]  # without the sink
+        # without the sink, shifted by the scores' own max: a sink that dominates the scores by more than
+        # 87 log units would underflow every exp(score - peak) to 0 (found by the search)
+        top = scores.amax(dim=-1)
+        top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+        lse = torch.log(torch.exp(scores - top.unsqueeze(-1)).sum(dim=-1)) + top
         if attn_sink is not None:
             denom = denom + torch.exp(attn_sink.view(1, -1) - peak[..., 0])
         p_bf16 = p.to(torch.bfloat16).float()  # BF16 probabilities, as the tensor-core product takes them

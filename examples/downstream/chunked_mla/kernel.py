@@ -188,8 +188,10 @@ class ChunkedSparseMla:
         out_fp32 = merged / safe.unsqueeze(-1)
         if lse_convention == "flashinfer":
             lse = (m + torch.log(denominator)) * (lse_scale / math.log(2.0))
-        else:
-            lse = m + torch.log(candidates)
+        else:  # the sink is not in this LSE: shift by the chunks' own max, or a dominant sink underflows them
+            m_c = torch.stack(lses).amax(dim=0)
+            m_c = torch.where(torch.isneginf(m_c), torch.zeros_like(m_c), m_c)
+            lse = m_c + torch.log(sum(torch.exp(lse_i - m_c) for lse_i in lses))
             lse = torch.where(torch.isneginf(lse), math.inf, lse)
         route = "decode" if q.shape[0] <= 64 else "prefill"
         return ChunkedResult(
