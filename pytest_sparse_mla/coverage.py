@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 
 __all__ = [
-    "MARKER", "INTENDED", "RAN", "FITTED", "SEARCH", "Coverage", "mark_intended", "get", "merge_dims", "merge_summaries",
+    "MARKER", "INTENDED", "RAN", "FITTED", "SEARCH", "Coverage", "mark_intended", "get", "merge_dims",
+    "merge_summaries",
 ]  # fmt: skip
 
 MARKER = "sparse_mla_error_class"

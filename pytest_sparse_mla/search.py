@@ -194,7 +194,9 @@ def _cache(
         mask_value=draw(st.sampled_from([-1, -2, INT32_MIN] if negative else [-1])),
         pattern=draw(st.sampled_from(["uniform", "few", "ends", "one-page"])),
         stale=draw(st.sampled_from(input_space.STALE_VALUES)),
-        value_exponent=draw(st.one_of(st.just(0), st.sampled_from([12, -20, 60]), st.integers(*input_space.VALUE_EXPONENTS))),
+        value_exponent=draw(
+            st.one_of(st.just(0), st.sampled_from([12, -20, 60]), st.integers(*input_space.VALUE_EXPONENTS))
+        ),
         rope_exponent=draw(st.one_of(st.just(0), st.integers(*input_space.VALUE_EXPONENTS))),
         wide=draw(st.booleans()),
         form=draw(st.sampled_from(list(formats.FORMS)[::-1])),  # nhd first: the common form
@@ -222,12 +224,15 @@ def calls(draw: Any, envelope: Envelope, device: str = "cpu") -> DrawnCall:
     special = [t for t in (lo_t, 64, 65, hi_t) if lo_t <= t <= hi_t]
     num_tokens = draw(st.one_of(st.sampled_from(special), st.integers(lo_t, hi_t)))
     heads = list(envelope.num_heads) if envelope.num_heads is not None else None
-    num_heads = draw(st.sampled_from(heads) if heads else st.one_of(st.integers(1, 40), st.sampled_from([64, 128, 192, 256])))
+    num_heads = draw(
+        st.sampled_from(heads) if heads else st.one_of(st.integers(1, 40), st.sampled_from([64, 128, 192, 256]))
+    )
     if num_tokens * num_heads > (4096 if not cuda else 65536):  # keep a CPU example cheap
         num_tokens = max(lo_t, min(num_tokens, (4096 if not cuda else 65536) // num_heads))
     lengths_ok = envelope.takes_lengths(fmt_name)
     cap = 1100 if cuda else 320
-    main = draw(_cache(envelope, main_fmt, envelope.topk, envelope.page_block_sizes, (64, 1, 2, 16, 128, 256, 3, 48, 96),
+    main_sizes = (64, 1, 2, 16, 128, 256, 3, 48, 96)
+    main = draw(_cache(envelope, main_fmt, envelope.topk, envelope.page_block_sizes, main_sizes,
                        cap, 12, lengths_ok))  # fmt: skip
     extra = None
     if envelope.takes_extra(fmt_name) and draw(st.booleans()):
@@ -339,7 +344,9 @@ def _source(c: DrawnCache, f: formats.PackedFormat, g: torch.Generator, bias: to
     return x.to(torch.bfloat16)
 
 
-def _indices(c: DrawnCache, T: int, slots: int, g: torch.Generator, empty: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+def _indices(
+    c: DrawnCache, T: int, slots: int, g: torch.Generator, empty: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """``(indices, lengths, valid)`` of one cache before stale lanes are filled (they hold ``-1``)."""
     W = c.width
     if c.pattern == "few":
@@ -397,7 +404,9 @@ def _place(
     return formats.as_form(view, f, ps, c.form), flat
 
 
-def _stale(c: DrawnCache, idx: torch.Tensor, lengths: torch.Tensor | None, keep: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+def _stale(
+    c: DrawnCache, idx: torch.Tensor, lengths: torch.Tensor | None, keep: torch.Tensor, g: torch.Generator
+) -> torch.Tensor:
     """Lanes past ``topk_length`` filled with ``c.stale``: ``1 << 30``, a poisoned slot, or ``-1``."""
     if lengths is None:
         return idx
@@ -433,12 +442,18 @@ def build(call: DrawnCall, device: torch.device | str = "cpu") -> SearchInputs:
         if c is None:
             continue
         source = _source(c, f, g, bias)
-        stride_spec: formats.StrideSpec = c.stride if isinstance(c.stride, str) else (
-            formats.page_stride_bytes(f, c.page_block_size, "padded") + c.stride)  # fmt: skip
+        stride_spec: formats.StrideSpec = (
+            ("tight" if c.stride == "tight" else "padded") if isinstance(c.stride, str)
+            else formats.page_stride_bytes(f, c.page_block_size, "padded") + c.stride
+        )  # fmt: skip
         packed = formats.quantize_pack(source, f, page_stride=stride_spec, form="2d")
-        table = formats.unpack_dequantize(
-            formats.as_form(packed, f, c.page_block_size, "nhd"), f, page_block_size=c.page_block_size
-        ).reshape(-1, f.d_qk).double()
+        table = (
+            formats.unpack_dequantize(
+                formats.as_form(packed, f, c.page_block_size, "nhd"), f, page_block_size=c.page_block_size
+            )
+            .reshape(-1, f.d_qk)
+            .double()
+        )
         slots = c.num_pages * c.page_block_size
         idx, lengths, valid = _indices(c, T, slots, g, empty)
         keep = torch.zeros(slots, dtype=torch.bool)
@@ -506,8 +521,9 @@ def _queries(
     unit = torch.zeros(d, dtype=torch.float64)
     unit[-64:] = direction if direction is not None else 0.0
     unit = unit / unit.norm().clamp(min=1e-300)
-    if direction is not None:  # the spread comes from directions orthogonal to the offset's
-        base = base - (base * unit).sum(-1, keepdim=True) * unit
+    if direction is not None:  # the spread comes from the other dims: the BF16 rounding of the queries
+        base[..., -64:] = 0.0  # then leaves the shared component's huge dot products out of the spread
+        base = base / base.norm(dim=-1, keepdim=True).clamp(min=1e-300)
     raw = scale * torch.einsum("thd,tnd->thn", base, keys)
     mean = (raw * w).sum(-1) / n
     std = (((raw - mean.unsqueeze(-1)) ** 2 * w).sum(-1) / n).sqrt()
@@ -542,7 +558,8 @@ def _sink(call: DrawnCall, scores: torch.Tensor) -> torch.Tensor:
     lse = torch.logsumexp(scores, dim=-1)  # [T, H]
     lse = torch.where(torch.isfinite(lse), lse, torch.nan)
     median = lse.nanmedian(dim=0).values.nan_to_num(nan=0.0)
-    offsets = torch.tensor([call.sink[h % len(call.sink)] for h in range(call.num_heads)], dtype=torch.float64)
+    sink = call.sink or (0.0,)
+    offsets = torch.tensor([sink[h % len(sink)] for h in range(call.num_heads)], dtype=torch.float64)
     return (median + offsets).to(torch.float32)
 
 
@@ -558,8 +575,9 @@ def record(call: DrawnCall, inputs: SearchInputs | None = None) -> dict[str, Any
         "num_tokens": call.num_tokens,
         "num_heads": call.num_heads,
         "topk": m.width,
-        "topk_length": "none" if m.lengths is None else f"{'negative' if m.lengths[0] < 0 else 'in-row'}"
-        f"{'+beyond' if m.lengths[1] > m.width else ''}",
+        "topk_length": "none"
+        if m.lengths is None
+        else f"{'negative' if m.lengths[0] < 0 else 'in-row'}{'+beyond' if m.lengths[1] > m.width else ''}",
         "masked_lanes": f"{m.masked_fraction:g}{'/scattered' if m.scattered else ''}/{m.mask_value}",
         "index_pattern": m.pattern,
         "stale_lanes": m.stale if m.lengths is not None else "no-lengths",
@@ -604,10 +622,11 @@ def diagnose(
     """Likely causes of a wrong ``output`` (``[T, H, 512]``), from the evidence.
 
     Counterfactuals: the oracle of the same call with one rule broken (``sm_scale`` of ``d_qk **
-    -0.5``, no sink, the sink in log2 units, no extra cache, no ``topk_length``, masked lanes read
-    as slot 0, ...); a counterfactual whose output the kernel's matches (elementwise error below
-    ``tolerance`` in units of ``sum_j w_j |V_j|``, and clearly closer than the true oracle) is named. Then where the wrong
-    rows are (route, heads, empty rows, rows with lengths, non-finite values).
+    -0.5`` or ``512 ** -0.5``, squared, or times ``log2(e)``; no sink, the sink in log2 units; no
+    extra cache; no ``topk_length``); a counterfactual whose output the kernel's matches (median
+    elementwise error below ``tolerance`` in units of ``sum_j w_j |V_j|``, and four times closer
+    than the true oracle) is named. Then where the wrong rows are (non-finite values, empty rows,
+    the prefill route, a subset of heads, rows whose sink dominates).
 
     Returns:
         Lines of text (empty when nothing stands out).
@@ -660,16 +679,17 @@ def _where(output: torch.Tensor, inputs: SearchInputs, oracle: Any) -> list[str]
     scale = exp.abs().amax(-1).clamp(min=1e-300)  # [T, H]
     err = torch.nan_to_num((out - exp).abs().amax(-1) / scale, nan=math.inf)
     bad = err > 0.05
-    lines = []
+    lines: list[str] = []
     if not bool(bad.any()):
         return lines
     empty = ~inputs.valid.any(-1)  # [T]
     nonfinite = ~torch.isfinite(out).all(-1)
     if bool(nonfinite.any()):
+        finite = inputs.scores[torch.isfinite(inputs.scores)]
+        largest = float(finite.abs().max()) if finite.numel() else 0.0
         lines.append(f"{int(nonfinite.sum())} rows hold NaN/Inf: a poisoned byte (an unreferenced slot, page "
                      "padding, another layer, a stale lane past topk_length) or a masked lane was read, or "
-                     "exp overflowed (largest |logit| "
-                     f"{float(inputs.scores[torch.isfinite(inputs.scores)].abs().max()) if bool(torch.isfinite(inputs.scores).any()) else 0:.3g})")  # fmt: skip
+                     f"exp overflowed (largest |logit| {largest:.3g})")  # fmt: skip
     if bool(empty.any()) and bool(bad[empty].any()):
         lines.append("rows without a valid lane are wrong (expected output exactly 0)")
     tokens = bad.any(-1).nonzero().flatten().tolist()

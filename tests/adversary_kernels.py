@@ -851,3 +851,11 @@ def discrepancy(kernel_result, oracle) -> dict:
 # A control, not an adversary: the own fp32 kernel with no bug. It must pass every suite, so
 # that a suite failure of an ``_own_forward`` kernel is the bug's, not the harness's.
 control_own_engine = _AdversaryKernel("control_own_engine", _own_forward)
+
+
+#: The kernels every fixed case of the suites passes and the search (default budget) catches
+#: (``docs/adversary.md``); the wrong-kernel gate keeps each caught, first by a search test.
+SEARCH_ONLY: tuple[str, ...] = (
+    "ue8m0_signed_scale", "running_max_zero_init", "pow2_page_shift", "q_fp16_cast", "max_before_scale",
+    "heads_over_128_unwritten",
+)  # fmt: skip

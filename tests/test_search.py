@@ -36,7 +36,9 @@ FLASHMLA_LIKE = Envelope(
     page_block_sizes=(64,), max_tokens=64,
 )  # fmt: skip
 NO_LSE = Envelope(formats=("dsv4_1",), lse_conventions=(), attn_sink=False, num_heads=(3, 8))
-QUICK = settings(max_examples=10, derandomize=True, database=None, deadline=None, suppress_health_check=list(HealthCheck))
+QUICK = settings(
+    max_examples=10, derandomize=True, database=None, deadline=None, suppress_health_check=list(HealthCheck)
+)
 
 
 def test_the_input_space_document_is_the_model() -> None:
@@ -53,7 +55,9 @@ def test_every_dimension_of_the_model_is_recorded_by_the_search() -> None:
     def drawn(call: search.DrawnCall) -> None:
         names = {d.name for d in input_space.DIMENSIONS}
         recorded = set(search.record(call)) - {"realized_max_logit"}
-        assert recorded == names, f"recorded but not modelled: {recorded - names}; modelled, not recorded: {names - recorded}"
+        assert recorded == names, (
+            f"recorded but not modelled: {recorded - names}; modelled, not recorded: {names - recorded}"
+        )
 
     drawn()
 

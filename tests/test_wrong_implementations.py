@@ -42,6 +42,7 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
 
+import adversary_kernels as adversary
 import gate_order
 import inner_session
 import kernel_catalogue as catalogue
@@ -101,12 +102,14 @@ def _first_line(case: ET.Element) -> str:
     return ""
 
 
-def suite_args(name: str, report: Path, maxfail: int) -> list[str]:
-    """Arguments of one inner run: the whole suite against ``kernel_catalogue:<name>`` on the CPU,
-    breadth-first over test functions (``gate_order``), results to ``report`` (JUnit XML),
-    stopping after ``maxfail`` failures (``0``: never)."""
+def suite_args(name: str, report: Path, maxfail: int, suite: Path = SUITES) -> list[str]:
+    """Arguments of one inner run: the whole suite against ``kernel_catalogue:<name>`` (or ``name``
+    itself when it is an import string, ``module:attribute``) on the CPU, breadth-first over test
+    functions (``gate_order``: the search last), results to ``report`` (JUnit XML), stopping after
+    ``maxfail`` failures (``0``: never)."""
+    spec = name if ":" in name else f"kernel_catalogue:{name}"
     args = [
-        "-p", "sparse_mla", str(SUITES), "--sparse-mla-impl", f"kernel_catalogue:{name}",
+        "-p", "sparse_mla", str(suite), "--sparse-mla-impl", spec,
         "--sparse-mla-device", "cpu", "-p", "no:cacheprovider", "-p", "no:xdist", "-p", "gate_order",
         "-qq", "--no-header", "-rN", "--tb=no", f"--junitxml={report}", "-o", "junit_family=xunit1",
     ]  # fmt: skip
@@ -126,15 +129,16 @@ def _message(case: ET.Element, lines: int = 2) -> str:
 
 
 def run_suite(
-    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], maxfail: int
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], maxfail: int,
+    suite: Path = SUITES,
 ) -> SuiteRun:
     """Run the suite against ``kernel_catalogue:<name>`` in this process (``inner_session.run``: the
     oracle's results and the drawn inputs are shared with this worker's other runs) and read the
     outcome of every item from its JUnit XML."""
     report = tmp_path / "junit.xml"
-    first = {gate_order.FIRST_ENV: "\n".join(catalogue.first_tests(name))}
+    first = {gate_order.FIRST_ENV: "\n".join(catalogue.first_tests(name) if ":" not in name else ())}
     start = time.perf_counter()
-    args = [*suite_args(name, report, maxfail), "--basetemp", str(tmp_path / "basetemp")]
+    args = [*suite_args(name, report, maxfail, suite), "--basetemp", str(tmp_path / "basetemp")]
     returncode, output = inner_session.run(args, cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys, env=first)
     seconds = time.perf_counter() - start
     output = output[-4000:]
@@ -276,3 +280,28 @@ def test_catalogue_has_the_promised_breadth() -> None:
     for entry in catalogue.CATALOGUE.values():
         assert entry.rule and entry.capabilities, entry
         assert getattr(catalogue, entry.name).compute_mode in ("bf16", "fp8"), entry
+
+
+@pytest.mark.parametrize("name", adversary.SEARCH_ONLY)
+def test_a_kernel_only_the_search_catches_is_caught_by_it(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], record_property
+) -> None:
+    """The adversary's kernels (``tests/adversary_kernels.py``) that every fixed case of the suites
+    passes (measured: ``docs/adversary.md``, the "fixed suites" column) are caught by the search at
+    its default budget, so the search cannot silently narrow to what the fixed cases already see.
+    Only the search file runs here (a whole-suite run per kernel would add a minute to the test
+    command); ``SPARSE_MLA_GATE_SEARCH_WHOLE=1`` runs the whole suite and also requires the first
+    failure to be a search test (the gate orders the search after every fixed case)."""
+    entry = adversary.ADVERSARY[name]
+    whole = os.environ.get("SPARSE_MLA_GATE_SEARCH_WHOLE") == "1"
+    suite = SUITES if whole else SUITES / gate_order.SEARCH_FILE
+    run = run_suite(f"adversary_kernels:{name}", tmp_path, monkeypatch, capsys, 1, suite)
+    sound = run.returncode in (0, 1) and run.passed + run.failed > 0 and not run.collection_errors
+    outcome = "HARNESS ERROR" if not sound else ("killed" if run.failed else "SURVIVED")
+    record_property(ROW_KEY, {**_row(catalogue.Entry(name, "wrong", entry.bug, entry.origin, ("sparse_mla_forward",)),
+                                     run, outcome), "kernel": f"adversary:{name}"})  # fmt: skip
+    assert sound, f"search run against adversary_kernels:{name} did not complete (exit {run.returncode}):\n{run.output}"
+    assert run.failed, f"adversary kernel {name!r} SURVIVED the search ({run.passed} passed). It breaks: {entry.bug}"
+    if whole:
+        first = run.failures[0][0]
+        assert gate_order.SEARCH_FILE in first, f"{name!r} was caught by a fixed case ({first}): not search-only"
