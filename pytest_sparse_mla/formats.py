@@ -36,6 +36,7 @@ import torch
 
 __all__ = [
     "NOPE_OVERFLOW",
+    "token_byte_ranges",
     "PackedFormat",
     "DSV4",
     "DSV3_2",
@@ -846,6 +847,27 @@ def unpack_dequantize(
     nope = (groups * scale.unsqueeze(-1)).reshape(p, ps, f.d_nope)
     out = torch.cat([nope, fields.rope.to(torch.float32)], dim=-1) if f.d_rope else nope
     return out.to(dtype)
+
+
+def token_byte_ranges(fmt: PackedFormat | str, page_block_size: int, slot: int) -> list[tuple[int, int]]:
+    """The byte ranges ``[lo, hi)`` within its page that a reader uses for token ``slot``.
+
+    DSV4 footer layout: the codes and the RoPE part ``[slot*576, slot*576 + 576)`` and the 7 UE8M0
+    scales ``[ps*576 + slot*8, ps*576 + slot*8 + 7)`` (byte 7 of the 8-byte scale record is padding
+    nobody reads); inline records (DSV3.2 656 B, V4.1 SWA 528 B, V4.1 indexed 288 B):
+    ``[slot*B, slot*B + B)``. Byte geometry: ``docs/design/cache-formats.md``.
+
+    Raises:
+        ValueError: ``slot`` outside ``[0, page_block_size)``.
+    """
+    f = record_format(fmt)
+    ps = _check_page_block_size(page_block_size)
+    if not 0 <= slot < ps:
+        raise ValueError(f"slot={slot}: expected 0 <= slot < page_block_size={ps}")
+    if f.layout == "footer":
+        row = f.data_bytes_per_token
+        return [(slot * row, (slot + 1) * row), (ps * row + slot * 8, ps * row + slot * 8 + f.num_scales)]
+    return [(slot * f.bytes_per_token, (slot + 1) * f.bytes_per_token)]
 
 
 def flat_token_index(page: int, slot: int, page_block_size: int) -> int:

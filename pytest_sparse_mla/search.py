@@ -310,17 +310,12 @@ class SearchInputs:
 
 
 def _token_byte_mask(f: formats.PackedFormat, ps: int, page_bytes: int, slots: torch.Tensor) -> torch.Tensor:
-    """``[page_bytes]`` bool per page of the bytes a reader uses for the slots ``slots`` (``[ps]``
-    bool) of one page: footer layout codes + RoPE ``[t*576, +576)`` and 7 scale bytes ``[ps*576 +
-    t*8, +7)`` (byte 7 is padding nobody reads); inline records ``[t*B, +B)``."""
+    """``[page_bytes]`` bool: the bytes of one page a reader uses for the slots ``slots`` (``[ps]``
+    bool), by ``formats.token_byte_ranges``."""
     mask = torch.zeros(page_bytes, dtype=torch.bool)
     for t in slots.nonzero().flatten().tolist():
-        if f.layout == "footer":
-            row = f.data_bytes_per_token
-            mask[t * row : (t + 1) * row] = True
-            mask[ps * row + t * 8 : ps * row + t * 8 + 7] = True
-        else:
-            mask[t * f.bytes_per_token : (t + 1) * f.bytes_per_token] = True
+        for lo, hi in formats.token_byte_ranges(f, ps, t):
+            mask[lo:hi] = True
     return mask
 
 

@@ -315,17 +315,6 @@ def test_zero_sink_equals_a_zero_row_candidate(
 # --- rows that must never be read --------------------------------------------------------------------
 
 
-def _token_bytes(fmt: formats.PackedFormat, ps: int, t: int) -> list[tuple[int, int]]:
-    """Byte ranges of token ``t`` within its page that a reader uses, by hand: DSV4 footer layout
-    ``[t*576, t*576 + 576)`` (codes + RoPE) and ``[ps*576 + t*8, ps*576 + t*8 + 7)`` (7 UE8M0 scales;
-    byte 7 of the record is padding nobody reads); inline records ``[t*B, t*B + B)`` with ``B`` 656
-    (DSV3.2), 528 (V4.1 SWA) or 288 (V4.1 indexed)."""
-    if fmt.layout == "footer":
-        return [(t * 576, t * 576 + 576), (ps * 576 + t * 8, ps * 576 + t * 8 + 7)]
-    record = {"dsv3_2": 656, "dsv4_1_swa": 528, "dsv4_1_indexed": 288}[fmt.name]
-    return [(t * record, t * record + record)]
-
-
 def _poison(cache: data.PackedKVCache, keep: torch.Tensor, byte: int) -> torch.Tensor:
     """A copy of ``cache.packed`` whose every byte not read for the tokens in ``keep`` is ``byte``
     (page padding included)."""
@@ -335,7 +324,7 @@ def _poison(cache: data.PackedKVCache, keep: torch.Tensor, byte: int) -> torch.T
     out = torch.full_like(raw, byte)
     for flat in keep.tolist():
         p, t = divmod(flat, ps)
-        for lo, hi in _token_bytes(cache.fmt, ps, t):
+        for lo, hi in formats.token_byte_ranges(cache.fmt, ps, t):
             out[p, lo:hi] = raw[p, lo:hi]
     return formats.as_form(out.to(packed.device), cache.fmt, ps, cache.layout.form)
 

@@ -167,3 +167,14 @@ def test_a_sink_dominated_row_is_named() -> None:
     hints = search.diagnose(wrong.output, inputs, oracle, oracle_forward)
     assert any("attn_sink ignored" in h for h in hints), hints
     assert math.isfinite(float(inputs.kwargs["attn_sink"][0]))
+
+
+def test_token_byte_ranges_by_hand() -> None:
+    """DSV4, 16-token page, slot 3: codes + RoPE at ``3 * 576 = 1728 .. 2304``, scales at
+    ``16 * 576 + 3 * 8 = 9240 .. 9247`` (the 8th byte is padding); DSV3.2 slot 1: ``656 .. 1312``;
+    V4.1 indexed slot 1: ``288 .. 576``."""
+    assert formats.token_byte_ranges("dsv4", 16, 3) == [(1728, 2304), (9240, 9247)]
+    assert formats.token_byte_ranges("dsv3_2", 4, 1) == [(656, 1312)]
+    assert formats.token_byte_ranges("dsv4_1_indexed", 4, 1) == [(288, 576)]
+    with pytest.raises(ValueError, match="slot=4"):
+        formats.token_byte_ranges("dsv4", 4, 4)
