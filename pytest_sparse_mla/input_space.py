@@ -247,7 +247,7 @@ DIMENSIONS: tuple[Dimension, ...] = (
         "page offsets past `2**31` bytes (pools larger than 2 GiB)",
         "an 80-141 GB GPU serving long contexts",
         "not drawn",
-        "CUDA only: the main cache as the last pages of a pool of more than 2 GiB (`large_pool`)",
+        "not drawn yet: every drawn pool is small (recorded as `small`)",
     ),
 )
 
