@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -297,6 +298,10 @@ def test_the_example_head64_kernel_runs_every_class_its_envelope_admits(
     assert result.returncode == 0, result.stdout[-4000:]
     passed = int(_counts(result.stdout).split(" passed")[0].split()[-1])
     assert passed >= 200, _counts(result.stdout)
+    stated = re.search(r"on the CPU it runs (\d+) tests of the suites", (ROOT / "README.md").read_text())
+    assert stated is not None and int(stated.group(1)) == passed, (
+        f"README.md states {stated and stated.group(1)} tests for head64; the run passed {passed}"
+    )
     doc = json.loads(report.read_text())
     assert doc["envelope"]["declared"] and doc["envelope"]["num_heads"] == [64, 128]
     never = {row["class"]: row["why_not"] for row in doc["coverage"] if not row["ran"]}

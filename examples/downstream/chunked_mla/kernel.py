@@ -23,6 +23,7 @@ capabilities skip, with the reason, when this implementation is selected.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -150,7 +151,7 @@ class ChunkedSparseMla:
         if extra_kv_cache is not None:
             sources.append((extra_kv_cache, extra_indices, extra_topk_length, extra_page_block_size))
         outs, lses = [], []
-        for cache, idx, length, ps in sources:
+        for source, (cache, idx, length, ps) in enumerate(sources):
             rows = idx[:, 0] if isinstance(idx, torch.Tensor) and idx.dim() == 3 else idx
             if isinstance(rows, torch.Tensor) and rows.dim() == 2:
                 topk = int(rows.shape[1])
@@ -162,10 +163,18 @@ class ChunkedSparseMla:
             else:  # not an index matrix: let the reference name the bad argument
                 chunks = [(rows, length)]
             for chunk, chunk_length in chunks:
-                part = sparse_mla_forward(
-                    q, cache, chunk, sm_scale=sm_scale, fmt=fmt, page_block_size=ps,
-                    topk_length=chunk_length, lse_convention="flashmla", return_fp32=True,
-                )  # fmt: skip
+                try:
+                    part = sparse_mla_forward(
+                        q, cache, chunk, sm_scale=sm_scale, fmt=fmt, page_block_size=ps,
+                        topk_length=chunk_length, lse_convention="flashmla", return_fp32=True,
+                    )  # fmt: skip
+                except (TypeError, ValueError) as exc:
+                    if source == 0:
+                        raise
+                    # each chunk of the extra cache is a main-cache call of the reference: name the
+                    # arguments the caller gave (extra_indices, not indices)
+                    raise type(exc)(re.sub(r"\b(kv_cache|indices|topk_length|page_block_size)\b", r"extra_\1",
+                                           str(exc))) from exc  # fmt: skip
                 outs.append(part.output_fp32)
                 lses.append(torch.where(torch.isposinf(part.lse), -math.inf, part.lse))  # empty: -inf
 
