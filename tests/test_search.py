@@ -178,3 +178,32 @@ def test_token_byte_ranges_by_hand() -> None:
     assert formats.token_byte_ranges("dsv4_1_indexed", 4, 1) == [(288, 576)]
     with pytest.raises(ValueError, match="slot=4"):
         formats.token_byte_ranges("dsv4", 4, 4)
+
+
+def test_a_shrunk_search_failure_gets_a_standalone_reproducer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The search against a kernel that never writes heads past 128 (``adversary_kernels``) with
+    ``--sparse-mla-repro-dir``: the shrunk call's ``repro.py`` exits 1 on that kernel (expected: the
+    float64 oracle) and 0 on the bundled reference."""
+    import os
+    import subprocess
+    import sys
+
+    import inner_session
+
+    repro_dir = tmp_path / "repro"
+    args = ["-p", "sparse_mla", str(ROOT / "suites" / "test_attention_search.py"), "-k", "matches",
+            "--sparse-mla-impl", "adversary_kernels:heads_over_128_unwritten", "--sparse-mla-device", "cpu",
+            "--sparse-mla-repro-dir", str(repro_dir), "-p", "no:cacheprovider", "-p", "no:xdist", "-q"]  # fmt: skip
+    code, output = inner_session.run(args, cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
+    assert code == 1, output[-3000:]
+    scripts = sorted(repro_dir.glob("*/call*/repro.py"))
+    assert len(scripts) == 1, (scripts, output[-3000:])
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests")}
+    wrong = subprocess.run([sys.executable, str(scripts[0])], capture_output=True, text=True, env=env, timeout=300)
+    assert wrong.returncode == 1 and "head 128" in wrong.stdout, wrong.stdout + wrong.stderr
+    right = subprocess.run([sys.executable, str(scripts[0]), "--impl",
+                            "pytest_sparse_mla.implementations:ReferenceImplementation"],
+                           capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+    assert right.returncode == 0, right.stdout + right.stderr
