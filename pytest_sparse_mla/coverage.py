@@ -127,7 +127,6 @@ class Coverage:
         lines.append(f"classes that never ran: {', '.join(never) if never else 'none'}")
         return lines
 
-
     def search_report(self) -> dict[str, Any] | None:
         """What the search drew over the session (``merge_summaries``), or ``None`` when no search ran."""
         return merge_summaries(self.search) if self.search else None
@@ -171,33 +170,34 @@ def get(config: pytest.Config) -> Coverage:
     return cov
 
 
-def merge_dims(drawn: list[dict[str, Any]], into: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Per dimension: the range of numbers drawn (``{"min", "max"}``) or the count of each category
-    (``{"values": {value: count}}``); merged into ``into`` (a previous result) when given."""
-    out: dict[str, Any] = into if into is not None else {}
+def _merge_slot(target: dict[str, Any], slot: dict[str, Any]) -> None:
+    """Merge one dimension's summary ``slot`` (``{"min", "max"}`` or ``{"values": {v: n}}``) into
+    ``target``."""
+    if "min" in slot:
+        target["min"] = min(target.get("min", slot["min"]), slot["min"])
+        target["max"] = max(target.get("max", slot["max"]), slot["max"])
+    for value, count in slot.get("values", {}).items():
+        values = target.setdefault("values", {})
+        values[value] = values.get(value, 0) + count
+
+
+def merge_dims(drawn: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per dimension of the drawn calls' records: the range of the numbers drawn (``{"min", "max"}``)
+    or the count of each category (``{"values": {value: count}}``)."""
+    out: dict[str, Any] = {}
     for row in drawn:
         for name, value in row.items():
-            slot = out.setdefault(name, {})
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                slot["min"] = min(slot.get("min", value), value)
-                slot["max"] = max(slot.get("max", value), value)
-            else:
-                values = slot.setdefault("values", {})
-                values[str(value)] = values.get(str(value), 0) + 1
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            slot = {"min": value, "max": value} if number else {"values": {str(value): 1}}
+            _merge_slot(out.setdefault(name, {}), slot)
     return out
 
 
 def merge_summaries(summaries: list[dict[str, Any]]) -> dict[str, Any]:
-    """One summary of several :meth:`SearchRun.summary` results (several tests, shards, workers)."""
+    """One summary of several ``search.SearchRun.summary`` results (several tests, shards, workers)."""
     dims: dict[str, Any] = {}
     for s in summaries:
         for name, slot in s["dims"].items():
-            target = dims.setdefault(name, {})
-            if "min" in slot:
-                target["min"] = min(target.get("min", slot["min"]), slot["min"])
-                target["max"] = max(target.get("max", slot["max"]), slot["max"])
-            for value, count in slot.get("values", {}).items():
-                values = target.setdefault("values", {})
-                values[value] = values.get(value, 0) + count
+            _merge_slot(dims.setdefault(name, {}), slot)
     return {"tests": len(summaries), "calls": sum(s["calls"] for s in summaries),
             "failed": sum(s["failed"] for s in summaries), "dims": dims}  # fmt: skip

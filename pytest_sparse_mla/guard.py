@@ -48,6 +48,7 @@ __all__ = [
     "ResultFormError",
     "GuardedImplementation",
     "call_reason",
+    "check_result_shapes",
     "declared_envelope",
     "envelope_of",
     "result_of",
@@ -138,6 +139,25 @@ def _looks_like_lse(x: Any) -> bool:
 
 def _looks_like_output(x: Any) -> bool:
     return str(getattr(x, "dtype", "")) == "torch.bfloat16" and len(getattr(x, "shape", ())) == 3
+
+
+def check_result_shapes(result: ForwardResult, num_tokens: int, num_heads: int) -> None:
+    """Assert a forward result's shapes and dtypes: output BF16 ``[T, H, 512]``, LSE (when there is
+    one) fp32 ``[T, H]``.
+
+    Raises:
+        AssertionError: naming the quantity, the expected and the actual shape and dtype.
+    """
+    t, h = num_tokens, num_heads
+    out = result.output
+    assert str(out.dtype) == "torch.bfloat16" and tuple(out.shape) == (t, h, 512), (
+        f"output: expected BF16 [{t}, {h}, 512], got {out.dtype} {tuple(out.shape)}"
+    )
+    if result.lse is not None:
+        lse = result.lse
+        assert str(lse.dtype) == "torch.float32" and tuple(lse.shape) == (t, h), (
+            f"lse: expected fp32 [{t}, {h}], got {lse.dtype} {tuple(lse.shape)}"
+        )
 
 
 def result_of(res: Any, env: Envelope, name: str) -> ForwardResult:

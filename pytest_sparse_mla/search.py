@@ -30,7 +30,7 @@ Imports torch and hypothesis (a ``test`` extra): only the search suite imports i
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -702,21 +702,7 @@ def _where(output: torch.Tensor, inputs: SearchInputs, oracle: Any) -> list[str]
     return lines
 
 
-def with_seed(call: DrawnCall, seed: int) -> DrawnCall:
-    """``call`` with another tensor seed (the same shapes and regime, other values)."""
-    return replace(call, seed=seed)
-
-
-def as_dict(call: DrawnCall) -> dict[str, Any]:
-    """The drawn call as a JSON-ready dict (reproducers, reports)."""
-    return asdict(call)
-
-
 # --- one property test's run: budget, seed, what it drew ---------------------------------------------
-
-#: ``user_properties`` key of a search test's summary (``SearchRun.summary``), read by ``coverage``.
-SEARCH_KEY = coverage.SEARCH
-
 
 class SearchRun:
     """The Hypothesis run of one search test (the ``sparse_mla_search`` fixture).
@@ -726,7 +712,7 @@ class SearchRun:
         seed: ``None``: derandomized, no example database; else the seed of this shard's run
             (``seed + shard``), with Hypothesis's default example database.
         shard: this test's shard index.
-        keep: called as ``keep(SEARCH_KEY, summary)`` when the run ends (the test's
+        keep: called as ``keep(coverage.SEARCH, summary)`` when the run ends (the test's
             ``user_properties``), pass or fail.
     """
 
@@ -762,7 +748,7 @@ class SearchRun:
             self.failed = True
             raise
         finally:
-            self.keep(SEARCH_KEY, self.summary())
+            self.keep(coverage.SEARCH, self.summary())
 
     def summary(self) -> dict[str, Any]:
         """``{"calls", "failed", "seed", "dims": {name: {"min", "max"} | {"values": {v: n}}}}``."""

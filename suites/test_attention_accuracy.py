@@ -42,23 +42,13 @@ from pytest_sparse_mla.attention.cases import (
     AttentionInputs,
     deployment_cases,
 )
+from pytest_sparse_mla.guard import check_result_shapes
 from pytest_sparse_mla.parametrize import case_params
 
 pytestmark = pytest.mark.sparse_mla_needs("sparse_mla_forward")
 
 LOG2E = 1.0 / math.log(2.0)
 DUAL_C4 = {"topk_extra": 128, "extra_page_block_size": 64, "extra_num_pages": 4}
-
-
-def _check_shapes(res: object, inputs: AttentionInputs) -> None:
-    t, h = inputs.q.shape[0], inputs.q.shape[1]
-    assert res.output.dtype == torch.bfloat16 and tuple(res.output.shape) == (t, h, 512), (
-        f"output: expected BF16 [{t}, {h}, 512], got {res.output.dtype} {tuple(res.output.shape)}"
-    )
-    if res.lse is not None:
-        assert res.lse.dtype == torch.float32 and tuple(res.lse.shape) == (t, h), (
-            f"lse: expected fp32 [{t}, {h}], got {res.lse.dtype} {tuple(res.lse.shape)}"
-        )
 
 
 def _what(inputs: AttentionInputs) -> str:
@@ -69,7 +59,7 @@ def _what(inputs: AttentionInputs) -> str:
 def _matches_oracle(impl: object, inputs: AttentionInputs, tol: object, **overrides: object) -> object:
     res = inputs.run(impl.sparse_mla_forward, **overrides)
     expected = inputs.run(oracle_forward, **overrides)
-    _check_shapes(res, inputs)
+    check_result_shapes(res, inputs.q.shape[0], inputs.q.shape[1])
     tol.check_result(res, expected, fmt=inputs.case.fmt, what=_what(inputs))
     return res
 

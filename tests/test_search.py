@@ -207,3 +207,34 @@ def test_a_shrunk_search_failure_gets_a_standalone_reproducer(
                             "pytest_sparse_mla.implementations:ReferenceImplementation"],
                            capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
     assert right.returncode == 0, right.stdout + right.stderr
+
+
+class RowEndsAtFirstMinusOne:
+    """A wrong kernel of the lane-order property's kind: each index row ends at its first negative
+    lane (the valid count is the position of the first ``-1``, as FlashInfer's pure-torch
+    ``compressed_sparse_mla_reference`` counts it), otherwise the bundled reference."""
+
+    name = "row-ends-at-first-minus-one"
+    compute_mode = "bf16"
+
+    @staticmethod
+    def _truncated(rows: torch.Tensor) -> torch.Tensor:
+        ended = (rows < 0).to(torch.int32).cumsum(dim=1) > 0
+        return torch.where(ended, torch.full_like(rows, -1), rows)
+
+    def sparse_mla_forward(self, q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, **kw: object):
+        if isinstance(kw.get("extra_indices"), torch.Tensor):
+            kw["extra_indices"] = self._truncated(kw["extra_indices"])  # type: ignore[arg-type]
+        return sparse_mla_forward(q, kv_cache, self._truncated(indices), **kw)
+
+
+def test_the_lane_order_property_fails_a_kernel_that_ends_a_row_at_its_first_minus_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import inner_session
+
+    args = ["-p", "sparse_mla", str(ROOT / "suites" / "test_attention_search.py"), "-k", "lane_order",
+            "--sparse-mla-impl", "test_search:RowEndsAtFirstMinusOne", "--sparse-mla-device", "cpu",
+            "-p", "no:cacheprovider", "-p", "no:xdist", "-q"]  # fmt: skip
+    code, output = inner_session.run(args, cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
+    assert code == 1 and "1 failed" in output, output[-3000:]
