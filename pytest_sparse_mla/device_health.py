@@ -60,6 +60,8 @@ from typing import Any, TypeGuard
 
 import pytest
 
+from pytest_sparse_mla import sanitizer
+
 __all__ = [
     "BASE_SECONDS",
     "FAULT_KEY",
@@ -86,7 +88,8 @@ __all__ = [
 ]
 
 #: ``user_properties`` key of a report whose test broke the CUDA context or timed out: a dict with
-#: ``kind`` (``"dead-cuda-context"`` / ``"timeout"``), ``headline``, ``message``, ``exits`` (the
+#: ``kind`` (``"dead-cuda-context"`` / ``"timeout"`` / ``"sanitizer"``: an access compute-sanitizer
+#: reported, the context still usable), ``headline``, ``message``, ``exits`` (the
 #: process ends after this report) and ``call`` (the kernel call, or ``None``).
 FAULT_KEY = "sparse_mla_device_fault"
 #: Exit status of a worker that ends itself after a dead CUDA context.
@@ -153,9 +156,11 @@ _LAST_PHASE: str | None = None  # the phase of the current test whose report was
 
 
 def begin_test() -> None:
-    """Forget the previous test's kernel call (called when a test's setup starts)."""
+    """Forget the previous test's kernel call and mark where the sanitizer log ends (called when a
+    test's setup starts)."""
     global _LAST, _LAST_PHASE
     _LAST, _LAST_PHASE = None, None
+    sanitizer.begin_test()
 
 
 def last_call() -> KernelCall | None:
@@ -297,22 +302,30 @@ def judge_report(item: pytest.Item, call: pytest.CallInfo[Any], report: pytest.T
     if _is_timeout(exc):
         report.user_properties.append((FAULT_KEY, _record("timeout", _first_line(str(exc.msg)), str(exc.msg), False)))
     error = context_fault(_LAST.cuda_devices if _LAST is not None else ())
-    if error is None:
+    access = sanitizer.first_error()
+    if error is None and access is None:
         return
     kernel = _LAST.describe() if _LAST is not None else None
-    headline = f"dead CUDA context after this test: {_first_line(error)}" + (
-        f"; last kernel call: {_LAST.impl}.{_LAST.capability}({_LAST.summary})" if _LAST is not None else ""
-    )
+    last = f"; last kernel call: {_LAST.impl}.{_LAST.capability}({_LAST.summary})" if _LAST is not None else ""
     worker = _is_worker(item.config)
-    then = (
-        "this xdist worker exits now and pytest-xdist starts a fresh one for the remaining tests"
-        if worker
-        else "the session stops after this test: every later CUDA call of this process would fail alike"
-    )
-    lines = [
-        headline,
-        f"test: {item.nodeid}",
-        f"error: {error.strip()}",
+    if error is None:
+        kind, exits = "sanitizer", False
+        headline = f"compute-sanitizer memcheck: {_first_line(access or '')}{last}"
+        then = "the CUDA context is still usable: the run goes on in this process"
+    else:
+        kind, exits = "dead-cuda-context", worker
+        headline = f"dead CUDA context after this test: {_first_line(error)}{last}"
+        then = (
+            "this xdist worker exits now and pytest-xdist starts a fresh one for the remaining tests"
+            if worker
+            else "the session stops after this test: every later CUDA call of this process would fail alike"
+        )
+    lines = [headline, f"test: {item.nodeid}"]
+    if error is not None:
+        lines.append(f"error: {error.strip()}")
+    if access is not None:
+        lines.append("first access compute-sanitizer reported in this test:\n  " + access.replace("\n", "\n  "))
+    lines += [
         f"kernel call: {kernel}"
         if kernel
         else "kernel call: none through the guard in this test (the fault came from the test's own CUDA work, "
@@ -321,16 +334,16 @@ def judge_report(item: pytest.Item, call: pytest.CallInfo[Any], report: pytest.T
     ]
     if report.failed:
         lines.append(f"the test's own failure (full text in the section below): {_first_line(_failure_text(report))}")
-        report.sections.append(("the test's own failure before the CUDA context check", str(report.longrepr)))
+        report.sections.append(("the test's own failure before the device check", str(report.longrepr)))
     message = "\n".join(lines)
-    record = {**_record("dead-cuda-context", headline, message, worker, kernel), "error": _first_line(error)}
+    record = {**_record(kind, headline, message, exits, kernel), "error": _first_line(error or access or "")}
     item.stash[_FAULT] = record
     report.outcome = "failed"
     if hasattr(report, "wasxfail"):
-        del report.wasxfail  # a crash is never the expected failure
+        del report.wasxfail  # a crash or an out-of-bounds access is never the expected failure
     report.longrepr = _repr(item, _failure(message))
     report.user_properties.append((FAULT_KEY, record))
-    if not worker:
+    if error is not None and not worker:
         item.session.shouldstop = f"sparse-mla: {headline} ({item.nodeid})"
 
 
@@ -356,7 +369,8 @@ def exit_if_dead(item: pytest.Item) -> None:
     ends itself now (``os._exit``), before the fixtures are torn down and before xdist marks the test
     complete, so the controller reschedules the rest of its queue on a fresh worker (module
     docstring). Nothing happens outside xdist or after a healthy test."""
-    if item.stash.get(_FAULT, None) is None or not _is_worker(item.config):
+    record = item.stash.get(_FAULT, None)
+    if record is None or not record.get("exits") or not _is_worker(item.config):
         return
     for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
         try:
@@ -475,12 +489,15 @@ def _case_of(item: pytest.Item) -> Any:
 def default_timeout(item: pytest.Item, device: str) -> float:
     """The default time limit of ``item`` in seconds: :data:`BASE_SECONDS` of ``device`` (``"cuda"``
     or ``"cpu"``), times :data:`LARGE_CASE_FACTOR` for a ``large`` attention case and
-    :data:`HYPOTHESIS_FACTOR` for a Hypothesis test."""
+    :data:`HYPOTHESIS_FACTOR` for a Hypothesis test, times ``sanitizer.TIMEOUT_FACTOR`` under
+    compute-sanitizer."""
     seconds = BASE_SECONDS["cuda" if device == "cuda" else "cpu"]
     if getattr(_case_of(item), "large", False):
         seconds *= LARGE_CASE_FACTOR
     if getattr(getattr(item, "obj", None), "is_hypothesis_test", False):
         seconds *= HYPOTHESIS_FACTOR
+    if sanitizer.active():
+        seconds *= sanitizer.TIMEOUT_FACTOR
     return seconds
 
 
@@ -601,6 +618,8 @@ def observe(config: pytest.Config, report: pytest.TestReport) -> None:
             state.exiting[worker] = {"entry": entry, "user_properties": props}
         elif not value.get("exits") and value.get("kind") == "timeout":
             entry["action"] = "the test failed in place (pytest-timeout, signal method)"
+        elif value.get("kind") == "sanitizer":
+            entry["action"] = "the test failed in place (compute-sanitizer memcheck; the CUDA context stayed usable)"
 
 
 def absorb_crash_report(config: pytest.Config, crashitem: str, report: pytest.TestReport) -> bool:
@@ -630,7 +649,7 @@ def absorb_crash_report(config: pytest.Config, crashitem: str, report: pytest.Te
 
 def fault_entries(config: pytest.Config) -> list[dict[str, Any]]:
     """The session's faults, one dict each: ``nodeid``, ``kind`` (``"dead-cuda-context"`` /
-    ``"timeout"``), ``headline``, ``message``, ``call`` (the kernel call), ``worker`` (xdist worker
+    ``"timeout"`` / ``"sanitizer"``), ``headline``, ``message``, ``call`` (the kernel call), ``worker`` (xdist worker
     id or ``None``), ``action`` (what followed: a worker replaced, the session stopped)."""
     state = _faults(config)
     session = state.session

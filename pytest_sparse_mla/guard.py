@@ -22,6 +22,13 @@ a destination the implementation allocates with ``torch.empty`` and never writes
 not whatever the allocator happened to hand out (on a CPU, fresh pages are often zero, and the
 stale-scratch bug of sgl-project/sglang PR #39288 passed or failed with the allocator's history).
 
+A verdict comes from the kernel, never from this package's adapter code (:func:`peer_was_not_asked`):
+with one of the built-in peer adapters (``implementations._peer.PeerAdapter``), an
+``UnsafeForPeer`` refusal fails the test (a discrepancy, listed in the peer's xfail file), an error
+the adapter raised itself on a call the suites consider valid fails it, and one it raised on
+deliberately bad input skips the test as not asked (the peer never saw the input), so no test
+passes on an adapter's check.
+
 Every other attribute is the implementation's own. Deliberately malformed calls (the bad-input
 suite) go through :meth:`GuardedImplementation.bad_call`, straight to the implementation. Each call
 is recorded for ``--sparse-mla-repro-dir`` (:mod:`pytest_sparse_mla.repro`) and as the kernel call in
@@ -50,6 +57,7 @@ __all__ = [
     "call_reason",
     "check_result_shapes",
     "declared_envelope",
+    "peer_was_not_asked",
     "envelope_of",
     "result_of",
     "uninitialised_memory_poisoned",
@@ -231,6 +239,29 @@ def uninitialised_memory_poisoned() -> Iterator[None]:
 _POSITIONAL = ("q", "kv_cache", "indices")
 
 
+def peer_was_not_asked(impl: Any, exc: BaseException) -> str | None:
+    """Where a built-in peer adapter raised ``exc`` itself, before or instead of its peer, or ``None``.
+
+    ``None`` for an implementation that is not a ``PeerAdapter`` (the bundled reference, a user's
+    kernel: its errors are its own), for ``Unsupported`` (outside the envelope: a skip) and for an
+    exception the peer raised (``_peer.raised_by_peer``: it came out of ``_peer.call_peer``).
+
+    Returns:
+        ``"file.py:line in function"`` of the innermost frame that raised it.
+    """
+    from pytest_sparse_mla.implementations._peer import PeerAdapter, raised_by_peer
+
+    if not isinstance(impl, PeerAdapter) or isinstance(exc, Unsupported) or raised_by_peer(exc):
+        return None
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None:
+        return "?"
+    code = tb.tb_frame.f_code
+    return f"{code.co_filename.rsplit('/', 1)[-1]}:{tb.tb_lineno} in {code.co_name}"
+
+
 def call_reason(env: Envelope, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
     """Why a well-formed call lies outside ``env``, or ``None`` (also for a malformed call, which
     the implementation under test is left to refuse).
@@ -299,6 +330,9 @@ class GuardedImplementation:
                 if self.declared:
                     pytest.fail(f"{self._name} refused a call inside its declared envelope: {exc}", pytrace=False)
                 pytest.skip(f"{self._name} refused the call: {exc}")
+            except Exception as exc:
+                self._judge_adapter_error(exc, bad_input=None)
+                raise
             finally:
                 device_health.end_call(running)
             result = result_of(res, env, self._name)
@@ -315,6 +349,9 @@ class GuardedImplementation:
             running = device_health.begin_call(self._name, "page_split", args, kwargs)
             try:
                 out = split(*args, **kwargs)
+            except Exception as exc:
+                self._judge_adapter_error(exc, bad_input=None)
+                raise
             finally:
                 device_health.end_call(running)
             repro.set_result(rec, out, None)
@@ -331,8 +368,39 @@ class GuardedImplementation:
             running = device_health.begin_call(self._name, capability, args, kwargs)
             try:
                 return getattr(self.unguarded, capability)(*args, **kwargs)
+            except Exception as exc:
+                self._judge_adapter_error(exc, bad_input=argument)
+                raise
             finally:
                 device_health.end_call(running)
+
+    def _judge_adapter_error(self, exc: Exception, bad_input: str | None) -> None:
+        """Keep an error a built-in peer adapter raised itself from deciding the test
+        (:func:`peer_was_not_asked`): ``UnsafeForPeer`` fails it; another error fails it on a
+        valid call (``bad_input=None``) and skips it as not asked on deliberately bad input
+        (``bad_input``: the argument the test expects named). Returns for the peer's own errors."""
+        where = peer_was_not_asked(self.unguarded, exc)
+        if where is None:
+            return
+        from pytest_sparse_mla.implementations._peer import UnsafeForPeer
+
+        peer = getattr(self.unguarded, "peer", None) or self._name
+        if isinstance(exc, UnsafeForPeer):
+            pytest.fail(
+                f"{peer} was not run: {exc} (the adapter refused an input the peer would mishandle out "
+                "of bounds: a discrepancy, never a pass)",
+                pytrace=False,
+            )
+        said = f"{type(exc).__name__} at {where}: {exc}"
+        if bad_input is None:
+            pytest.fail(
+                f"{self._name}'s adapter raised before {peer} ran, on a call the suites consider valid ({said})",
+                pytrace=False,
+            )
+        pytest.skip(
+            f"not asked: {self._name}'s adapter refused this input itself ({said}); {peer} never ran, so its "
+            f"own handling of bad {bad_input or 'input'} is not measured"
+        )
 
     def __repr__(self) -> str:
         return f"<guarded {self.unguarded!r}>"

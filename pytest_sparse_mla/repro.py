@@ -132,14 +132,20 @@ def _snapshot(value: Any) -> Any:
     and offset (a view of a pool stays a view of a copy of that pool); their devices are recorded
     apart (:func:`_devices`). Nothing computes on a device afterwards: the arguments are taken before
     the kernel runs, and a kernel that kills the CUDA context cannot take them with it (the oracle
-    of a reproducer runs on these copies)."""
+    of a reproducer runs on these copies). The copy does not trip torch's sync debug mode
+    (:func:`_without_sync_check`); inside a CUDA-graph capture the tensor itself is kept."""
     import torch
 
     if isinstance(value, torch.Tensor):
         if value.device.type == "meta":
             return value
         storage = value.detach().untyped_storage()
-        host = storage.clone() if value.device.type == "cpu" else storage.cpu()  # type: ignore[no-untyped-call]
+        if value.device.type == "cpu":
+            host = storage.clone()
+        elif value.is_cuda and torch.cuda.is_current_stream_capturing():
+            return value  # no copy to the host inside a CUDA-graph capture: the reproducer reads it later
+        else:
+            host = _without_sync_check(storage.cpu)  # type: ignore[no-untyped-call]
         copy = torch.empty(0, dtype=value.dtype, device="cpu")
         copy.set_(host, value.storage_offset(), value.size(), value.stride())
         return copy
@@ -150,6 +156,22 @@ def _snapshot(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _snapshot(v) for k, v in value.items()}
     return value
+
+
+def _without_sync_check(copy: Any) -> Any:
+    """``copy()`` with torch's sync debug mode off: the recorder's own device-to-host copy is not
+    the kernel's synchronisation (a test that sets ``torch.cuda.set_sync_debug_mode("error")``
+    judges the kernel's calls, and the mode is back on before the kernel runs)."""
+    import torch
+
+    mode = torch.cuda.get_sync_debug_mode() if torch.cuda.is_initialized() else 0
+    if not mode:
+        return copy()
+    torch.cuda.set_sync_debug_mode(0)
+    try:
+        return copy()
+    finally:
+        torch.cuda.set_sync_debug_mode(mode)
 
 
 def _devices(value: Any) -> Any:

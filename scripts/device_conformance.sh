@@ -22,7 +22,9 @@
 # BENCH_TIMEOUT (240), PEERS_EXT_OUT (pack a fresh FlashMLA build there), SUITES (what pytest collects, default
 # suites; e.g. suites/test_attention_search.py), EXTRA_ARGS (more pytest arguments, word-split: the search's GPU budget
 # "--sparse-mla-search-examples 40 --sparse-mla-search-seed 1 --sparse-mla-search-shards 4"),
-# PACK (write everything in $RESULTS into this one .tar.xz at the end).
+# PACK (write everything in $RESULTS into this one .tar.xz at the end), SANITIZER=1 (run each suite under
+# compute-sanitizer memcheck: a test whose kernels access memory out of bounds fails with the first access
+# reported, pytest_sparse_mla/sanitizer.py; one process per suite, log in $RESULTS/sanitizer-IMPL.log).
 set -uo pipefail
 OUT=${RESULTS:?set RESULTS to the results directory}
 mkdir -p "$OUT"
@@ -96,11 +98,19 @@ run_suite() {  # run_suite IMPL
   if [ "${REPRO:-0}" = 1 ]; then
     xfail+=(--sparse-mla-repro-dir "$OUT/repro/repro-$impl")
   fi
+  local wrap=()
+  local workers=${XDIST:-4}
+  if [ "${SANITIZER:-0}" = 1 ]; then  # one process: the sanitizer writes every report to one log
+    export SPARSE_MLA_SANITIZER_LOG="$OUT/sanitizer-$impl.log"
+    wrap=(env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --padding 4096 --destroy-on-device-error kernel
+          --log-file "$SPARSE_MLA_SANITIZER_LOG")
+    workers=0
+  fi
   t0=$(date +%s)
   stamp "suite $impl"
   timeout -s INT -k 20 "${SUITE_TIMEOUT:-240}" \
-    python3 -m pytest -p "$PLUGIN" ${SUITES:-suites} --sparse-mla-impl "$impl" --sparse-mla-require-gpu \
-      -n "${XDIST:-4}" -p no:randomly -p no:cacheprovider -q -rfEX --tb=line \
+    "${wrap[@]}" python3 -m pytest -p "$PLUGIN" ${SUITES:-suites} --sparse-mla-impl "$impl" --sparse-mla-require-gpu \
+      -n "$workers" -p no:randomly -p no:cacheprovider -q -rfEX --tb=line \
       --sparse-mla-report-json "$OUT/conformance-$impl.json" \
       --junitxml "$OUT/conformance-$impl.xml" -o junit_family=xunit2 -o junit_logging=no \
       "${TIMEOUT_ARGS[@]}" "${xfail[@]}" ${EXTRA_ARGS:-} >"$OUT/conformance-$impl.log" 2>&1

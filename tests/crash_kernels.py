@@ -12,6 +12,11 @@ CUDA only:
   context is dead.
 * ``crash_kernels:DeviceAssert``: ``torch.empty(1, device="cuda")[torch.tensor([1 << 40], device="cuda")]``,
   PyTorch's index kernel, whose bound check is a device-side assert (also a dead context).
+* ``crash_kernels:ReadsJustPast``: a Triton kernel that loads 1 KiB past the end of the key buffer's storage
+  (a row-stride or last-page bound off by a little): no fault, no wrong result (the loaded bytes are
+  thrown away), so the suites pass it; only compute-sanitizer memcheck sees the read (the tox lane
+  ``sanitizer``; run with ``PYTORCH_NO_CUDA_MEMORY_CACHING=1`` so that each tensor is its own
+  allocation).
 * ``crash_kernels:NeverReturns``: a Triton kernel that spins until a flag in device memory turns
   non-zero (nothing ever writes it), then a ``torch.cuda.synchronize()``: the call never returns.
 
@@ -90,7 +95,13 @@ def _triton_kernels() -> dict[str, Any]:
             turns += 1
         tl.store(out_ptr, turns)
 
-    _KERNELS.update(gather_unmasked=gather_unmasked, spin=spin)
+    @triton.jit
+    def read_past(src_ptr, n, out_ptr, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        value = tl.load(src_ptr + n + 1024 + offs)  # 1 KiB past the last byte: no mask
+        tl.store(out_ptr + offs, value)
+
+    _KERNELS.update(gather_unmasked=gather_unmasked, spin=spin, read_past=read_past)
     return _KERNELS
 
 
@@ -125,6 +136,18 @@ class OutOfBounds(_Breaking):
         _triton_kernels()["gather_unmasked"][(1,)](src, flat, out, flat.numel(), BLOCK=128)
 
 
+class ReadsJustPast(_Breaking):
+    """An unmasked Triton load 1 KiB past the key buffer, its result unused: invisible without a sanitizer."""
+
+    name = "reads-just-past"
+
+    def _break(self, q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor) -> None:
+        src = kv_cache.view(torch.uint8)  # a view (a layer of a pool, canaries around): its storage's end
+        end = src.untyped_storage().nbytes() - src.storage_offset()
+        out = torch.empty(16, dtype=torch.uint8, device=src.device)
+        _triton_kernels()["read_past"][(1,)](src, end, out, BLOCK=16)
+
+
 class DeviceAssert(_Breaking):
     """PyTorch's index kernel on an index 2**40 past a one-element tensor: a device-side assert."""
 
@@ -146,4 +169,4 @@ class NeverReturns(_Breaking):
         torch.cuda.synchronize(q.device)
 
 
-__all__ = ["DeviceAssert", "NeverReturns", "OutOfBounds", "triggered"]
+__all__ = ["DeviceAssert", "NeverReturns", "OutOfBounds", "ReadsJustPast", "triggered"]

@@ -407,3 +407,85 @@ def test_the_gpu_verification_kernels_break_nothing_on_the_cpu(monkeypatch: pyte
     monkeypatch.setenv(crash_kernels.WHEN, "bogus")
     with pytest.raises(ValueError, match="SPARSE_MLA_CRASH_WHEN"):
         crash_kernels.triggered(q, {})
+
+
+# --- compute-sanitizer memcheck (pytest_sparse_mla.sanitizer) ---------------------------------------
+
+OOB_TESTS = '''
+import os
+
+import pytest
+import torch
+
+from pytest_sparse_mla import sanitizer
+
+REPORT = """========= Invalid __global__ read of size 2 bytes
+=========     at _tiled_sparse_decode_kernel+0x1c0
+=========     by thread (0,0,0) in block (3,0,0)
+=========     Address 0x7f0000100000 is out of bounds
+=========     and is 1,048,576 bytes after the nearest allocation at 0x7f0000000000 of size 1,048,576 bytes
+=========
+"""
+
+
+def _call(impl, oob):
+    if oob:  # what compute-sanitizer's frontend writes to this process's log during the kernel
+        with open(sanitizer.log_path(), "a") as f:
+            f.write(REPORT)
+    q = torch.zeros(2, 4, 576, dtype=torch.bfloat16)
+    kv = torch.zeros(3, 64, 584, dtype=torch.uint8)
+    idx = torch.zeros(2, 128, dtype=torch.int32)
+    return impl.sparse_mla_forward(q, kv, idx, fmt="dsv4", page_block_size=64)
+
+
+def test_clean_before(sparse_mla_impl):
+    _call(sparse_mla_impl, False)
+
+
+def test_reads_out_of_bounds(sparse_mla_impl):
+    _call(sparse_mla_impl, True)
+
+
+@pytest.mark.xfail(reason="a known wrong result, not an out-of-bounds access")
+def test_xfailed_and_out_of_bounds(sparse_mla_impl):
+    _call(sparse_mla_impl, True)
+    raise AssertionError("wrong result")
+
+
+@pytest.mark.parametrize("k", range(2))
+def test_clean_after(sparse_mla_impl, k):
+    _call(sparse_mla_impl, False)
+'''
+
+
+def test_an_access_the_sanitizer_reports_fails_its_own_test_and_the_run_goes_on(pytester, monkeypatch, capsys):
+    from pytest_sparse_mla import sanitizer
+
+    pytester.makepyfile(fake_kernel=FAKE_KERNEL, test_oob=OOB_TESTS)
+    log = pytester.path / "sanitizer.log"
+    monkeypatch.setenv(sanitizer.ENV, str(log))
+    log.write_text("========= COMPUTE-SANITIZER\n")
+    out = pytester.path / "report.json"
+    result = inner_session.runpytest(pytester, *BASE, "--sparse-mla-report-json", str(out),
+                                     monkeypatch=monkeypatch, capsys=capsys)  # fmt: skip
+    result.assert_outcomes(passed=3, failed=2)
+    result.stdout.fnmatch_lines([
+        "*_ test_reads_out_of_bounds _*",
+        f"compute-sanitizer memcheck: Invalid __global__ read of size 2 bytes; last kernel call: {_glob(CALL)}*",
+        "test: test_oob.py::test_reads_out_of_bounds",
+        "first access compute-sanitizer reported in this test:",
+        "  Invalid __global__ read of size 2 bytes",
+        "  at _tiled_sparse_decode_kernel+0x1c0",
+        "  by thread (0,0,0) in block (3,0,0)",
+        "  Address 0x7f0000100000 is out of bounds",
+        "*the CUDA context is still usable: the run goes on in this process",
+    ])  # fmt: skip
+    faults = json.loads(out.read_text())["device_faults"]
+    assert [(f["nodeid"], f["kind"]) for f in faults] == [
+        ("test_oob.py::test_reads_out_of_bounds", "sanitizer"),
+        ("test_oob.py::test_xfailed_and_out_of_bounds", "sanitizer"),  # never the expected failure
+    ]
+    # the default per-test limit is scaled for memcheck's slowdown
+    assert device_health.default_timeout(types.SimpleNamespace(obj=None), "cuda") == (
+        device_health.BASE_SECONDS["cuda"] * sanitizer.TIMEOUT_FACTOR
+    )

@@ -362,12 +362,24 @@ def test_flashmla_unsupported_call_raises_the_reason(fake_flash_mla) -> None:
     assert fake.calls == []
 
 
-def test_valid_lane_past_the_cache_is_a_value_error(fake_flash_mla) -> None:
-    fake_flash_mla("dsv4")
+def test_a_valid_lane_past_the_cache_reaches_the_peer(fake_flash_mla) -> None:
+    """The adapter never answers for its peer: a valid lane past the cache goes to flash_mla (the
+    fake computes with the oracle, which raises), and the error is marked as the peer's."""
+    fake = fake_flash_mla("dsv4")
     call = _inputs(4, 64, extra=False)
     call["indices"][2, 7] = 256
-    with pytest.raises(ValueError, match=re_escape("indices[2, 7]=256")):
+    with pytest.raises(ValueError) as excinfo:
         flashmla.FlashMlaImplementation().sparse_mla_forward(call["q"], call["kv_cache"], call["indices"], **_kw(call))
+    assert [kind for kind, _ in fake.calls] == ["decode"]
+    assert _peer.raised_by_peer(excinfo.value)
+
+
+def test_an_error_the_adapter_raises_itself_is_not_the_peers(fake_flash_mla) -> None:
+    fake = fake_flash_mla("dsv4")
+    call = _inputs(4, 64, extra=False)
+    with pytest.raises(ValueError) as excinfo:  # SparseMlaCall.read: the adapter cannot map a 1-D index row
+        flashmla.FlashMlaImplementation().sparse_mla_forward(call["q"], call["kv_cache"], call["indices"][0], **_kw(call))
+    assert fake.calls == [] and not _peer.raised_by_peer(excinfo.value)
 
 
 def re_escape(text: str) -> str:

@@ -12,7 +12,13 @@ Two kinds of refusal, so a suite can tell "the peer lacks this" from "the peer g
   kernel would read or write out of bounds on them (for instance FlashMLA's decode masks only ``-1``
   and turns ``-2`` into a page index of about 67 million). Running it would kill the CUDA context of
   the whole test session, so the adapter refuses, and the test fails with the peer's limit in the
-  message: that is a real discrepancy (a convention or a bug), listed in the peer's xfail file.
+  message (``guard``: never a pass, never a skip): that is a real discrepancy (a convention or a
+  bug), listed in the peer's xfail file.
+
+An adapter maps arguments and layouts; it never answers for its peer. The peer is run through
+:func:`call_peer`, which marks what the peer raises (:func:`raised_by_peer`); a ``TypeError`` /
+``ValueError`` an adapter raises itself (the call could not be mapped) is not the peer's verdict,
+and ``guard`` reports the test as not asked instead of letting a bad-input test pass on it.
 
 Everything here imports torch lazily, inside functions: the adapters' modules are imported when
 the plugin resolves ``--sparse-mla-impl`` and must stay light.
@@ -32,7 +38,8 @@ __all__ = [
     "PeerResult",
     "nhd_view",
     "valid_lanes",
-    "check_valid_lanes_in_range",
+    "refuse_lanes_past_cache",
+    "raised_by_peer",
     "lse_to_convention",
     "shape_reason",
     "PeerCall",
@@ -101,22 +108,45 @@ def valid_lanes(indices: Any, topk_length: Any | None) -> Any:
     return valid
 
 
-def check_valid_lanes_in_range(indices: Any, topk_length: Any | None, num_slots: int, name: str) -> None:
-    """Refuse a valid lane whose index is ``>= num_slots`` (one host sync).
+def refuse_lanes_past_cache(
+    adapter: str, indices: Any, topk_length: Any | None, num_slots: int, name: str, why: str
+) -> None:
+    """Refuse (:class:`UnsafeForPeer`) a valid lane whose index is ``>= num_slots``, for a peer
+    measured to corrupt the process on one (one host sync). Peers that mask such a lane or return
+    garbage are run: their behaviour is the verdict (``Envelope.index_past_cache``).
 
-    The peers do not bound-check such lanes (undefined behaviour; the bundled reference raises the
-    same ``ValueError``).
+    Args:
+        adapter: the adapter's name. indices: ``[T, topk]`` int32. topk_length: ``[T]`` or ``None``.
+        num_slots: the cache's ``num_pages * page_block_size`` (tokens). name: ``"indices"`` or
+            ``"extra_indices"``. why: what the peer does with such a lane, and where.
 
     Raises:
-        ValueError: naming ``name``, the first offending token, lane and value.
+        UnsafeForPeer: naming ``name``, the first offending token, lane and value, and ``why``.
     """
     bad = valid_lanes(indices, topk_length) & (indices >= num_slots)
     if bool(bad.any()):
         t, j = (int(v) for v in bad.nonzero()[0])
-        raise ValueError(
-            f"{name}[{t}, {j}]={int(indices[t, j])}: a valid lane must index a slot < {num_slots} "
-            "(the cache's num_pages * page_block_size); the peers do not bound-check it"
+        raise UnsafeForPeer(
+            f"{adapter}: {name}[{t}, {j}]={int(indices[t, j])} is a valid lane past the cache "
+            f"({num_slots} slots); {why}"
         )
+
+
+#: attribute :func:`call_peer` sets on an exception the peer raised (the peer function's name).
+_PEER_MARK = "_sparse_mla_raised_by_peer"
+
+
+def raised_by_peer(exc: BaseException) -> bool:
+    """Whether ``exc`` (or an exception it was raised from) came out of a peer call made through
+    :func:`call_peer`: the peer's own verdict, not the adapter's."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if getattr(current, _PEER_MARK, None):
+            return True
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return False
 
 
 def lse_to_convention(
@@ -304,13 +334,14 @@ class PeerAdapter:
 
         The call is read once (``attention.call.SparseMlaCall.read``: the LSE convention, the extra
         cache and its indices together, each cache, the index rows' shape; no more, so the peer
-        is judged on its own validation), its valid lanes are held inside their caches, and
-        :meth:`forward` runs the peer. ``grid_release``, ``chunk_tokens`` and ``backend`` (the
-        bundled reference's) are ignored.
+        is judged on its own validation), :meth:`refuse_lanes` refuses lanes the peer would
+        mishandle out of bounds, and :meth:`forward` runs the peer (a valid lane past its cache
+        reaches the peer unless ``refuse_lanes`` refuses it: ``Envelope.index_past_cache``).
+        ``grid_release``, ``chunk_tokens`` and ``backend`` (the bundled reference's) are ignored.
 
         Raises:
             ValueError: ``return_fp32=True`` for a peer with a BF16 output only; as
-                ``SparseMlaCall.read``; a valid lane past its cache.
+                ``SparseMlaCall.read``.
             TypeError: as ``SparseMlaCall.read``.
             pytest_sparse_mla.Unsupported: as :meth:`unsupported_reason`.
             UnsafeForPeer: as :meth:`refuse_lanes`.
@@ -336,7 +367,6 @@ class PeerAdapter:
             if length is not None and tuple(getattr(length, "shape", ())) != (call.num_tokens,):
                 continue  # a malformed length: the peer's own check answers for it
             self.refuse_lanes(source.indices, length, source.num_slots, source.names[1], source.names[2])
-            check_valid_lanes_in_range(source.indices, length, source.num_slots, source.names[1])
         return self.forward(PeerCall(call, views[0], views[1] if len(views) > 1 else None), return_fp32)
 
     def forward(self, call: PeerCall, return_fp32: bool) -> PeerResult:
@@ -411,7 +441,8 @@ def call_peer(
     script_args: tuple[Any, ...] | None = None,
 ) -> Any:
     """``fn(*args, **kwargs)``, the peer call of an adapter, reported to ``--sparse-mla-repro-dir``
-    (:func:`pytest_sparse_mla.repro.record_native`) so a reproducer can make the same call.
+    (:func:`pytest_sparse_mla.repro.record_native`) so a reproducer can make the same call. An
+    exception ``fn`` raises is marked as the peer's (:func:`raised_by_peer`) and passes through.
 
     Args:
         source: how a standalone script finds the peer: ``{"kind": "import", "module": ...}`` or
@@ -425,7 +456,14 @@ def call_peer(
 
     if repro.enabled():
         repro.record_native(source, function, script_args if script_args is not None else args, kwargs)
-    return fn(*args, **kwargs)
+    try:
+        return fn(*args, **kwargs)
+    except Exception as exc:
+        try:
+            setattr(exc, _PEER_MARK, function)
+        except (AttributeError, TypeError):  # an exception type without a __dict__: wrap it
+            raise RuntimeError(f"{function} raised {type(exc).__name__}: {exc}") from exc
+        raise
 
 
 def check_folded_lengths(q: Any, topk_length: Any, extra_topk_length: Any, has_extra: bool) -> None:

@@ -54,14 +54,18 @@ PEER = (
 ENVELOPE = dataclasses.replace(
     FLASHMLA_ENVELOPE,
     masked_indices="negative",
+    index_past_cache="masked",
     notes=(
         "num_tokens <= 64: flash_mla_with_kvcache (FlagGems' Triton decode), one batch entry per token; "
         "d_qk 512 = DSV4 584 B cache (_sparse_decode_model1_kernel), 576 = DSV3.2 656 B cache "
         "(_sparse_decode_kernel, no extra cache, no topk_length)",
         f"num_tokens > 64: flash_mla_sparse_fwd over a BF16 table the adapter dequantizes (exact); an extra "
         f"cache is appended to the table, index rows padded with -1 to a multiple of {PREFILL_ROW_MULTIPLE}",
-        "every negative index masks its lane; topk_length must lie in [0, topk] (read raw); an index past "
-        "the cache is refused by the adapter (the kernels mask it)",
+        "every negative index masks its lane; topk_length must lie in [0, topk] (read raw)",
+        "a valid lane past the cache is masked like -1: the DSV4 decode kernel keeps a lane only while its "
+        "page is < NUM_BLOCKS (flash_mla_with_kvcache.py: valid_ids = t_msk & (kv_ids >= 0) & (block_ids < "
+        "NUM_BLOCKS)); measured on the H200 for the main and the extra cache with num_tokens 4 (decode); "
+        "the prefill route (flash_mla_sparse_fwd) was not measured",
         "its own LSE: natural log, sink excluded, empty row +inf; converted to the asked convention",
         "FlagTree-only paths off (has_triton_tle answered False): stock Triton's portable kernels",
     ),

@@ -15,7 +15,7 @@ from typing import Any
 
 from pytest_sparse_mla import capabilities
 from pytest_sparse_mla.envelope import Envelope
-from pytest_sparse_mla.implementations._peer import PeerAdapter, PeerCall, PeerResult, lse_to_convention
+from pytest_sparse_mla.implementations._peer import PeerAdapter, PeerCall, PeerResult, call_peer, lse_to_convention
 
 __all__ = ["FlashInferImplementation"]
 
@@ -113,7 +113,9 @@ class FlashInferImplementation(PeerAdapter):
             heads = (8 if num_heads == 8 else -(-num_heads // 16) * 16) if version >= Version("0.7.0") else num_heads
             kwargs["mid_out"] = torch.empty((num_tokens, heads, splits, 512), dtype=torch.bfloat16, device=q.device)
             kwargs["mid_lse"] = torch.empty((num_tokens, heads, splits), dtype=torch.float32, device=q.device)
-        entry(q, c.main.cache, c.main.indices, output, out_lse, float(c.sm_scale), **kwargs)
+        source = {"kind": "import", "module": entry.__module__}
+        args = (q, c.main.cache, c.main.indices, output, out_lse, float(c.sm_scale))
+        call_peer(source, "_sparse_mla_sm120_paged_attention", entry, args, kwargs)
         # FlashInfer's out_lse: base 2, sink included -> natural log for the shared conversion
         lse = lse_to_convention(
             out_lse.to(torch.float64) * math.log(2.0),

@@ -27,7 +27,9 @@ is a discrepancy): the DSV4 reference's valid count is ``min(topk_length, positi
 negative index)`` (``_valid_prefix_length``), so the lanes after a ``-1`` inside the prefix are
 dropped, where FlashInfer's kernels mask each negative lane and keep the rest; it raises
 ``ValueError`` for a negative ``topk_length`` (``_bounded_length``) instead of clamping it to 0
-(declared: ``topk_length_range="row"``); it refuses an index past the cache (``ValueError``).
+(declared: ``topk_length_range="row"``); it refuses an index past the cache itself (``ValueError:
+indices exceed kv_cache page capacity``, measured on the H200), a message that names ``indices``
+for a lane past the extra cache too (xfail ``past-cache-name``).
 """
 
 from __future__ import annotations

@@ -45,11 +45,11 @@ files when it is unset and torch sees no CUDA device, so both adapters also run 
 Mapping and refusals (each adapter's ``envelope`` and ``unsupported_reason``): DSV4 only (the
 kernels hard-code 448 + 64 dims and the footer layout); any head count, top-k width and page size.
 The adapter reads the cache geometry through ``formats.parse_cache`` (the project's 2-D, 3-D and HND
-forms become the NHD view SGLang reads, same bytes, storage offset and page stride), refuses a valid
-lane past the cache (``ValueError``, undefined behaviour in every peer), and for ``sglang-torch``
-refuses a lane *past* ``topk_length`` that holds an out-of-range index (:class:`UnsafeForPeer`: the
-torch path gathers every lane before masking, so on CUDA such a lane is a device-side assert that
-ends the test session). The split refuses ``key_suffix`` on pools it would split (SGLang has one
+forms become the NHD view SGLang reads, same bytes, storage offset and page stride). A valid lane
+past the cache reaches SGLang (no bound check: the Triton path reads a wrong row) except on the torch
+path on CUDA, where it, and a lane *past* ``topk_length`` holding an out-of-range index, are refused
+(:class:`UnsafeForPeer`: the torch path gathers every lane with torch indexing, a device-side assert
+that ends the test session; measured on the H200). The split refuses ``key_suffix`` on pools it would split (SGLang has one
 scratch per device), another ``dst_page_stride`` than 37,440, and touched indices past the pool
 (SGLang's mark kernel stores ``mask[t // ps]`` without a bound; the check is one host sync, left out
 under CUDA-graph capture and under torch's sync debug mode). Everything else is SGLang's own
@@ -105,7 +105,10 @@ SPLIT_DECLARATION = (
 _COMMON_NOTES = (
     "DSV4 (584 B footer layout) only: the kernels hard-code 448 NoPE + 64 RoPE dims",
     "no argument validation of its own (internal SGLang functions); the adapter checks only what "
-    "it reads to map the call (cache geometry, index rows) and lanes past the cache",
+    "it reads to map the call (cache geometry, index rows)",
+    "no bound check of indices: a valid lane past the cache is read from past it (the Triton path: "
+    "a wrong row, no error, measured on the H200) or gathered with torch indexing (the torch path: an "
+    "IndexError on a CPU, a device-side assert on CUDA that the adapter refuses as UnsafeForPeer)",
 )
 
 TRITON_ENVELOPE = Envelope(
@@ -515,7 +518,15 @@ class SglangTorchImplementation(_SglangBase):
     _lse_has_sink = False
 
     def refuse_lanes(self, idx: Any, length: Any, num_slots: int, name: str, length_name: str) -> None:
-        """The torch path gathers lanes past ``topk_length`` too (only negatives are clamped)."""
+        """The torch path gathers every lane with torch indexing: on CUDA a valid lane past the
+        cache is a device-side assert (measured on the H200), and a lane past ``topk_length`` is
+        gathered too (only negatives are clamped)."""
+        if idx.is_cuda:
+            _peer.refuse_lanes_past_cache(
+                self.name, idx, length, num_slots, name,
+                "SGLang's _sm120_sparse_decode_fwd gathers it with torch indexing, a device-side assert "
+                "(index out of bounds) that ends the process's CUDA context; on a CPU an IndexError",
+            )  # fmt: skip
         if length is None:
             return
         bad = ~_peer.valid_lanes(idx, length) & (idx >= num_slots)

@@ -22,8 +22,8 @@ N`` masks its lane; no ``attn_sink`` argument; the LSE is natural log (``max_log
 * ln 2``). An empty row keeps the kernel's finite running-max sentinel ``-1e30`` (in log2 units),
 so its LSE is about ``-6.9e29`` instead of ``-inf`` and its output ``0``: the adapter reads an LSE
 below ``-1e29`` as "no candidate" (a convention, documented in the kernel's comment on the
-sentinel). The adapter refuses a valid lane past its own cache (in the joined table it would reach
-the other cache's rows).
+sentinel). A valid lane past the cache reaches the kernel, which masks ids at or past the table's
+length (``kv_ids < SKV``; declared ``index_past_cache="masked"``, measured on the H200).
 """
 
 from __future__ import annotations
@@ -74,11 +74,16 @@ ENVELOPE = Envelope(
     topk_length_range="clamped",
     attn_sink=False,
     min_tokens=1,
+    index_past_cache="masked",
     notes=(
         "one kernel for every num_tokens over a BF16 table the adapter dequantizes (exact); an extra cache "
         "is appended to the table; lanes past topk_length become -1; rows padded with -1 to a multiple of 16",
         "block_dpe 0 for DSV4 (d_qk 512), 64 for DSV3.2 (d_qk 576); no attn_sink argument",
         "its own LSE: natural log; an empty row's LSE is the finite sentinel -1e30 * ln 2 (read as empty)",
+        "a valid lane past the cache is masked like -1: the kernel keeps kv_ids < SKV, the table's length "
+        "(xpu_mla_sparse.py: mask_ids = (kv_ids < SKV) & (kv_ids >= 0)); measured on the H200 for the main and "
+        "the extra cache; with both caches a main lane past the main cache would name the extra cache's "
+        "first tokens in the adapter's joined table (the suites pass such a lane without an extra cache)",
         "BF16 products (tl.dot), fp32 online softmax in base 2",
     ),
 )
