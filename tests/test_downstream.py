@@ -360,3 +360,47 @@ def test_wheel_ships_suites_and_goldens_and_runs_them(
     # A golden that is missing fails under syrupy, so passing means they were read from the wheel.
     result.stdout.fnmatch_lines([f"sparse-mla: goldens: {site / 'pytest_sparse_mla' / 'golden'}"])
     _assert_clean_pass(result, at_least=4)
+
+
+# --- the README's example commands and counts --------------------------------------------------
+
+
+def _readme() -> str:
+    return (ROOT / "README.md").read_text()
+
+
+def test_the_readme_example_run_of_every_suite_against_chunked_passes(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The README's fifth example command, taken from the README itself (every shipped suite against
+    the installed entry point ``chunked``, ``-n 2``, from a directory outside the checkout), passes:
+    no failure, no error, no XPASS, and as many passed tests as the README states."""
+    import re
+    import shlex
+
+    (line,) = [ln for ln in _readme().splitlines() if "--sparse-mla-impl chunked -n 2" in ln]
+    args = shlex.split(line.split("/bin/pytest", 1)[1])
+    assert args[:3] == ["-p", "sparse_mla", "--pyargs"], line
+    site = pytester.mkdir("site")
+    _fake_install(site)
+    monkeypatch.setenv("PYTHONPATH", _pythonpath(site))
+    result = pytester.runpytest_subprocess(*args, "-p", "no:cacheprovider")
+    result.stdout.fnmatch_lines(["*impl=chunked *"])
+    passed = _assert_clean_pass(result, at_least=200)["passed"]
+    stated = re.search(r"runs every shipped suite against `chunked` \(on a CPU: (\d+) passed", _readme())
+    assert stated is not None and int(stated.group(1)) == passed, (stated and stated.group(1), passed)
+
+
+def test_the_counts_the_readme_states_are_the_counts() -> None:
+    """The README's numbers of wrong kernels in the gate and in the adversary's set are the catalogues'."""
+    import re
+
+    import adversary_kernels
+    import kernel_catalogue
+
+    readme = _readme()
+    gate = re.search(r"`tests/kernel_catalogue.py`: (\d+) wrong kernels", readme)
+    assert gate is not None and int(gate.group(1)) == len(kernel_catalogue.wrong_kernels())
+    stated = {int(n) for n in re.findall(r"(\d+) wrong kernels and which of them", readme)}
+    stated |= {int(n) for n in re.findall(r"a blind adversary's (\d+) wrong kernels", readme)}
+    assert stated == {len(adversary_kernels.ADVERSARY)}, stated
