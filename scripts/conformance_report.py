@@ -464,6 +464,7 @@ def discrepancies_markdown(doc: dict[str, Any], results: Path, notes: dict[str, 
         "smallest input. A *convention* is a documented difference the adapter cannot convert; a *bug* is a "
         "wrong answer, an out-of-bounds access or a crash.",
         "",
+        *([f"Note: {m['note']}.", ""] if m.get("note") else []),
         "**Reproducers.** Run the suites with `--sparse-mla-repro-dir DIR` (and the xfail file) and every wrong call "
         "of an xfailed test becomes `DIR/<test>/call<k>/repro.py` + `inputs.pt`: it needs torch and the peer only "
         "(a script that calls the peer directly names the peer's function in its docstring), prints expected vs got "
