@@ -74,9 +74,12 @@ def declared_envelope(impl: Any) -> Envelope | None:
     if env is None:
         return None
     if not isinstance(env, Envelope):
+        kind = type(env)
+        kind_name = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
         raise pytest.UsageError(
-            f"implementation {getattr(impl, 'name', impl)!r}: envelope={env!r}: expected a "
-            "pytest_sparse_mla.Envelope (from pytest_sparse_mla import Envelope)"
+            f"implementation {getattr(impl, 'name', impl)!r}: its envelope attribute is a {kind_name} "
+            f"({env!r}): expected a pytest_sparse_mla.Envelope (from pytest_sparse_mla import Envelope), "
+            "or None (no envelope: every call)"
         )
     return env
 

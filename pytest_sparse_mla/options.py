@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,9 +61,23 @@ HELP_GROUP = "sparse-mla"
 HELP_GROUP_TITLE = "sparse-mla: sparse MLA kernel regression suites (pytest-sparse-mla)"
 #: Names that load the plugin with ``-p`` (the entry-point name and the module).
 PLUGIN_NAMES = ("sparse_mla", "pytest_sparse_mla.plugin", "sparse-mla")
+#: The built-in implementations' names, the keys of ``implementations.registry.BUILTINS`` in order
+#: (that module imports the adapters; ``--help`` lists these without importing it, and
+#: ``tests/test_papercuts.py`` checks the two agree).
+BUILTIN_NAMES = (
+    "reference",
+    "triton",
+    "flashinfer",
+    "sglang-triton",
+    "sglang-torch",
+    "flashmla",
+    "flaggems",
+    "vllm-triton",
+    "flashinfer-reference",
+)
 #: The forms ``--sparse-mla-impl`` accepts, in resolution order (``--help`` and miss errors).
 IMPL_FORMS = (
-    "a built-in name (reference, triton, flashinfer)",
+    f"a built-in name ({', '.join(BUILTIN_NAMES)})",
     "a name from an installed package's 'pytest_sparse_mla.implementations' entry point",
     "a name returned by a pytest_sparse_mla_implementations(config) hook in a plugin or conftest.py",
     "MODULE or PACKAGE.MODULE: the module object itself, importable from sys.path or found in the "
@@ -110,6 +125,10 @@ class SparseMlaOptions:
             (``pytest_sparse_mla.device_health.default_timeout``).
         timeout_given: ``--sparse-mla-timeout`` was given (``auto`` too): it then needs pytest-timeout.
         report_json: absolute path of the JSON run report, or ``None``.
+        report_md: absolute path of the Markdown conformance report (``pytest_sparse_mla.run_report``),
+            or ``None``.
+        xfail_draft: absolute path of the draft xfail file to write from the run's failures
+            (``pytest_sparse_mla.xfail_draft``), or ``None``.
         repro_dir: absolute directory for standalone reproducers of failing calls
             (``pytest_sparse_mla.repro``), or ``None``.
         tolerances: parsed ``sparse_mla_tolerances`` ini lines,
@@ -137,6 +156,8 @@ class SparseMlaOptions:
     timeout: float | None = None
     timeout_given: bool = False
     report_json: Path | None = None
+    report_md: Path | None = None
+    xfail_draft: Path | None = None
     repro_dir: Path | None = None
     tolerances: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     activated_by: str = ""
@@ -230,6 +251,22 @@ def add_options(parser: pytest.Parser) -> None:
         help="Write versions, device, options and the GPU of every xdist worker to PATH as JSON",
     )
     group.addoption(
+        "--sparse-mla-report-md",
+        default=None,
+        metavar="PATH",
+        help="Write the conformance report of this run to PATH as Markdown: totals, per suite, failures not in "
+        "the xfail file, skip reasons, error-class coverage, the xfail file's discrepancies, the envelope "
+        "(sparse-mla-report merges several --sparse-mla-report-json files into one)",
+    )
+    group.addoption(
+        "--sparse-mla-xfail-draft",
+        default=None,
+        metavar="PATH",
+        help="Write a draft --sparse-mla-xfail-file to PATH from this run's failures: one discrepancy key per "
+        "error class, its first failure line as the text, every failing test id under it (review and rename "
+        "before use)",
+    )
+    group.addoption(
         "--sparse-mla-repro-dir",
         default=None,
         metavar="DIR",
@@ -293,6 +330,8 @@ _DESTS = (
     "sparse_mla_no_gpu_pinning",
     "sparse_mla_timeout",
     "sparse_mla_report_json",
+    "sparse_mla_report_md",
+    "sparse_mla_xfail_draft",
     "sparse_mla_repro_dir",
     "sparse_mla_search_examples",
     "sparse_mla_search_seed",
@@ -322,14 +361,46 @@ def _named_with_p(config: pytest.Config) -> str | None:
     return None
 
 
+def _ini_keys_set(config: pytest.Config) -> set[str]:
+    """Every key the session's configuration file sets (in the sections pytest reads from it) and
+    every key given with ``-o``/``--override-ini``, registered or not. Read from ``config.inipath``:
+    ``config.getini`` answers only registered keys, and ``config.inicfg`` is deprecated from pytest 9
+    (``PytestRemovedIn10Warning``)."""
+    keys = {str(item).partition("=")[0].strip() for item in getattr(config.option, "override_ini", None) or ()}
+    path = config.inipath
+    if path is None:
+        return keys
+    try:
+        if path.suffix == ".toml":  # pyproject.toml, pytest.toml, .pytest.toml, a -c TOML file
+            if sys.version_info >= (3, 11):
+                import tomllib
+            else:  # pragma: no cover - pytest depends on tomli before 3.11
+                import tomli as tomllib
+            document = tomllib.loads(path.read_text(encoding="utf-8"))
+            tool = document.get("tool", {}).get("pytest", {})
+            for table in (document.get("pytest"), tool, tool.get("ini_options") if isinstance(tool, dict) else None):
+                if isinstance(table, dict):
+                    keys.update(str(key) for key in table)
+        else:  # pytest.ini, .pytest.ini, tox.ini ([pytest]), setup.cfg ([tool:pytest]): pytest's own parser
+            import iniconfig
+
+            sections = iniconfig.IniConfig(str(path)).sections
+            for section in ("pytest", "tool:pytest"):
+                keys.update(sections.get(section, {}))
+    except Exception:  # pytest read the file already; one that changed since only loses the hint
+        pass
+    return keys
+
+
 def unknown_ini_key_hint(config: pytest.Config) -> str:
     """``"; ..."`` naming the ini keys that look like the plugin's (``sparse_mla...``) but are not one
     of :data:`INI_KEYS`, each with the closest known key (``difflib``), or ``""``. A misspelled key
     activates nothing, so a session that needs the plugin says why it is not active."""
     import difflib
 
-    inicfg = getattr(config, "inicfg", None) or {}
-    unknown = sorted(k for k in inicfg if k.replace("-", "_").startswith("sparse_mla") and k not in INI_KEYS)
+    unknown = sorted(
+        k for k in _ini_keys_set(config) if k.replace("-", "_").startswith("sparse_mla") and k not in INI_KEYS
+    )
     parts = []
     for key in unknown:
         close = difflib.get_close_matches(key, list(INI_KEYS), n=1, cutoff=0.5)
@@ -457,8 +528,8 @@ def _golden_dir(config: pytest.Config) -> Path | None:
 
 
 def _output_path(config: pytest.Config, option: str) -> Path | None:
-    """The resolved path of an output option (``--sparse-mla-report-json`` / ``--sparse-mla-repro-dir``),
-    or ``None`` when not given.
+    """The resolved path of an output option (``--sparse-mla-report-json`` / ``-md``, ``--sparse-mla-xfail-draft``:
+    a file in an existing directory; ``--sparse-mla-repro-dir``: a directory), or ``None`` when not given.
 
     Raises:
         pytest.UsageError: the report's folder does not exist; a file stands where the repro dir
@@ -468,7 +539,7 @@ def _output_path(config: pytest.Config, option: str) -> Path | None:
     if not value:
         return None
     path = Path(value).resolve()
-    if option == "--sparse-mla-report-json":
+    if option in ("--sparse-mla-report-json", "--sparse-mla-report-md", "--sparse-mla-xfail-draft"):
         if not path.parent.is_dir():
             raise pytest.UsageError(
                 f"{option}={value!r}: no such directory {path.parent}; expected a file path in an existing directory"
@@ -543,6 +614,8 @@ def from_config(config: pytest.Config, activated_by: str = "") -> SparseMlaOptio
         timeout=parse_timeout(config.getoption("sparse_mla_timeout", None)),
         timeout_given=config.getoption("sparse_mla_timeout", None) is not None,
         report_json=_output_path(config, "--sparse-mla-report-json"),
+        report_md=_output_path(config, "--sparse-mla-report-md"),
+        xfail_draft=_output_path(config, "--sparse-mla-xfail-draft"),
         repro_dir=_output_path(config, "--sparse-mla-repro-dir"),
         tolerances=_tolerances(config),
         activated_by=activated_by,

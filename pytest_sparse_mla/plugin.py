@@ -41,6 +41,26 @@ from pytest_sparse_mla import capabilities, options
 
 #: Modules registered as plugins when the plugin is active: fixtures only (no hooks).
 FIXTURE_MODULES = ("pytest_sparse_mla.fixtures",)
+#: The fixtures those modules define (``tests/test_papercuts.py`` checks the list): asked for in a
+#: session that does not use the plugin, pytest's "fixture not found" says how to load it.
+FIXTURE_NAMES = (
+    "sparse_mla_options",
+    "sparse_mla_capabilities",
+    "sparse_mla_device",
+    "sparse_mla_seed",
+    "sparse_mla_generator",
+    "packed_kv_cache_factory",
+    "split_buffer_registry",
+    "page_split_backend",
+    "split_pages",
+    "sparse_mla_impl",
+    "sparse_mla_envelope",
+    "sparse_mla_inputs",
+    "sparse_mla_tolerances",
+    "sparse_mla_search_shard",
+    "sparse_mla_search",
+    "tensor_snapshot",
+)
 #: Why a session that collects the shipped suites without using the plugin stops.
 NEEDS_PLUGIN = (
     "the pytest-sparse-mla suites need the plugin, which is opt-in: run with -p sparse_mla (or add it to addopts)"
@@ -139,6 +159,15 @@ class _ControllerHooks:
         from pytest_sparse_mla import coverage, guard
 
         coverage.get(self.config).add(report)
+        opts = options.get_options(self.config)
+        if opts.xfail_draft is not None:
+            from pytest_sparse_mla import xfail_draft
+
+            xfail_draft.get(self.config).add(report)
+        if opts.report_json is not None or opts.report_md is not None:
+            from pytest_sparse_mla import run_report
+
+            run_report.add(self.config, report)
         form = dict(report.user_properties).get(guard.RESULT_FORM_KEY)
         if form is not None and self.result_form is None:
             self.result_form = str(form)
@@ -152,10 +181,16 @@ class _ControllerHooks:
     @pytest.hookimpl(wrapper=True, tryfirst=True)
     def pytest_sessionfinish(self, session: pytest.Session) -> Any:
         """A run stopped by a result of the wrong form exits with pytest's usage-error status
-        (outermost, so after syrupy's and the other exit-status adjustments)."""
+        (outermost, so after syrupy's and the other exit-status adjustments). With
+        ``--sparse-mla-xfail-draft``, the draft xfail file is written (``xfail_draft``)."""
         result = yield
         if self.result_form is not None:
             session.exitstatus = pytest.ExitCode.USAGE_ERROR
+        opts = options.get_options(self.config)
+        if opts.xfail_draft is not None:
+            from pytest_sparse_mla import xfail_draft
+
+            xfail_draft.write(self.config, opts.xfail_draft, opts.impl)
         return result
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
@@ -257,6 +292,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     selection.apply_files(config, items)
     implementations.skip_unservable(config, items)
     coverage.mark_intended(items)
+    if opts.xfail_draft is not None or opts.report_json is not None or opts.report_md is not None:
+        selection.mark_report_ids(items)
     from pytest_sparse_mla import device_health
 
     device_health.apply_timeouts(config, items)  # pytest-timeout's marker, scaled to the case
@@ -282,7 +319,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> 
     run and is marked for the controller (``_ControllerHooks``). A test after which the CUDA context
     is dead fails saying so, and a pytest-timeout failure names the kernel call that did not return
     (``device_health``). With ``--sparse-mla-repro-dir``: a failed or xfailed test's wrong calls
-    become standalone reproducers (``repro``; a failed write is a warning and a report section)."""
+    become standalone reproducers (``repro``; a failed write is a warning and a report section).
+    Not active: a lookup of one of the plugin's fixtures that failed says how to load it."""
     active = options.is_active(item.config)
     if active:
         from pytest_sparse_mla import device_health
@@ -291,6 +329,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> 
     report = yield
     if active:
         device_health.judge_report(item, call, report)
+    elif call.excinfo is not None and report.failed:
+        _hint_inactive_fixture(call.excinfo.value, report)
     if call.excinfo is not None and report.failed:
         from pytest_sparse_mla import guard
 
@@ -324,6 +364,25 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> 
                         ("sparse-mla reproducers", "\n".join(f"python {p / 'repro.py'}" for p in written))
                     )
     return report
+
+
+def _hint_inactive_fixture(exc: BaseException, report: pytest.TestReport) -> None:
+    """A session that does not use the plugin, where a test or fixture asked for one of its fixtures
+    (:data:`FIXTURE_NAMES`): pytest's "fixture 'NAME' not found" gets a line saying how to load it."""
+    name = getattr(exc, "argname", None)
+    if not isinstance(exc, pytest.FixtureLookupError) or name not in FIXTURE_NAMES:
+        return
+    hint = (
+        f"{name} is a fixture of pytest-sparse-mla, which is inactive in this session: add -p sparse_mla "
+        "(or any --sparse-mla-* option or sparse_mla_* ini key)"
+    )
+    longrepr: Any = report.longrepr
+    errorstring = getattr(longrepr, "errorstring", None)
+    if isinstance(errorstring, str):  # pytest's FixtureLookupErrorRepr: the hint under its first line
+        first, newline, rest = errorstring.partition("\n")
+        longrepr.errorstring = f"{first}\n{hint}{newline}{rest}"
+    else:
+        report.sections.append(("sparse-mla", hint))
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -385,7 +444,7 @@ def pytest_sessionfinish(session: pytest.Session) -> Any:
     if options.is_active(session.config):
         from pytest_sparse_mla import xdist_gpu
 
-        xdist_gpu.finish(session.config)
+        xdist_gpu.finish(session.config, session)
     result = yield
     if options.is_active(session.config) and int(session.exitstatus) == 3:
         interrupted = bool(session.shouldstop or session.shouldfail)

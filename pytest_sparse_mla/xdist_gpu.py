@@ -32,7 +32,6 @@ xdist distributes to more than zero workers and no ``CUDA_VISIBLE_DEVICES`` list
 from __future__ import annotations
 
 import glob
-import json
 import os
 import sys
 from typing import Any
@@ -182,37 +181,20 @@ def _device_record(config: pytest.Config) -> dict[str, Any]:
     }
 
 
-def finish(config: pytest.Config) -> None:
+def finish(config: pytest.Config, session: pytest.Session) -> None:
     """At session finish. Worker: send the device it saw to the controller (``workeroutput``).
-    Controller (or a run without xdist): write ``--sparse-mla-report-json``."""
+    Controller (or a run without xdist): write ``--sparse-mla-report-json`` / ``--sparse-mla-report-md``
+    (``run_report``) with every worker's device."""
     workeroutput = getattr(config, "workeroutput", None)
     if workeroutput is not None:
         workeroutput[WORKER_KEY] = _device_record(config)
         return
-    opts = options.get_options(config)
-    if opts.report_json is None:
+    from pytest_sparse_mla import run_report
+
+    if not run_report.wanted(config):
         return
-    from dataclasses import asdict
-
-    from pytest_sparse_mla import capabilities, coverage, device_health, guard, implementations
-
     records = config.stash.get(_RECORDS, {}) or {"controller": _device_record(config)}
-    impl = implementations.get_implementation(config)
-    with options.usage_errors():  # an unknown compute_mode (tolerances.profile_for)
-        envelope = guard.envelope_of(impl)
-    report = {
-        "capabilities": asdict(capabilities.probe()),
-        "options": {"device": opts.device, "seed": opts.seed, "impl": opts.impl, "grid": opts.grid},
-        "workers": records,
-        "envelope": {
-            "declared": guard.declared_envelope(impl) is not None,
-            **envelope.as_dict(),
-        },
-        "coverage": coverage.get(config).rows(),
-        "device_faults": device_health.fault_entries(config),
-        "search": coverage.get(config).search_report(),
-    }
-    opts.report_json.write_text(json.dumps(report, indent=2, sort_keys=True, default=str) + "\n")
+    run_report.write(config, session, records)
 
 
 def summary_lines(config: pytest.Config) -> list[str]:

@@ -49,5 +49,6 @@ class UnsafeLengths(AskedPeer):
     def sparse_mla_forward(self, q: Any, kv_cache: Any, indices: Any, **kwargs: Any) -> Any:
         length = kwargs.get("topk_length")
         if length is not None and not length.is_contiguous():
-            raise UnsafeForPeer(f"{self.name}: topk_length has stride {length.stride()}; the peer reads it contiguously")
+            stride = length.stride()
+            raise UnsafeForPeer(f"{self.name}: topk_length has stride {stride}; the peer reads it contiguously")
         return super().sparse_mla_forward(q, kv_cache, indices, **kwargs)

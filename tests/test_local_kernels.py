@@ -99,7 +99,7 @@ def test_help_documents_every_form() -> None:
     text = " ".join(result.stdout.split())
     for needle in (
         "--sparse-mla-impl=IMPL",
-        "a built-in name (reference, triton, flashinfer)",
+        "a built-in name (reference, triton, flashinfer,",
         "'pytest_sparse_mla.implementations' entry point",
         "pytest_sparse_mla_implementations(config) hook",
         "MODULE or PACKAGE.MODULE",

@@ -378,7 +378,8 @@ def test_an_error_the_adapter_raises_itself_is_not_the_peers(fake_flash_mla) -> 
     fake = fake_flash_mla("dsv4")
     call = _inputs(4, 64, extra=False)
     with pytest.raises(ValueError) as excinfo:  # SparseMlaCall.read: the adapter cannot map a 1-D index row
-        flashmla.FlashMlaImplementation().sparse_mla_forward(call["q"], call["kv_cache"], call["indices"][0], **_kw(call))
+        impl = flashmla.FlashMlaImplementation()
+        impl.sparse_mla_forward(call["q"], call["kv_cache"], call["indices"][0], **_kw(call))
     assert fake.calls == [] and not _peer.raised_by_peer(excinfo.value)
 
 

@@ -30,7 +30,8 @@ def _peer_adapter(module: str, cls: str) -> Callable[[pytest.Config], Any]:
     return lambda config: getattr(importlib.import_module(f"pytest_sparse_mla.implementations.{module}"), cls)()
 
 
-#: built-in name -> factory(config).
+#: built-in name -> factory(config). ``options.BUILTIN_NAMES`` lists the same names, in this order,
+#: for ``--help`` (tests/test_papercuts.py checks the two agree).
 BUILTINS: dict[str, Callable[[pytest.Config], Any]] = {
     "reference": lambda config: ReferenceImplementation(options.get_options(config).grid),
     "triton": lambda config: TritonImplementation(options.get_options(config).grid),
@@ -153,12 +154,28 @@ def _check_provides_something(impl: Any, spec: str) -> None:
         )
 
 
+def _check_envelope(impl: Any, spec: str) -> None:
+    """An ``envelope`` attribute that is not a :class:`pytest_sparse_mla.Envelope` is one usage error
+    while the session configures, not an error in every test that asks for the implementation.
+
+    Raises:
+        pytest.UsageError: as ``guard.declared_envelope``, naming ``spec`` too.
+    """
+    from pytest_sparse_mla import guard
+
+    try:
+        guard.declared_envelope(impl)
+    except pytest.UsageError as exc:
+        raise pytest.UsageError(f"--sparse-mla-impl={spec!r}: {exc}") from None
+
+
 def resolve_implementation(spec: str, config: pytest.Config) -> Any:
     """The implementation named by ``spec`` (a registered name or an import string).
 
     Raises:
         pytest.UsageError: unknown name (the message lists the valid ones), an import string that
-            does not import, or an object that provides no capability.
+            does not import, an object that provides no capability, or an ``envelope`` attribute
+            that is not a :class:`pytest_sparse_mla.Envelope`.
     """
     from pytest_sparse_mla import entry_points
     from pytest_sparse_mla.implementations import locate
@@ -187,6 +204,7 @@ def resolve_implementation(spec: str, config: pytest.Config) -> Any:
                 )
             ) from None
     _check_provides_something(impl, spec)
+    _check_envelope(impl, spec)
     return impl
 
 

@@ -49,11 +49,11 @@ forms become the NHD view SGLang reads, same bytes, storage offset and page stri
 past the cache reaches SGLang (no bound check: the Triton path reads a wrong row) except on the torch
 path on CUDA, where it, and a lane *past* ``topk_length`` holding an out-of-range index, are refused
 (:class:`UnsafeForPeer`: the torch path gathers every lane with torch indexing, a device-side assert
-that ends the test session; measured on the H200). The split refuses ``key_suffix`` on pools it would split (SGLang has one
-scratch per device), another ``dst_page_stride`` than 37,440, and touched indices past the pool
-(SGLang's mark kernel stores ``mask[t // ps]`` without a bound; the check is one host sync, left out
-under CUDA-graph capture and under torch's sync debug mode). Everything else is SGLang's own
-behaviour, judged by the suites.
+that ends the test session; measured on the H200). The split refuses ``key_suffix`` on pools it
+would split (SGLang has one scratch per device), another ``dst_page_stride`` than 37,440, and touched
+indices past the pool (SGLang's mark kernel stores ``mask[t // ps]`` without a bound; the check is
+one host sync, left out under CUDA-graph capture and under torch's sync debug mode). Everything else
+is SGLang's own behaviour, judged by the suites.
 """
 
 from __future__ import annotations

@@ -1,0 +1,533 @@
+"""The conformance report: a run's tests, summarised per implementation and written as Markdown.
+
+One code path serves three uses:
+
+* ``--sparse-mla-report-md PATH``: the plugin writes the report of the implementation that ran
+  (totals, per suite, failures not listed in the xfail file, skip reasons, error-class coverage, the
+  discrepancies the xfail file defines, the declared envelope), from the session's own reports;
+* ``sparse-mla-report RUN.json ... --md OUT.md [--json OUT.json]`` (the console script,
+  :func:`main`): one report from several ``--sparse-mla-report-json`` files, one per CI job, GPU type
+  or implementation (each holds its tests' outcomes under ``"tests"``);
+* ``scripts/conformance_report.py`` in a checkout: this project's ``docs/conformance.md`` from the
+  JUnit XML and JSON files of an H200 run of every built-in peer (:func:`read_junit`).
+
+An xfail file in the shipped format (``pytest_sparse_mla/xfail/*.txt``) names discrepancies: a
+comment line ``# [KEY] kind: text`` defines one (kind ``convention`` or ``bug``; the text says what
+differs, where, and the smallest input), and each test entry ends with ``# KEY``. Every number in
+the Markdown comes from the run; nothing is typed by hand. This module imports neither pytest nor
+torch (the plugin feeds it plain dicts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import time
+import xml.etree.ElementTree as ET
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "OUTCOMES",
+    "build",
+    "main",
+    "markdown",
+    "read_junit",
+    "read_xfail_file",
+    "row_of",
+    "summarize",
+]
+
+OUTCOMES = ("passed", "failed", "error", "skipped", "xfailed", "xpassed")
+_DEFINITION = re.compile(r"^#\s*\[(?P<key>[A-Za-z0-9_-]+)\]\s*(?P<kind>[a-z ]+):\s*(?P<text>.+)$")
+
+
+def junit_test_id(case: ET.Element) -> tuple[str, str]:
+    """``(suite file, node id)`` of a JUnit ``testcase`` (``suites.test_x`` + ``name``)."""
+    classname = case.get("classname", "")
+    parts = classname.split(".")
+    module = [p for p in parts if p.startswith("test_")]
+    file = "/".join(parts[: parts.index(module[0]) + 1]) + ".py" if module else classname
+    inner = parts[parts.index(module[0]) + 1 :] if module else []
+    return file, "::".join([file, *inner, case.get("name", "")])
+
+
+def junit_outcome(case: ET.Element) -> tuple[str, str]:
+    """``(outcome, message)`` of a JUnit ``testcase`` as pytest writes it (xunit2)."""
+    for tag in ("failure", "error"):
+        node = case.find(tag)
+        if node is not None:
+            message = node.get("message") or (node.text or "")
+            if message.startswith("[XPASS(strict)]"):
+                return "xpassed", message
+            return ("failed" if tag == "failure" else "error"), message
+    node = case.find("skipped")
+    if node is not None:
+        kind = "xfailed" if node.get("type") == "pytest.xfail" else "skipped"
+        return kind, node.get("message") or ""
+    return "passed", ""
+
+
+def read_junit(path: Path) -> list[dict[str, Any]]:
+    """One dict per test case: ``file``, ``id``, ``outcome``, ``message``, ``seconds``."""
+    rows = []
+    for case in ET.parse(path).getroot().iter("testcase"):
+        file, node = junit_test_id(case)
+        kind, message = junit_outcome(case)
+        rows.append(
+            {"file": file, "id": node, "outcome": kind, "message": message, "seconds": float(case.get("time", 0))}
+        )
+    return rows
+
+
+def read_xfail_file(path: Path) -> dict[str, Any]:
+    """Discrepancy definitions and entries of a shipped xfail file (module docstring)."""
+    definitions: dict[str, dict[str, str]] = {}
+    entries: list[dict[str, str]] = []
+    for line in path.read_text().splitlines():
+        stripped = line.strip()
+        match = _DEFINITION.match(stripped)
+        if match:
+            definitions[match["key"]] = {"kind": match["kind"].strip(), "text": match["text"].strip()}
+            continue
+        if not stripped or stripped.startswith("#"):
+            continue
+        parts = re.split(r"\s#", stripped, maxsplit=1)
+        comment = parts[1].strip() if len(parts) > 1 else ""
+        entries.append({"prefix": parts[0].strip(), "key": comment.split()[0] if comment else ""})
+    return {"definitions": definitions, "entries": entries}
+
+
+def summarize(
+    impl: str,
+    rows: list[dict[str, Any]],
+    *,
+    exit_info: dict[str, Any] | None = None,
+    run_report: dict[str, Any] | None = None,
+    xfail: dict[str, Any] | None = None,
+    notes: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Totals, per-suite counts, skip reasons, failures and xfails of one implementation's run.
+
+    Args:
+        impl: the implementation's name (``--sparse-mla-impl``).
+        rows: one dict per test (:func:`read_junit`, :class:`Rows`): ``file``, ``id``, ``outcome``
+            (one of :data:`OUTCOMES`), ``message``, ``seconds``.
+        exit_info: ``exit`` (pytest's exit status), ``seconds`` (the run's wall time) and
+            ``xfail_file`` (the xfail file the run applied, or ``None``).
+        run_report: the ``--sparse-mla-report-json`` document (its ``coverage`` and ``envelope``).
+        xfail: :func:`read_xfail_file` of the implementation's xfail file (its definitions name the
+            discrepancies; a run made without it counts the failures it lists as xfailed).
+        notes: ``notes["project_faults"]``: ``{"test", "impls", "explanation"}`` entries that
+            explain a failure which is a fault of the test tool (not of the kernel), shown beside it.
+    """
+    exit_info = exit_info or {}
+    run_report = run_report or {}
+    xfail = xfail or {"definitions": {}, "entries": []}
+    # A run made without the xfail file (exit info "xfail_file": null, or none recorded) counts a failure
+    # that an entry lists as xfailed, marked "listed_after_run"; a run with the file reports pytest's own outcome.
+    applied = bool(exit_info.get("xfail_file"))
+    listed_after_run = 0
+    by_key: Counter = Counter()
+    for r in rows:
+        key = next((e["key"] for e in xfail["entries"] if _matches(r["id"], e["prefix"])), None)
+        if key is not None and not applied and r["outcome"] in ("failed", "error"):
+            r["outcome"], r["listed_after_run"] = "xfailed", True
+            listed_after_run += 1
+        if r["outcome"] == "xfailed":
+            r["key"] = key or ""
+            by_key[r["key"]] += 1
+    totals = Counter(r["outcome"] for r in rows)
+    suites: dict[str, Counter] = {}
+    for r in rows:
+        suites.setdefault(r["file"], Counter())[r["outcome"]] += 1
+    skips = Counter(_short(r["message"]) for r in rows if r["outcome"] == "skipped")
+    return {
+        "coverage": run_report.get("coverage", []),
+        "envelope": run_report.get("envelope"),
+        "xfail_file_applied": applied,
+        "xfailed_listed_after_run": listed_after_run,
+        "exit": exit_info.get("exit"),
+        "seconds": exit_info.get("seconds"),
+        "tests": len(rows),
+        "totals": {k: totals.get(k, 0) for k in OUTCOMES},
+        "suites": {f: {k: c.get(k, 0) for k in OUTCOMES} for f, c in sorted(suites.items())},
+        "skip_reasons": [{"reason": k, "count": v} for k, v in skips.most_common()],
+        "failures": [
+            {
+                "id": r["id"],
+                "outcome": r["outcome"],
+                "message": _short(r["message"], 600),
+                "explanation": next(
+                    (
+                        n["explanation"]
+                        for n in (notes or {}).get("project_faults", [])
+                        if impl in n.get("impls", [impl]) and _matches(r["id"], n["test"])
+                    ),
+                    "",
+                ),
+            }
+            for r in rows
+            if r["outcome"] in ("failed", "error", "xpassed")
+        ],
+        "xfailed": [
+            {"id": r["id"], "key": r.get("key", ""), "listed_after_run": r.get("listed_after_run", False)}
+            for r in rows
+            if r["outcome"] == "xfailed"
+        ],
+        "discrepancies": [
+            {"key": k, **d, "xfailed_tests": by_key.get(k, 0)} for k, d in sorted(xfail["definitions"].items())
+        ],
+    }
+
+
+def _matches(node_id: str, prefix: str) -> bool:
+    return node_id.startswith(prefix) or node_id.replace("pytest_sparse_mla/", "").startswith(prefix)
+
+
+def _short(text: str, limit: int = 240) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _fmt(value: Any, spec: str = ".2e") -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return format(value, spec)
+    return str(value)
+
+
+def _peers_line(m: dict[str, Any]) -> list[str]:
+    """The peers' versions and sources (this project's H200 runs; ``machine.json``), if recorded."""
+    if not any(m.get(k) for k in ("sglang", "flashmla_source", "flaggems_source", "vllm_source")):
+        return []
+    return [
+        f"Peers: SGLang {m.get('sglang')} (wheel from PyPI, installed --no-deps); FlashMLA "
+        f"{'; '.join(m.get('flashmla_source') or ['not built'])}, built with FLASH_MLA_DISABLE_SM100=1; "
+        f"FlagGems {'; '.join(m.get('flaggems_source') or ['not carried'])} (source files); vLLM "
+        f"{'; '.join(m.get('vllm_source') or ['not carried'])}; FlashInfer references: "
+        f"{'; '.join(m.get('flashinfer_reference_source') or ['not carried'])}."
+    ]
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    """The report of :func:`build`'s document as Markdown."""
+    m = doc["machine"]
+    impls = doc["implementations"]
+    gpu = f"{m.get('gpu_count', '?')} x {m.get('gpu')} (sm {m.get('sm', '?')}), driver {m.get('driver')}" if m.get(
+        "gpu"
+    ) else "no GPU"
+    out = [
+        f"# {doc.get('title') or 'Conformance of sparse-MLA kernels'}",
+        "",
+        f"<!-- Generated by {doc.get('generated_by') or 'pytest_sparse_mla.conformance'}; do not edit by hand. -->",
+        "",
+        f"Machine: {gpu}, torch {m.get('torch')} (CUDA {m.get('cuda_runtime')}), triton {m.get('triton')}, "
+        f"Python {m.get('python')}, {m.get('cpu_count')} CPUs; run {m.get('date_utc')} UTC.",
+        *_peers_line(m),
+        *([f"Note: {m['note']}.", ""] if m.get("note") else [""]),
+        f"Command: `{doc['command']}`. Where an implementation's xfail file is applied, a known discrepancy "
+        "counts as `xfailed` and a test that starts passing fails the run (`xfail_strict`). A capability the "
+        "implementation lacks is never asked: every case is fitted to its `envelope`, and a case that cannot "
+        "exist inside it is skipped as not applicable, naming the envelope field.",
+        "",
+        "## Totals",
+        "",
+        "| implementation | tests | passed | failed | errors | skipped | xfailed | xpassed | exit | seconds |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for name, s in impls.items():
+        t = s["totals"]
+        out.append(
+            f"| `{name}` | {s['tests']} | {t['passed']} | {t['failed']} | {t['error']} | {t['skipped']} | "
+            f"{t['xfailed']} | {t['xpassed']} | {_fmt(s['exit'])} | {_fmt(s['seconds'])} |"
+        )
+    late = {n: s["xfailed_listed_after_run"] for n, s in impls.items() if s["xfailed_listed_after_run"]}
+    if late:
+        listed = ", ".join(f"`{n}` {c}" for n, c in late.items())
+        out += [
+            "",
+            f"This run was made before the xfail files existed: the failures their entries list ({listed}) are "
+            "counted as xfailed here; every other failure is listed below.",
+        ]
+    out += ["", "## Per suite (passed / failed+errors / skipped / xfailed)", ""]
+    suites = sorted({f for s in impls.values() for f in s["suites"]})
+    out.append("| suite | " + " | ".join(f"`{n}`" for n in impls) + " |")
+    out.append("| --- |" + " --- |" * len(impls))
+    for f in suites:
+        cells = []
+        for s in impls.values():
+            c = s["suites"].get(f)
+            cells.append(
+                "-"
+                if c is None
+                else f"{c['passed']} / {c['failed'] + c['error'] + c['xpassed']} / {c['skipped']} / {c['xfailed']}"
+            )
+        out.append(f"| `{f}` | " + " | ".join(cells) + " |")
+    if doc.get("oracle_errors"):
+        out += [
+            "",
+            "## Errors against the float64 oracle",
+            "",
+            "Over every case of the attention suites (`attention.cases`: conformance, FlashInfer and deployment "
+            "cases up to 600 tokens) the adapter takes; `scripts/peers_smoke.py`. Normwise relative output error "
+            "`||A - E|| / ||E||`, cosine similarity, LSE error in natural-log units (infinite LSEs must match).",
+            "",
+            "| implementation | cases run | not taken | raised | max normwise rel. error | min cosine | max LSE error "
+            "| inf-LSE mismatches | non-finite outputs |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for name, e in doc["oracle_errors"].items():
+            counts = f"{e['cases_ok']} | {e['cases_unsupported']} | {e['cases_error']}"
+            errors = f"{_fmt(e['max_rel_err'])} | {_fmt(e['min_cosine'], '.7f')} | {_fmt(e['max_lse_err'])}"
+            out.append(f"| `{name}` | {counts} | {errors} | {e['lse_inf_mismatch']} | {e['nonfinite_out']} |")
+    if doc.get("headline"):
+        out += [
+            "",
+            "## Headline shapes (T = 64, sink on)",
+            "",
+            "| case | implementation | median ms | normwise rel. error vs oracle | vs bundled reference | LSE error |",
+            "| --- | --- | ---: | ---: | ---: | ---: |",
+        ]
+        for case, per in doc["headline"].items():
+            for name, e in per.items():
+                if e.get("status") != "ok":
+                    why = _short(e.get("reason") or e.get("error", ""), 90)
+                    out.append(f"| {case} | `{name}` | {e.get('status')}: {why} | | | |")
+                    continue
+                out.append(
+                    f"| {case} | `{name}` | {_fmt(e['ms'], '.3f')} | {_fmt(e['rel_err'])} | "
+                    f"{_fmt(e.get('rel_vs_reference'))} | {_fmt(e['lse_err'])} |"
+                )
+    out += ["", "## Discrepancies (defined in the xfail files)", ""]
+    any_disc = False
+    for name, s in impls.items():
+        for d in s["discrepancies"]:
+            any_disc = True
+            out.append(f"* **`{name}` [{d['key']}] {d['kind']}** ({d['xfailed_tests']} xfailed tests): {d['text']}")
+    if not any_disc:
+        out.append("None recorded.")
+    if doc.get("reproducers"):
+        rep = doc["reproducers"]
+        out += [
+            "",
+            "## Reproducers",
+            "",
+            "The same run with `--sparse-mla-repro-dir` (REPRO=1): one standalone `repro.py` per wrong call of an "
+            "xfailed or failed test, then `scripts/check_repros.py`: a script holds when it exits 1 on its "
+            "implementation (a script that calls the peer directly runs with `pytest` and `pytest_sparse_mla` "
+            "unimportable) and 0 with `--impl` the bundled reference. `docs/discrepancies.md` lists them.",
+            "",
+            "| implementation | scripts | hold | call the peer directly |",
+            "| --- | ---: | ---: | ---: |",
+        ]
+        for name, row in rep["per_implementation"].items():
+            out.append(f"| `{name}` | {row['scripts']} | {row['hold']} | {row['native']} |")
+        missing = rep["summary"].get("xfail_lines_without_a_holding_script") or {}
+        if missing:
+            out += ["", "xfail lines without a holding script (a relation between calls, or not run here):", ""]
+            for name, ids in missing.items():
+                out += [f"* `{name}`: " + ", ".join(f"`{i.split('::', 1)[-1]}`" for i in ids)]
+    out += ["", "## Failures not listed in an xfail file", ""]
+    any_fail = False
+    for name, s in impls.items():
+        for f in s["failures"]:
+            any_fail = True
+            why = f" **Explained:** {f['explanation']}" if f.get("explanation") else " **Not yet explained.**"
+            out.append(f"* `{name}` {f['outcome']} `{f['id']}`: {f['message']}{why}")
+    if not any_fail:
+        out.append("None.")
+    out += ["", "## Skips, most frequent reasons", ""]
+    for name, s in impls.items():
+        if not s["skip_reasons"]:
+            continue
+        out.append(f"* `{name}`:")
+        for r in s["skip_reasons"][:12]:
+            out.append(f"  * {r['count']} x {r['reason']}")
+    out += ["", "## Error-class coverage (classes each implementation's envelope let run)", ""]
+    for name, s in impls.items():
+        rows = s.get("coverage") or []
+        if not rows:
+            continue
+        never = [r["class"] for r in rows if not r["ran"]]
+        failing = [r["class"] for r in rows if r["failed"]]
+        out.append(
+            f"* `{name}`: {sum(1 for r in rows if r['ran'])} of {len(rows)} classes ran; never ran: "
+            f"{', '.join(never) or 'none'}; with failures: {', '.join(failing) or 'none'}."
+        )
+        for r in rows:
+            if not r["ran"] and r["why_not"]:
+                out.append(f"  * `{r['class']}` not run: {r['why_not'][0]}")
+    out += ["", "## What each implementation declares (its `envelope`)", ""]
+    for name, d in doc["declarations"].items():
+        heads = "any" if d["num_heads"] is None else "/".join(map(str, d["num_heads"]))
+        extra = ", ".join(d["extra_cache_formats"]) or "none"
+        lengths = ", ".join(d["topk_length_formats"]) or "none"
+        lse = ", ".join(d["lse_conventions"]) or "none (output only)"
+        out.append(
+            f"* `{name}`: {d.get('peer') or name}; formats {', '.join(d['formats'])}; heads {heads}; topk multiple "
+            f"of {d['topk']['multiple']}; extra cache for {extra}; topk_length for {lengths} "
+            f"({d['topk_length_range']}); tokens >= {d['min_tokens']}; masked lanes: {d['masked_indices']}; "
+            f"index past the cache: {d['index_past_cache']}; LSE conventions {lse}; devices "
+            f"{', '.join(d.get('devices') or ['-'])}."
+        )
+        for note in d.get("notes", ()):
+            out.append(f"  * {note}")
+    return "\n".join(out) + "\n"
+
+
+
+
+class Rows:
+    """Each test's outcome, gathered from pytest's phase reports (the plugin feeds it plain values).
+
+    The outcome is pytest's: a failed setup is an ``error``; a failed call ``failed``, or
+    ``xpassed`` for an ``[XPASS(strict)]``; a skip ``skipped``, or ``xfailed`` for an expected failure;
+    a call that passed with an xfail mark ``xpassed``; a failed teardown after a pass ``error``.
+    """
+
+    def __init__(self) -> None:
+        self._rows: dict[str, dict[str, Any]] = {}
+
+    def add(
+        self, test_id: str, when: str, outcome: str, *, message: str = "", wasxfail: bool = False, seconds: float = 0.0
+    ) -> None:
+        """One phase report: ``when`` (``setup`` / ``call`` / ``teardown``), pytest's ``outcome``
+        (``passed`` / ``failed`` / ``skipped``), its message, whether it carries ``wasxfail``."""
+        row = self._rows.setdefault(
+            test_id, {"file": test_id.split("::")[0], "id": test_id, "outcome": "passed", "message": "", "seconds": 0.0}
+        )
+        row["seconds"] = round(row["seconds"] + seconds, 6)
+        if when == "teardown":
+            if outcome == "failed" and row["outcome"] in ("passed", "xpassed"):
+                row["outcome"], row["message"] = "error", message[:600]
+            return
+        if when == "setup" and outcome == "passed":
+            return
+        if outcome == "failed":
+            kind = "xpassed" if "[XPASS(strict)]" in message else ("failed" if when == "call" else "error")
+        elif outcome == "skipped":
+            kind = "xfailed" if wasxfail else "skipped"
+        else:
+            kind = "xpassed" if wasxfail else "passed"
+        row["outcome"], row["message"] = kind, message[:600]
+
+    def rows(self) -> list[dict[str, Any]]:
+        """One dict per test (as :func:`read_junit`), in the order the tests first reported."""
+        return [dict(r) for r in self._rows.values()]
+
+
+def row_of(run_report: dict[str, Any]) -> dict[str, Any]:
+    """The :func:`build` input of one ``--sparse-mla-report-json`` document: ``impl``, ``rows``
+    (its ``"tests"``), ``exit_info``, ``run_report`` and ``xfail`` (the xfail file the run applied,
+    when it is still readable)."""
+    opts = run_report.get("options", {})
+    path = opts.get("xfail_file")
+    xfail = read_xfail_file(Path(path)) if path and Path(path).is_file() else None
+    return {
+        "impl": str(opts.get("impl", "?")),
+        "rows": list(run_report.get("tests", [])),
+        "exit_info": {"exit": run_report.get("exit"), "seconds": run_report.get("seconds"), "xfail_file": path},
+        "run_report": run_report,
+        "xfail": xfail,
+    }
+
+
+def machine_of(run_report: dict[str, Any]) -> dict[str, Any]:
+    """The report header's machine fields from a ``--sparse-mla-report-json`` document."""
+    caps = run_report.get("capabilities", {})
+    workers = run_report.get("workers", {})
+    names = sorted({str(w.get("device_name")) for w in workers.values() if w.get("device_name")})
+    cc = caps.get("compute_capability")
+    return {
+        "gpu": ", ".join(names) or caps.get("device_name"),
+        "gpu_count": caps.get("device_count"),
+        "sm": ".".join(str(v) for v in cc) if isinstance(cc, (list, tuple)) else cc,
+        "driver": caps.get("driver"),
+        "torch": caps.get("torch_version"),
+        "cuda_runtime": caps.get("cuda_version"),
+        "triton": caps.get("triton_version"),
+        "python": run_report.get("python"),
+        "cpu_count": run_report.get("cpu_count"),
+        "date_utc": run_report.get("date_utc"),
+    }
+
+
+def build(
+    runs: list[dict[str, Any]],
+    *,
+    machine: dict[str, Any],
+    command: str,
+    declarations: dict[str, dict[str, Any]] | None = None,
+    notes: dict[str, Any] | None = None,
+    title: str = "",
+    generated_by: str = "",
+) -> dict[str, Any]:
+    """The report document of one or more runs (each as :func:`row_of` gives it). Two runs of one
+    implementation (two GPU types, two jobs) are told apart by their position (``impl #2``).
+    ``declarations``: ``{name: {"peer", "devices", **Envelope.as_dict()}}``; by default each run's
+    own ``envelope`` (``--sparse-mla-report-json``)."""
+    impls: dict[str, Any] = {}
+    declared: dict[str, Any] = {}
+    for run in runs:
+        name = run["impl"]
+        n = 2
+        while name in impls:
+            name, n = f"{run['impl']} #{n}", n + 1
+        impls[name] = summarize(
+            name, run["rows"], exit_info=run.get("exit_info"), run_report=run.get("run_report"),
+            xfail=run.get("xfail"), notes=notes,
+        )  # fmt: skip
+        envelope = dict((run.get("run_report") or {}).get("envelope") or {})
+        if envelope:
+            envelope.pop("declared", None)
+            declared[name] = {"peer": name, "devices": [], **envelope}
+    return {
+        "title": title,
+        "generated_by": generated_by,
+        "machine": machine,
+        "command": command,
+        "implementations": impls,
+        "declarations": declarations if declarations is not None else declared,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``sparse-mla-report RUN.json [RUN.json ...] --md OUT.md [--json OUT.json]``: one report of
+    several ``--sparse-mla-report-json`` files (one per CI job, GPU type or implementation)."""
+    parser = argparse.ArgumentParser(
+        prog="sparse-mla-report",
+        description="Merge --sparse-mla-report-json files into one Markdown (and JSON) conformance report.",
+    )
+    parser.add_argument("reports", type=Path, nargs="+", help="--sparse-mla-report-json files")
+    parser.add_argument("--md", type=Path, required=True, help="the Markdown report to write")
+    parser.add_argument("--json", type=Path, help="also write the merged document as JSON")
+    parser.add_argument("--title", default="", help="the report's title")
+    args = parser.parse_args(argv)
+    runs: list[dict[str, Any]] = []
+    machine: dict[str, Any] = {}
+    for path in args.reports:
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            parser.error(f"{path}: not a readable --sparse-mla-report-json file ({exc})")
+        if "tests" not in data:
+            parser.error(f"{path}: no per-test outcomes ('tests'): written by an older pytest-sparse-mla")
+        runs.append(row_of(data))
+        machine = machine or machine_of(data)
+    doc = build(
+        runs, machine=machine, command="sparse-mla-report " + " ".join(str(p) for p in args.reports),
+        title=args.title, generated_by="sparse-mla-report",
+    )  # fmt: skip
+    args.md.write_text(markdown(doc))
+    if args.json:
+        args.json.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    print(f"sparse-mla-report: {args.md} ({', '.join(doc['implementations'])}; {time.strftime('%H:%M:%S')})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
