@@ -243,7 +243,7 @@ def markdown(doc: dict[str, Any]) -> str:
         t = s["totals"]
         out.append(
             f"| `{name}` | {s['tests']} | {t['passed']} | {t['failed']} | {t['error']} | {t['skipped']} | "
-            f"{t['xfailed']} | {t['xpassed']} | {_fmt(s['exit'])} | {_fmt(s['seconds'])} |"
+            f"{t['xfailed']} | {t['xpassed']} | {_fmt(s['exit'])} | {_fmt(s['seconds'], '.1f')} |"
         )
     late = {n: s["xfailed_listed_after_run"] for n, s in impls.items() if s["xfailed_listed_after_run"]}
     if late:

@@ -150,6 +150,10 @@ class _ControllerHooks:
 
     def pytest_sessionstart(self, session: pytest.Session) -> None:
         self.session = session
+        if _writes_reports(self.config):
+            from pytest_sparse_mla import run_report
+
+            run_report.start(self.config)
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         """Count the report in the error-class coverage table (``coverage``; xdist carries the
@@ -292,8 +296,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     selection.apply_files(config, items)
     implementations.skip_unservable(config, items)
     coverage.mark_intended(items)
-    if opts.xfail_draft is not None or opts.report_json is not None or opts.report_md is not None:
-        selection.mark_report_ids(items)
     from pytest_sparse_mla import device_health
 
     device_health.apply_timeouts(config, items)  # pytest-timeout's marker, scaled to the case
@@ -327,6 +329,10 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> 
 
         device_health.note_timeout(call)
     report = yield
+    if active and _writes_reports(item.config):
+        from pytest_sparse_mla import selection
+
+        setattr(report, selection.REPORT_ID_ATTR, selection.report_id(item))
     if active:
         device_health.judge_report(item, call, report)
     elif call.excinfo is not None and report.failed:
@@ -364,6 +370,11 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> 
                         ("sparse-mla reproducers", "\n".join(f"python {p / 'repro.py'}" for p in written))
                     )
     return report
+
+
+def _writes_reports(config: pytest.Config) -> bool:
+    opts = options.get_options(config)
+    return opts.xfail_draft is not None or opts.report_json is not None or opts.report_md is not None
 
 
 def _hint_inactive_fixture(exc: BaseException, report: pytest.TestReport) -> None:

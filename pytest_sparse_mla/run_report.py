@@ -24,7 +24,7 @@ import pytest
 
 from pytest_sparse_mla import options
 
-__all__ = ["add", "document", "write"]
+__all__ = ["add", "document", "start", "wanted", "write"]
 
 _ROWS = pytest.StashKey[Any]()
 _START = pytest.StashKey[float]()
@@ -36,6 +36,11 @@ def wanted(config: pytest.Config) -> bool:
     return opts.report_json is not None or opts.report_md is not None
 
 
+def start(config: pytest.Config) -> None:
+    """At session start: the clock of the report's ``seconds``."""
+    config.stash[_START] = time.time()
+
+
 def add(config: pytest.Config, report: pytest.TestReport) -> None:
     """Count one phase report in the session's rows (``conformance.Rows``)."""
     from pytest_sparse_mla import conformance, selection
@@ -43,8 +48,7 @@ def add(config: pytest.Config, report: pytest.TestReport) -> None:
     rows = config.stash.get(_ROWS, None)
     if rows is None:
         rows = config.stash[_ROWS] = conformance.Rows()
-        config.stash[_START] = time.time()
-    test_id = str(dict(report.user_properties).get(selection.REPORT_ID_KEY) or report.nodeid)
+    test_id = str(getattr(report, selection.REPORT_ID_ATTR, None) or report.nodeid)
     if report.skipped and isinstance(report.longrepr, tuple):
         message = str(report.longrepr[2])
     else:

@@ -58,8 +58,8 @@ __all__ = [
     "header_lines",
     "skip_unmet",
     "SUITES_ID_PREFIX",
-    "REPORT_ID_KEY",
-    "mark_report_ids",
+    "REPORT_ID_ATTR",
+    "report_id",
 ]
 
 #: Prefix of the checkout-style ids of the shipped suites (``suites/test_formats.py::...``).
@@ -187,17 +187,17 @@ def candidate_ids(item: pytest.Item) -> list[str]:
     return ids
 
 
-#: ``user_properties`` key: the id reports list for a test (:func:`mark_report_ids`).
-REPORT_ID_KEY = "sparse_mla_report_id"
+#: Attribute of a test report holding :func:`report_id` (set when a report or a draft is written;
+#: pytest-xdist carries a report's attributes to the controller, JUnit XML does not write them).
+REPORT_ID_ATTR = "sparse_mla_report_id"
 
 
-def mark_report_ids(items: list[pytest.Item]) -> None:
-    """At collection: store the id the reports list for each item (``--sparse-mla-report-json`` /
-    ``-md``, ``--sparse-mla-xfail-draft``) in its ``user_properties``: the ``suites/...`` id of a
-    shipped-suite test (it matches in a checkout and in an installed package), else its node id."""
-    for item in items:
-        shipped = [i for i in candidate_ids(item) if i.startswith(SUITES_ID_PREFIX)]
-        item.user_properties.append((REPORT_ID_KEY, shipped[0] if shipped else item.nodeid))
+def report_id(item: pytest.Item) -> str:
+    """The id the reports list for ``item`` (``--sparse-mla-report-json`` / ``-md``,
+    ``--sparse-mla-xfail-draft``): the ``suites/...`` id of a shipped-suite test (it matches in a
+    checkout and in an installed package), else its node id."""
+    shipped = [i for i in candidate_ids(item) if i.startswith(SUITES_ID_PREFIX)]
+    return shipped[0] if shipped else item.nodeid
 
 
 def apply_selection(

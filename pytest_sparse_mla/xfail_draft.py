@@ -12,8 +12,8 @@ first class the failing test exists for: its ``sparse_mla_error_class`` marker o
 ``coverage.INTENDED``; the test function's name for a test without one), defined with kind ``bug``
 and, as its text, ``DRAFT (N test(s)):`` and the first line of the first failure of that class, then every
 failing test id of the class with ``# KEY``. Ids are the checkout-style ids of the shipped suites
-(``suites/<file>::<test>``, which match in a checkout and in an installed package; set at collection
-by ``selection.mark_report_ids``) and node ids otherwise. Failures of the setup or call phase
+(``suites/<file>::<test>``, which match in a checkout and in an installed package;
+``selection.report_id``) and node ids otherwise. Failures of the setup or call phase
 count; an XPASS of a test already in an xfail file does not (it is a fix, not a discrepancy), nor
 does a teardown error.
 
@@ -56,7 +56,7 @@ class Draft:
         if "[XPASS(strict)]" in text:
             return
         props = dict(report.user_properties)
-        test = str(props.get(selection.REPORT_ID_KEY) or report.nodeid)
+        test = str(getattr(report, selection.REPORT_ID_ATTR, None) or report.nodeid)
         intended = props.get(coverage.INTENDED)
         classes: tuple[str, ...] = tuple(intended) if isinstance(intended, (tuple, list)) else ()
         key = classes[0] if classes else report.nodeid.split("::")[-1].split("[")[0]
