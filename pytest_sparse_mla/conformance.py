@@ -159,7 +159,7 @@ def summarize(
             {
                 "id": r["id"],
                 "outcome": r["outcome"],
-                "message": _short(r["message"], 600),
+                "message": _short(_gist(r["message"]), 600),
                 "explanation": next(
                     (
                         n["explanation"]
@@ -185,6 +185,16 @@ def summarize(
 
 def _matches(node_id: str, prefix: str) -> bool:
     return node_id.startswith(prefix) or node_id.replace("pytest_sparse_mla/", "").startswith(prefix)
+
+
+def _gist(message: str) -> str:
+    """A failure's first line, and its ``likely cause:`` line when it has one (the tolerance
+    messages' hint), joined with `` | ``."""
+    lines = [ln.strip() for ln in message.splitlines() if ln.strip()]
+    if not lines:
+        return ""
+    cause = next((ln for ln in lines[1:] if ln.lower().startswith("likely cause")), None)
+    return lines[0] + (f" | {cause}" if cause else "")
 
 
 def _short(text: str, limit: int = 240) -> str:
@@ -484,7 +494,8 @@ def build(
         envelope = dict((run.get("run_report") or {}).get("envelope") or {})
         if envelope:
             envelope.pop("declared", None)
-            declared[name] = {"peer": name, "devices": [], **envelope}
+            device = (run.get("run_report") or {}).get("options", {}).get("device")
+            declared[name] = {"peer": name, "devices": [str(device)] if device else [], **envelope}
     return {
         "title": title,
         "generated_by": generated_by,

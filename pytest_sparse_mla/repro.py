@@ -649,6 +649,9 @@ def main() -> int:
             target = _import_impl(opts.impl or data["impl"], None if opts.impl else data.get("impl_path"))
     except Exception as exc:  # noqa: BLE001 - not the answer under test: the environment
         print(f"cannot run: the implementation does not load ({type(exc).__name__}: {exc})")
+        if isinstance(exc, ImportError):
+            print("  run the script with the directory that holds the implementation's module on PYTHONPATH "
+                  "(PYTHONPATH=/path/to/dir python repro.py), as pytest had it (its rootdir or a conftest's folder)")
         return 2
     if "expected_split" in data:
         _poison_allocator(device, data["expected_split"].numel() * data["expected_split"].element_size())

@@ -84,6 +84,12 @@ def render(draft: Draft, impl: str) -> str:
         "# differs, where in the kernel, and the smallest input. Use it with --sparse-mla-xfail-file PATH.",
         "",
     ]
+    if any("test_attention_search.py::" in t for entries in draft.groups.values() for t, _ in entries):
+        out += [
+            "# Note: a search test listed here is xfailed for every call it draws, so the property stops judging",
+            "# this kernel; keep it only for a discrepancy the fixed cases list too, or narrow the kernel's envelope.",
+            "",
+        ]
     for key, entries in draft.groups.items():
         text = entries[0][1].replace("\n", " ")[:300]
         out.append(f"# [{key}] bug: DRAFT ({len(entries)} test(s)): {text}")

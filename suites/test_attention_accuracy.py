@@ -179,14 +179,26 @@ def test_empty_rows_give_zero_output_and_sentinel_lse(
             msg=lambda m: f"an empty row's LSE with a finite sink is sink * log2(e) * lse_scale ({scale}): {m}",
         )  # fmt: skip
     elif convention == "flashinfer":
-        assert bool(torch.isneginf(res.lse[empty]).all()), f"an empty row's LSE must be -inf: {res.lse[empty]}"
+        _assert_empty_rows_lse(res.lse, empty, -math.inf, "FlashInfer convention, no sink")
     # The non-empty rows are still right.
     oracle = inputs.run(oracle_forward, lse_scale=scale, **overrides)
     sparse_mla_tolerances.check_result(res, oracle, fmt=fmt, what="empty-row case")
     if "flashmla" in env.lse_conventions:
         flashmla = inputs.run(sparse_mla_impl.sparse_mla_forward, lse_convention="flashmla", **overrides)
-        assert bool(torch.isposinf(flashmla.lse[empty]).all()), (
-            f"FlashMLA's empty-row LSE is +inf: {flashmla.lse[empty]}"
+        _assert_empty_rows_lse(flashmla.lse, empty, math.inf, "FlashMLA convention (lse_convention='flashmla')")
+
+
+def _assert_empty_rows_lse(lse: torch.Tensor, empty: torch.Tensor, expected: float, convention: str) -> None:
+    """Every head of every empty row (``empty``: a ``[T]`` bool mask) has the LSE ``expected``
+    (``+inf`` or ``-inf``); the message names the first token and head that do not."""
+    got = lse[empty]
+    bad = got != expected
+    if bool(bad.any()):
+        token = int(empty.nonzero()[int(bad.nonzero()[0, 0]), 0])
+        head = int(bad.nonzero()[0, 1])
+        raise AssertionError(
+            f"{convention}: an empty row's LSE must be {expected}; token {token} (no valid lane), head {head}: "
+            f"{float(lse[token, head])} ({int(bad.sum())} of {bad.numel()} empty-row LSE values differ)"
         )
 
 
