@@ -150,9 +150,9 @@ class _ControllerHooks:
 
     def pytest_sessionstart(self, session: pytest.Session) -> None:
         self.session = session
-        if _writes_reports(self.config):
-            from pytest_sparse_mla import run_report
+        from pytest_sparse_mla import run_report
 
+        if run_report.wanted(self.config):
             run_report.start(self.config)
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
@@ -168,9 +168,9 @@ class _ControllerHooks:
             from pytest_sparse_mla import xfail_draft
 
             xfail_draft.get(self.config).add(report)
-        if opts.report_json is not None or opts.report_md is not None:
-            from pytest_sparse_mla import run_report
+        from pytest_sparse_mla import run_report
 
+        if run_report.wanted(self.config):
             run_report.add(self.config, report)
         form = dict(report.user_properties).get(guard.RESULT_FORM_KEY)
         if form is not None and self.result_form is None:
@@ -373,8 +373,10 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> 
 
 
 def _writes_reports(config: pytest.Config) -> bool:
-    opts = options.get_options(config)
-    return opts.xfail_draft is not None or opts.report_json is not None or opts.report_md is not None
+    """Whether the session writes a run report or a draft xfail file (their tests' report ids)."""
+    from pytest_sparse_mla import run_report
+
+    return options.get_options(config).xfail_draft is not None or run_report.wanted(config)
 
 
 def _hint_inactive_fixture(exc: BaseException, report: pytest.TestReport) -> None:

@@ -197,40 +197,39 @@ def _own_forward(q, kv_cache, indices, *, combine=_softmax_combine, q_transform=
 # the wrong kernels
 
 
-def _fwd_ue8m0_signed(q, kv_cache, indices, **kw):
+def _reference_on_misread_dsv4(q, kv_cache, indices, kw, misread):
+    """The reference on copies of the DSV4 caches (main and extra) whose codes and scale bytes
+    ``misread(codes, scales)`` changed in place: a kernel that decodes those bytes wrongly. The call
+    is checked by the reference first; other formats are read right."""
     _reference(q, kv_cache, indices, **kw)
     if not _is_dsv4(kw.get("fmt", "dsv4")):
         return _reference(q, kv_cache, indices, **kw)
 
-    def corrupt(cache, ps):
-        clone, _, scales = _dsv4_fields(cache, ps)
-        # int8 read of the byte: e = (int8)b - 127 <= -128 - 127 flushes 2**e to zero
-        scales.masked_fill_(scales >= 128, 0)
+    def copy(cache, ps):
+        clone, codes, scales = _dsv4_fields(cache, ps)
+        misread(codes, scales)
         return clone
 
     kw = dict(kw)
-    kv_cache = corrupt(kv_cache, kw.get("page_block_size"))
+    kv_cache = copy(kv_cache, kw.get("page_block_size"))
     if kw.get("extra_kv_cache") is not None:
-        kw["extra_kv_cache"] = corrupt(kw["extra_kv_cache"], kw.get("extra_page_block_size"))
+        kw["extra_kv_cache"] = copy(kw["extra_kv_cache"], kw.get("extra_page_block_size"))
     return _reference(q, kv_cache, indices, **kw)
+
+
+def _fwd_ue8m0_signed(q, kv_cache, indices, **kw):
+    def misread(codes, scales):  # int8 read of the byte: e = (int8)b - 127 <= -255 flushes 2**e to zero
+        scales.masked_fill_(scales >= 128, 0)
+
+    return _reference_on_misread_dsv4(q, kv_cache, indices, kw, misread)
 
 
 def _fwd_e4m3_subnormal_flush(q, kv_cache, indices, **kw):
-    _reference(q, kv_cache, indices, **kw)
-    if not _is_dsv4(kw.get("fmt", "dsv4")):
-        return _reference(q, kv_cache, indices, **kw)
-
-    def corrupt(cache, ps):
-        clone, codes, _ = _dsv4_fields(cache, ps)
+    def misread(codes, scales):
         subnormal = ((codes & 0x78) == 0) & ((codes & 0x07) != 0)
         codes.copy_(torch.where(subnormal, codes & 0x80, codes))
-        return clone
 
-    kw = dict(kw)
-    kv_cache = corrupt(kv_cache, kw.get("page_block_size"))
-    if kw.get("extra_kv_cache") is not None:
-        kw["extra_kv_cache"] = corrupt(kw["extra_kv_cache"], kw.get("extra_page_block_size"))
-    return _reference(q, kv_cache, indices, **kw)
+    return _reference_on_misread_dsv4(q, kv_cache, indices, kw, misread)
 
 
 def _fwd_running_max_zero_init(q, kv_cache, indices, **kw):

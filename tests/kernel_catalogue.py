@@ -783,6 +783,18 @@ class lse_excludes_sink(_WrapsReference):
 
 
 @wrong(
+    "FlashMLA-convention LSE of a row with no valid lane is -inf (FlashMLA's is +inf: a 'lonely' query)",
+    "deepseek-ai/FlashMLA tests/ref.py (the LSE of a query with no valid index is +inf)",
+)
+class flashmla_empty_lse_minus_inf(_WrapsReference):
+    def sparse_mla_forward(self, q, kv_cache, indices, **kw):
+        res = self._reference(q, kv_cache, indices, **kw)
+        if kw.get("lse_convention", "flashinfer") != "flashmla":
+            return res
+        return _replace(res, lse=torch.where(torch.isposinf(res.lse), -math.inf, res.lse))
+
+
+@wrong(
     "FlashMLA LSE includes the sink (FlashMLA's excludes it: 'no affect on the returned softmax_lse')",
     "deepseek-ai/FlashMLA flash_mla_interface.py",
 )
