@@ -356,7 +356,8 @@ def sparse_mla_search(
     ``--sparse-mla-search-seed`` (default: derandomized, no example database) and the shard
     (``--sparse-mla-search-shards``: shard ``k`` draws from ``seed + k``). What the run drew goes to
     the test's ``user_properties`` (terminal summary "sparse-mla search", ``--sparse-mla-report-json``
-    ``"search"``).
+    ``"search"``). A test expected to fail (an ``xfail`` mark whose condition holds, e.g. from
+    ``--sparse-mla-xfail-file``; not under ``--runxfail``) is not shrunk (``SearchRun``'s ``shrink``).
 
     Skips the test when hypothesis is not installed or the budget is 0.
     """
@@ -370,8 +371,17 @@ def sparse_mla_search(
         request.node.user_properties.append((key, value))
 
     return search.SearchRun(
-        sparse_mla_options.search_examples, sparse_mla_options.search_seed, sparse_mla_search_shard, keep
-    )
+        sparse_mla_options.search_examples, sparse_mla_options.search_seed, sparse_mla_search_shard, keep,
+        shrink=not _expected_to_fail(request),
+    )  # fmt: skip
+
+
+def _expected_to_fail(request: pytest.FixtureRequest) -> bool:
+    """Whether the test carries an ``xfail`` mark whose condition holds (no condition, or a true
+    one; a string condition is left to pytest and counted as holding) and ``--runxfail`` is off."""
+    if request.config.getoption("runxfail", False):
+        return False
+    return any(all(bool(c) for c in mark.args) for mark in request.node.iter_markers("xfail"))
 
 
 # --- golden snapshots (pytest_sparse_mla.snapshot) --------------------------------------------

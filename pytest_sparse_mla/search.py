@@ -714,10 +714,14 @@ class SearchRun:
         shard: this test's shard index.
         keep: called as ``keep(coverage.SEARCH, summary)`` when the run ends (the test's
             ``user_properties``), pass or fail.
+        shrink: ``False`` for a test expected to fail (an xfail mark, e.g. from an xfail file): the
+            first failing call is reported as drawn, without Hypothesis's shrink and explain
+            phases, which rerun the kernel tens of times for a verdict already known (a strict
+            XPASS still shows a fix). A failure the run did not expect is always shrunk.
     """
 
-    def __init__(self, examples: int, seed: int | None, shard: int, keep: Any) -> None:
-        self.examples, self.seed, self.shard, self.keep = examples, seed, shard, keep
+    def __init__(self, examples: int, seed: int | None, shard: int, keep: Any, shrink: bool = True) -> None:
+        self.examples, self.seed, self.shard, self.keep, self.shrink = examples, seed, shard, keep, shrink
         self.drawn: list[dict[str, Any]] = []
         self.failed = False
 
@@ -727,9 +731,11 @@ class SearchRun:
 
     def settings(self) -> Any:
         """The Hypothesis ``settings`` of this run."""
-        from hypothesis import HealthCheck, settings
+        from hypothesis import HealthCheck, Phase, settings
 
         extra: dict[str, Any] = {"database": None} if self.seed is None else {}
+        if not self.shrink:
+            extra["phases"] = [p for p in Phase if p not in (Phase.shrink, Phase.explain)]
         return settings(
             max_examples=self.examples, derandomize=self.seed is None, deadline=None, print_blob=True,
             suppress_health_check=list(HealthCheck), **extra,

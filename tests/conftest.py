@@ -1,7 +1,7 @@
 """Self-test settings: ``tests/`` is importable as a directory of helper modules, the
 wrong-kernel gate's kill table is printed at the end of the session, and the longest self-tests
 (marked ``sparse_mla_selftest_long``: whole-suite runs of about 10 to 25 s each on the 2-core CPU
-machine, the million-row V4.1 comparisons) are collected first and ``-n`` distributes by work
+machine) are collected first and ``-n`` distributes by work
 stealing, so they start early and ``-n 2`` does not end with one worker running a long test while
 the other idles.
 

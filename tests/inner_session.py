@@ -148,6 +148,23 @@ def _modules_under(paths: list[Path]) -> list[str]:
     return names
 
 
+@contextmanager
+def unshrunk() -> Iterator[None]:
+    """Hypothesis's loaded profile without the shrink and explain phases while the block runs: the
+    search's settings inherit the phases of the loaded profile, so a failing search test of an
+    inner run reports its first failing call (for a test that reads only whether it failed)."""
+    from hypothesis import Phase, settings
+
+    previous = getattr(settings, "get_current_profile_name", lambda: "default")()
+    phases = [p for p in Phase if p not in (Phase.shrink, Phase.explain)]
+    settings.register_profile("sparse-mla-gate-unshrunk", parent=settings.get_profile(previous), phases=phases)
+    settings.load_profile("sparse-mla-gate-unshrunk")
+    try:
+        yield
+    finally:
+        settings.load_profile(previous)
+
+
 def run(
     args: list[str],
     *,
@@ -210,5 +227,5 @@ def runpytest(
 
 __all__ = [
     "HEAD64_ENVELOPE_RUN", "WHOLE_SUITE_RUN", "ORACLE_RESULTS", "INPUTS", "BoundedStore", "XDIST_ENV",
-    "memoized_inputs", "run", "runpytest",
+    "memoized_inputs", "run", "runpytest", "unshrunk",
 ]  # fmt: skip

@@ -24,6 +24,7 @@ import sys
 import zipfile
 from pathlib import Path
 
+import inner_session
 import pytest
 
 # Imported up front: pytester's in-process runs restore sys.modules afterwards, so a torch first
@@ -369,22 +370,28 @@ def _readme() -> str:
     return (ROOT / "README.md").read_text()
 
 
+@inner_session.WHOLE_SUITE_RUN
 def test_the_readme_example_run_of_every_suite_against_chunked_passes(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The README's fifth example command, taken from the README itself (every shipped suite against
-    the installed entry point ``chunked``, ``-n 2``, from a directory outside the checkout), passes:
-    no failure, no error, no XPASS, and as many passed tests as the README states."""
+    the installed entry point ``chunked``, from a directory outside the checkout), passes: no
+    failure, no error, no XPASS, and as many passed tests as the README states. It runs in this
+    process (``tests/inner_session.py``) without the command's ``-n 2``: how xdist distributes the
+    suites, pins workers and carries reports is tested in ``test_xdist_gpu.py``, ``test_snapshots.py``
+    and ``test_exit_codes.py``."""
     import re
     import shlex
 
     (line,) = [ln for ln in _readme().splitlines() if "--sparse-mla-impl chunked -n 2" in ln]
     args = shlex.split(line.split("/bin/pytest", 1)[1])
-    assert args[:3] == ["-p", "sparse_mla", "--pyargs"], line
+    assert args[:3] == ["-p", "sparse_mla", "--pyargs"] and args[-2:] == ["-n", "2"], line
     site = pytester.mkdir("site")
     _fake_install(site)
-    monkeypatch.setenv("PYTHONPATH", _pythonpath(site))
-    result = pytester.runpytest_subprocess(*args, "-p", "no:cacheprovider")
+    monkeypatch.syspath_prepend(str(site))  # as site-packages: importlib.metadata reads sys.path
+    result = inner_session.runpytest(
+        pytester, *args[:-2], "-p", "no:cacheprovider", monkeypatch=monkeypatch, capsys=capsys
+    )
     result.stdout.fnmatch_lines(["*impl=chunked *"])
     passed = _assert_clean_pass(result, at_least=200)["passed"]
     stated = re.search(r"runs every shipped suite against `chunked` \(on a CPU: (\d+) passed", _readme())

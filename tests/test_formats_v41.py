@@ -1,7 +1,8 @@
 """The DeepSeek-V4.1 cache records (``formats.DSV4_1_SWA``, ``formats.DSV4_1_INDEXED``).
 
-Byte identity with FlashInfer's independent reference encoder on a million random rows of each kind
-(where the flashinfer-python 0.7.2.post1 wheel is installed: the README's test command installs it),
+Byte identity with FlashInfer's independent reference encoder, for each record kind, on every
+BF16 value packing accepts (as a scale group's largest magnitude and below larger ones) and on
+65,536 random rows (where the flashinfer-python 0.7.2.post1 wheel is installed: the README's test command installs it),
 the geometry, and the errors for bad records. The hand-computed bytes of a few rows (the frozen
 goldens CI judges without any wheel) are in the pack suite, ``suites/test_formats.py``, where they
 judge every implementation's ``pack``.
@@ -41,9 +42,6 @@ def test_record_geometry() -> None:
 
 # -------------------------------------------------------------------- FlashInfer's reference encoder
 
-MILLION = 1 << 20
-
-
 def _random_rows(n: int, generator: torch.Generator) -> torch.Tensor:
     """Normal values with a random power-of-two scale per 16 values (2**-30 .. 2**29), 2% zeros
     and 2% negative zeros, in BF16 (one uniform draw places both kinds of zero)."""
@@ -56,38 +54,87 @@ def _random_rows(n: int, generator: torch.Generator) -> torch.Tensor:
     return x.to(torch.bfloat16)
 
 
-#: The million rows come in parts of 2**18 (two xdist workers share them); each part draws its rows
-#: from its own seed and packs them as both records, so each row is drawn once for both kinds.
-PARTS = 4
+def _packable_bf16_values() -> torch.Tensor:
+    """Every BF16 value packing accepts, by bit pattern: the finite ones below
+    ``formats.NOPE_OVERFLOW`` (``248 * 2**120``, where an E4M3 code under the largest UE8M0 scale
+    would dequantize to inf) in magnitude; both zeros and the subnormals included."""
+    every = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    return every[every.float().abs() < formats.NOPE_OVERFLOW]
 
 
-@pytest.mark.sparse_mla_selftest_long(seconds=21)  # collected first (tests/conftest.py)
-@pytest.mark.parametrize("part", range(PARTS), ids=[f"rows-{p}-of-{PARTS}" for p in range(PARTS)])
-def test_a_million_rows_pack_and_unpack_byte_for_byte_as_flashinfers_reference(part: int) -> None:
-    """Rows ``part * 2**18`` to ``(part + 1) * 2**18`` of the million (2**20) random rows, packed as
-    SWA and as indexed records by FlashInfer's reference encoder and by ``formats.quantize_pack``:
-    the same bytes; FlashInfer's decoder and ``formats.unpack_dequantize`` read the same values."""
+#: Factors ``2**k`` between a block's largest magnitude and the 31 values under it, ``k = 1..20``:
+#: past ``2**18`` an E4M3 code under a UE8M0 scale (``amax / 448`` rounded up to a power of two;
+#: subnormals down to ``2**-9``) is zero, past ``2**5`` so is an E2M1 code under its E4M3 scale
+#: (``amax / 6``).
+ABOVE = range(1, 21)
+
+
+def _every_value_rows(generator: torch.Generator) -> torch.Tensor:
+    """BF16 rows ``[n, 512]`` (``n`` a multiple of 64, zero-padded) in 32-value blocks, aligned to
+    both records' scale groups (32 values per UE8M0 scale, 16 per E4M3 scale):
+
+    * every packable BF16 value (:func:`_packable_bf16_values`) as the largest magnitude of its
+      block (lane 0; the other 31 lanes are it times uniform factors in ``(-1, 1)``), so every
+      scale a record computes from a BF16 group maximum is computed;
+    * every packable BF16 value as one of 31 lanes (sorted by magnitude) under a lane-0 maximum
+      ``2**k`` times their largest magnitude, for each ``k`` in :data:`ABOVE` where that is
+      packable: every value is coded at every scale offset that leaves it a non-zero code, and
+      past it.
+    """
+    f32 = _packable_bf16_values().float()
+    others = f32.unsqueeze(1) * (torch.rand(len(f32), 31, generator=generator) * 2 - 1)
+    blocks = [torch.cat([f32.unsqueeze(1), others], 1)]
+    by_magnitude = f32[f32.abs().argsort(stable=True)]
+    lanes = torch.cat([by_magnitude, by_magnitude.new_zeros((-len(by_magnitude)) % 31)]).view(-1, 31)
+    top = lanes.abs().amax(dim=1, keepdim=True)
+    for k in ABOVE:
+        head = top * 2.0**k
+        keep = (head < formats.NOPE_OVERFLOW).squeeze(1)
+        blocks.append(torch.cat([head[keep], lanes[keep]], 1))
+    flat = torch.cat(blocks).to(torch.bfloat16).reshape(-1)
+    flat = torch.cat([flat, flat.new_zeros((-flat.numel()) % (64 * 512))])
+    return flat.view(-1, 512)
+
+
+def _compare(rows: torch.Tensor, what: str) -> None:
+    """``rows`` ``[n, 512]`` BF16 (``n`` a multiple of 64) packed as SWA and as indexed records by
+    FlashInfer's reference encoder and by ``formats.quantize_pack``: the same bytes; FlashInfer's
+    decoder and ``formats.unpack_dequantize`` read the same values."""
     from pytest_sparse_mla.implementations.flashinfer_reference import flashinfer_source, references
 
     if flashinfer_source() is None:
         pytest.skip("flashinfer-python is not installed (pip install --no-deps flashinfer-python==0.7.2.post1)")
     reference, _ = references()
-    generator = torch.Generator().manual_seed(41 + part)
-    chunk, page, rows_per_part = 1 << 16, 64, MILLION // PARTS
-    for start in range(part * rows_per_part, (part + 1) * rows_per_part, chunk):
+    page = 64
+    for kind in ("swa", "indexed"):
+        fmt = f"dsv4_1_{kind}"
+        theirs = reference.pack_deepseek_v41_cache_reference(rows, page_size=page, cache_kind=kind)
+        ours = formats.quantize_pack(rows.reshape(-1, page, 512), fmt, form="2d")
+        if not torch.equal(theirs, ours):
+            mismatch = (theirs != ours).nonzero()
+            pytest.fail(f"{kind}, {what}: first differing byte at [page, byte] = {mismatch[0].tolist()}")
+        decoded = reference.unpack_deepseek_v41_cache_reference(theirs, page_size=page, cache_kind=kind)
+        assert torch.equal(formats.unpack_dequantize(ours, fmt).reshape(-1, 512), decoded), f"{kind}, {what}"
+
+
+def test_every_bf16_value_packs_and_unpacks_byte_for_byte_as_flashinfers_reference() -> None:
+    """Every packable BF16 value as a scale group's largest magnitude and under larger ones
+    (:func:`_every_value_rows`), packed as both records: FlashInfer's bytes and values."""
+    rows = _every_value_rows(torch.Generator().manual_seed(41))
+    _compare(rows, f"every-value rows ({rows.shape[0]} rows)")
+
+
+def test_random_rows_pack_and_unpack_byte_for_byte_as_flashinfers_reference() -> None:
+    """65,536 random rows (:func:`_random_rows`; the first 64 hold exact E2M1 midpoints,
+    saturation and signed zeros in every group), packed as both records: FlashInfer's bytes and values."""
+    generator = torch.Generator().manual_seed(41)
+    chunk = 1 << 14
+    for start in range(0, 1 << 16, chunk):
         rows = _random_rows(chunk, generator)
-        if start == 0:  # exact E2M1 midpoints, saturation and signed zeros in every group
+        if start == 0:
             ties = [6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -0.75, -6.0, 5.5, -0.0, 0.4, 2.9, 1.0]
             rows[:64] = torch.tensor(ties * 32, dtype=torch.bfloat16)
-        for kind in ("swa", "indexed"):
-            fmt = f"dsv4_1_{kind}"
-            theirs = reference.pack_deepseek_v41_cache_reference(rows, page_size=page, cache_kind=kind)
-            ours = formats.quantize_pack(rows.reshape(chunk // page, page, 512), fmt, form="2d")
-            if not torch.equal(theirs, ours):
-                mismatch = (theirs != ours).nonzero()
-                pytest.fail(f"{kind}, rows {start}+: first differing byte at [page, byte] = {mismatch[0].tolist()}")
-            decoded = reference.unpack_deepseek_v41_cache_reference(theirs, page_size=page, cache_kind=kind)
-            assert torch.equal(formats.unpack_dequantize(ours, fmt).reshape(-1, 512), decoded), f"{kind}, rows {start}+"
+        _compare(rows, f"random rows {start}+")
 
 
 # ----------------------------------------------------------------------------------- bad records

@@ -96,23 +96,28 @@ def test_help_group_title_is_the_one_the_readme_names() -> None:
 # --- skip reasons are shown in a downstream run ----------------------------------------------------
 
 
-def test_a_downstream_run_shows_why_suites_skipped(pytester: pytest.Pytester) -> None:
+def test_a_downstream_run_shows_why_suites_skipped(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """The example kernel has no ``pack``: a run of the shipped suites against it, with no ``-r``
-    option, still says why the pack suites skipped."""
+    option, still says why the pack suites skipped (runs in this process: ``tests/inner_session.py``)."""
+    import inner_session
+
     for item in ("chunked_mla", "conftest.py", "pyproject.toml"):
         source = EXAMPLE / item
         if source.is_dir():
             shutil.copytree(source, pytester.path / item, ignore=shutil.ignore_patterns("__pycache__"))
         else:
             shutil.copy(source, pytester.path / item)
-    result = pytester.runpytest_subprocess(
-        "--pyargs", "pytest_sparse_mla.suites.test_formats", "-k", "known_vector", "-p", "no:cacheprovider"
-    )
+    result = inner_session.runpytest(
+        pytester, "--pyargs", "pytest_sparse_mla.suites.test_formats", "-k", "known_vector", "-p", "no:cacheprovider",
+        monkeypatch=monkeypatch, capsys=capsys,
+    )  # fmt: skip
     result.stdout.fnmatch_lines(["SKIPPED *implementation 'chunked' does not provide 'pack'*"])
     # A user's own -r choice is kept (-rN: no short summary).
-    quiet = pytester.runpytest_subprocess(
-        "--pyargs", "pytest_sparse_mla.suites.test_formats", "-k", "known_vector", "-p", "no:cacheprovider",
-        "-rN",
+    quiet = inner_session.runpytest(
+        pytester, "--pyargs", "pytest_sparse_mla.suites.test_formats", "-k", "known_vector", "-p", "no:cacheprovider",
+        "-rN", monkeypatch=monkeypatch, capsys=capsys,
     )  # fmt: skip
     assert "does not provide 'pack'" not in quiet.stdout.str()
 

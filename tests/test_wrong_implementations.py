@@ -134,12 +134,15 @@ def run_suite(
 ) -> SuiteRun:
     """Run the suite against ``kernel_catalogue:<name>`` in this process (``inner_session.run``: the
     oracle's results and the drawn inputs are shared with this worker's other runs) and read the
-    outcome of every item from its JUnit XML."""
+    outcome of every item from its JUnit XML. A failing search test is not shrunk
+    (``inner_session.unshrunk``): the gate reads whether a test failed and its first line, never the
+    smallest failing call (shrinking and reproducers: ``tests/test_search.py``)."""
     report = tmp_path / "junit.xml"
     first = {gate_order.FIRST_ENV: "\n".join(catalogue.first_tests(name) if ":" not in name else ())}
     start = time.perf_counter()
     args = [*suite_args(name, report, maxfail, suite), "--basetemp", str(tmp_path / "basetemp")]
-    returncode, output = inner_session.run(args, cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys, env=first)
+    with inner_session.unshrunk():
+        returncode, output = inner_session.run(args, cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys, env=first)
     seconds = time.perf_counter() - start
     output = output[-4000:]
     if not report.exists():
