@@ -158,12 +158,12 @@ def names_shipped_suites(config: pytest.Config) -> bool:
 def shipped_suite_items(items: list[pytest.Item]) -> list[pytest.Item]:
     """The items collected from the shipped suites (``pytest_sparse_mla.suites``, wherever installed)."""
     dirs = _suites_dirs()
-    found = []
+    shipped: dict[Path, bool] = {}  # per file: the items of one module share it
     for item in items:
-        path = Path(item.path).resolve()
-        if any(path.is_relative_to(d) for d in dirs):
-            found.append(item)
-    return found
+        if item.path not in shipped:
+            path = Path(item.path).resolve()
+            shipped[item.path] = any(path.is_relative_to(d) for d in dirs)
+    return [item for item in items if shipped[item.path]]
 
 
 def candidate_ids(item: pytest.Item) -> list[str]:
