@@ -30,7 +30,7 @@ import torch
 from pytest_sparse_mla import formats
 from pytest_sparse_mla.attention.conventions import check_lse_convention, route_for
 
-__all__ = ["CALL_ARGUMENTS", "Candidates", "SparseMlaCall"]
+__all__ = ["CALL_ARGUMENTS", "Candidates", "SparseMlaCall", "valid_lanes"]
 
 #: The keyword arguments of a call (after ``q, kv_cache, indices``) that :class:`SparseMlaCall` reads.
 CALL_ARGUMENTS: tuple[str, ...] = (
@@ -46,6 +46,29 @@ CALL_ARGUMENTS: tuple[str, ...] = (
     "lse_convention",
     "lse_scale",
 )
+
+
+def valid_lanes(indices: torch.Tensor, topk_length: torch.Tensor | None) -> torch.Tensor:
+    """The valid-lane rule, the one the bundled reference, the cases and the peers' adapters use:
+    ``[T, topk]`` bool, lane ``j`` of token ``t`` is a candidate iff ``indices[t, j] >= 0`` and
+    ``j < clamp(topk_length[t], 0, topk)`` (no ``topk_length``: every non-negative lane). Indices
+    past the cache are not excluded here. The float64 oracle keeps an independent copy of the
+    rule on purpose (``attention.oracle``).
+
+    Args:
+        indices: ``[T, topk]`` integer index rows (any integer dtype, any device).
+        topk_length: ``[T]`` integer valid-prefix lengths (moved to ``indices``' device), or ``None``.
+
+    Sources: flashinfer-ai/flashinfer ``flashinfer/mla/_sparse_mla_sm120/_api.py`` (``topk_length``:
+    the valid prefix of each row; negative indices are masked); deepseek-ai/FlashMLA
+    ``flash_mla/flash_mla_interface.py`` (``topk_length``; ``-1`` marks an invalid index).
+    """
+    valid = indices >= 0
+    if topk_length is not None:
+        lanes = torch.arange(indices.shape[-1], device=indices.device)
+        length = topk_length.to(indices.device).long().clamp(min=0)
+        valid &= lanes.unsqueeze(0) < length.unsqueeze(1)
+    return valid
 
 
 @dataclass(frozen=True)
@@ -80,14 +103,9 @@ class Candidates:
         return int(self.layout.num_tokens)
 
     def valid_lanes(self) -> torch.Tensor:
-        """``[T, topk]`` bool: lane ``j`` of token ``t`` is a candidate (``index >= 0`` and
-        ``j < clamp(topk_length[t], 0, topk)``); indices past the cache are not excluded here."""
-        valid = self.indices >= 0
-        if self.topk_length is not None:
-            lanes = torch.arange(self.topk, device=self.indices.device)
-            length = self.topk_length.to(self.indices.device).long().clamp(min=0)
-            valid &= lanes.unsqueeze(0) < length.unsqueeze(1)
-        return valid
+        """``[T, topk]`` bool: this source's candidates (:func:`valid_lanes`); indices past the cache
+        are not excluded here."""
+        return valid_lanes(self.indices, self.topk_length)
 
 
 @dataclass(frozen=True)

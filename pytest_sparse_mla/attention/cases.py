@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from pytest_sparse_mla import data, deployments, formats
+from pytest_sparse_mla.attention.call import valid_lanes
 from pytest_sparse_mla.envelope import Envelope, NotApplicable, route_of
 
 __all__ = [
@@ -267,9 +268,7 @@ def _peaked_queries(
         for c, (_cache, indices, lengths) in enumerate(caches):
             prefers = (own != c) if fallback else (own == c)
             row = indices.cpu().long()
-            valid = row >= 0
-            if lengths is not None:
-                valid &= torch.arange(row.shape[1]) < lengths.cpu().long().clamp(0, row.shape[1]).unsqueeze(1)
+            valid = valid_lanes(row, lengths)
             count = valid.sum(dim=1, keepdim=True)  # [T, 1]
             in_order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)  # valid lanes first
             lane = (heads // len(caches)).unsqueeze(0) % count.clamp(min=1)  # [T, H]

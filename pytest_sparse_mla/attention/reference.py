@@ -73,7 +73,7 @@ from typing import Any
 import torch
 
 from pytest_sparse_mla import capabilities, formats
-from pytest_sparse_mla.attention.call import SparseMlaCall
+from pytest_sparse_mla.attention.call import SparseMlaCall, valid_lanes
 from pytest_sparse_mla.attention.conventions import route_for
 
 _TRITON_MODULE = "pytest_sparse_mla.attention._triton_forward"
@@ -175,10 +175,7 @@ def _candidate_lanes(
     """
     num_tokens, topk = indices.shape
     idx = indices.to(torch.int64)
-    valid = idx >= 0
-    if topk_length is not None:
-        length = topk_length.to(torch.int64).clamp(0, topk)
-        valid &= torch.arange(topk, device=idx.device) < length.unsqueeze(1)
+    valid = valid_lanes(idx, topk_length)
     out_of_range = valid & (idx >= num_rows)
     valid &= ~out_of_range  # skipped, never read (counted in SparseMlaOutput.out_of_range)
     rows = torch.where(valid, idx + offset, zero_row)

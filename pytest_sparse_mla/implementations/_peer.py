@@ -37,7 +37,6 @@ __all__ = [
     "UnsafeForPeer",
     "PeerResult",
     "nhd_view",
-    "valid_lanes",
     "refuse_lanes_past_cache",
     "raised_by_peer",
     "lse_to_convention",
@@ -96,18 +95,6 @@ def nhd_view(cache: Any, layout: Any) -> Any:
     )
 
 
-def valid_lanes(indices: Any, topk_length: Any | None) -> Any:
-    """``[T, topk]`` bool: lane ``j`` of token ``t`` is a candidate (``index >= 0`` and ``j <
-    clamp(topk_length[t], 0, topk)``), the project's rule (``attention.sparse_mla_forward``)."""
-    import torch
-
-    valid = indices >= 0
-    if topk_length is not None:
-        lanes = torch.arange(indices.shape[1], device=indices.device)
-        valid &= lanes.unsqueeze(0) < topk_length.to(indices.device).long().clamp(min=0).unsqueeze(1)
-    return valid
-
-
 def refuse_lanes_past_cache(
     adapter: str, indices: Any, topk_length: Any | None, num_slots: int, name: str, why: str
 ) -> None:
@@ -123,6 +110,8 @@ def refuse_lanes_past_cache(
     Raises:
         UnsafeForPeer: naming ``name``, the first offending token, lane and value, and ``why``.
     """
+    from pytest_sparse_mla.attention.call import valid_lanes
+
     bad = valid_lanes(indices, topk_length) & (indices >= num_slots)
     if bool(bad.any()):
         t, j = (int(v) for v in bad.nonzero()[0])
@@ -408,6 +397,7 @@ def virtual_table(
     import torch
 
     from pytest_sparse_mla import formats
+    from pytest_sparse_mla.attention.call import valid_lanes
 
     layout = call.layout
     d_qk = layout.fmt.d_qk

@@ -224,7 +224,9 @@ class FlashMlaImplementation(_peer.PeerAdapter):
                 f"flashmla: {name} rows start at {idx.data_ptr()} with row stride {idx.stride(0)}; "
                 "FlashMLA's decode reads index pairs as int2, so every row must start on an 8-byte boundary"
             )
-        prefix = _peer.valid_lanes(idx.clamp(min=0), length)  # lanes inside the valid prefix
+        from pytest_sparse_mla.attention.call import valid_lanes
+
+        prefix = valid_lanes(idx.clamp(min=0), length)  # lanes inside the valid prefix
         bad = prefix & (idx < -1)
         if bool(bad.any()):
             t, j = (int(v) for v in bad.nonzero()[0])

@@ -529,7 +529,9 @@ class SglangTorchImplementation(_SglangBase):
             )  # fmt: skip
         if length is None:
             return
-        bad = ~_peer.valid_lanes(idx, length) & (idx >= num_slots)
+        from pytest_sparse_mla.attention.call import valid_lanes
+
+        bad = ~valid_lanes(idx, length) & (idx >= num_slots)
         if bool(bad.any()):
             t, j = (int(v) for v in bad.nonzero()[0])
             raise _peer.UnsafeForPeer(

@@ -42,7 +42,6 @@ from pytest_sparse_mla.implementations._peer import (
     check_folded_lengths,
     lse_to_convention,
     source_skip_reason,
-    valid_lanes,
     virtual_table,
 )
 
@@ -139,6 +138,8 @@ class VllmTritonImplementation(PeerAdapter):
             Whatever the kernel raises (``AssertionError`` from the interface's asserts).
         """
         import torch
+
+        from pytest_sparse_mla.attention.call import valid_lanes
 
         c = call.call
         topk_length, extra_topk_length = c.main.topk_length, c.extra_topk_length
