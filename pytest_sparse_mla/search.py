@@ -39,7 +39,9 @@ from hypothesis import strategies as st
 from pytest_sparse_mla import coverage, formats, input_space
 from pytest_sparse_mla.envelope import Envelope
 
-__all__ = ["DrawnCache", "DrawnCall", "SearchInputs", "build", "calls", "diagnose", "record"]
+__all__ = [
+    "DrawnCache", "DrawnCall", "SearchInputs", "SearchRun", "build", "calls", "diagnose", "record", "unshrunk_phases",
+]  # fmt: skip
 
 INT32_MIN = -(2**31)
 #: The byte of a canary region before and after each cache is drawn per call; these are the bytes
@@ -704,6 +706,14 @@ def _where(output: torch.Tensor, inputs: SearchInputs, oracle: Any) -> list[str]
 
 # --- one property test's run: budget, seed, what it drew ---------------------------------------------
 
+def unshrunk_phases() -> list[Any]:
+    """Hypothesis's phases without ``shrink`` and ``explain``: a failing run reports its first
+    failing call as drawn."""
+    from hypothesis import Phase
+
+    return [p for p in Phase if p not in (Phase.shrink, Phase.explain)]
+
+
 class SearchRun:
     """The Hypothesis run of one search test (the ``sparse_mla_search`` fixture).
 
@@ -731,11 +741,11 @@ class SearchRun:
 
     def settings(self) -> Any:
         """The Hypothesis ``settings`` of this run."""
-        from hypothesis import HealthCheck, Phase, settings
+        from hypothesis import HealthCheck, settings
 
         extra: dict[str, Any] = {"database": None} if self.seed is None else {}
         if not self.shrink:
-            extra["phases"] = [p for p in Phase if p not in (Phase.shrink, Phase.explain)]
+            extra["phases"] = unshrunk_phases()
         return settings(
             max_examples=self.examples, derandomize=self.seed is None, deadline=None, print_blob=True,
             suppress_health_check=list(HealthCheck), **extra,

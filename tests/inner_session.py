@@ -153,11 +153,13 @@ def unshrunk() -> Iterator[None]:
     """Hypothesis's loaded profile without the shrink and explain phases while the block runs: the
     search's settings inherit the phases of the loaded profile, so a failing search test of an
     inner run reports its first failing call (for a test that reads only whether it failed)."""
-    from hypothesis import Phase, settings
+    from hypothesis import settings
+
+    from pytest_sparse_mla.search import unshrunk_phases
 
     previous = getattr(settings, "get_current_profile_name", lambda: "default")()
-    phases = [p for p in Phase if p not in (Phase.shrink, Phase.explain)]
-    settings.register_profile("sparse-mla-gate-unshrunk", parent=settings.get_profile(previous), phases=phases)
+    parent = settings.get_profile(previous)
+    settings.register_profile("sparse-mla-gate-unshrunk", parent=parent, phases=unshrunk_phases())
     settings.load_profile("sparse-mla-gate-unshrunk")
     try:
         yield
