@@ -1,8 +1,9 @@
 """DeepSeek-V4 deployment shapes as data: which sparse-MLA calls real servers make per rank.
 
-Pure data plus :meth:`Deployment.config` (a :class:`~pytest_sparse_mla.dispatch.SparseMlaConfig`);
-no torch. Every shape is what FlashInfer's SM120 backend sees on one tensor-parallel rank, after
-SGLang's page split (256-token pool pages -> 64-token pages for the main/SWA cache):
+Pure data: no torch, and nothing of the package (the dispatch grid's config of a deployment's
+call is ``pytest_sparse_mla.dispatch.report.deployment_config``). Every shape is what FlashInfer's
+SM120 backend sees on one tensor-parallel rank, after SGLang's page split (256-token pool pages ->
+64-token pages for the main/SWA cache):
 
 ==========================  =======  =====  =====================  =================================
 layer (cache role)          heads    topk   page_block_size        extra cache (topk_extra @ page)
@@ -27,8 +28,6 @@ flashinfer-ai/flashinfer PR #4380. Derivations and the reported failing shapes:
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-from pytest_sparse_mla.dispatch.grid import SparseMlaConfig
 
 __all__ = ["MODELS", "TENSOR_PARALLEL_SIZES", "PHASES", "PREFILL_NUM_TOKENS", "Deployment", "DEPLOYMENTS",
            "deployments"]  # fmt: skip
@@ -103,18 +102,6 @@ class Deployment:
         if phase == "prefill":
             return PREFILL_NUM_TOKENS
         raise ValueError(f"phase={phase!r}: expected one of {', '.join(PHASES)}")
-
-    def config(self, phase: str) -> SparseMlaConfig:
-        """The DSV4 :class:`~pytest_sparse_mla.dispatch.SparseMlaConfig` of one call in ``phase``."""
-        return SparseMlaConfig(
-            model="DSV4",
-            num_tokens=self.num_tokens(phase),
-            num_heads=self.num_heads,
-            topk=self.topk,
-            page_block_size=self.page_block_size,
-            topk_extra=self.topk_extra,
-            extra_page_block_size=self.extra_page_block_size,
-        )
 
 
 def deployments() -> tuple[Deployment, ...]:

@@ -30,6 +30,49 @@ if TYPE_CHECKING:
     from pytest_sparse_mla.tolerances import SparseMlaTolerances
 
 
+#: The fixtures this module defines (``tests/test_papercuts.py`` checks the list): asked for in a
+#: session that does not use the plugin, pytest's "fixture not found" says how to load it
+#: (:func:`hint_inactive_fixture`).
+FIXTURE_NAMES = (
+    "sparse_mla_options",
+    "sparse_mla_capabilities",
+    "sparse_mla_device",
+    "sparse_mla_seed",
+    "sparse_mla_generator",
+    "packed_kv_cache_factory",
+    "split_buffer_registry",
+    "page_split_backend",
+    "split_pages",
+    "sparse_mla_impl",
+    "sparse_mla_envelope",
+    "sparse_mla_inputs",
+    "sparse_mla_tolerances",
+    "sparse_mla_search_shard",
+    "sparse_mla_search",
+    "tensor_snapshot",
+)
+
+
+def hint_inactive_fixture(exc: BaseException, report: pytest.TestReport) -> None:
+    """A session that does not use the plugin, where a test or fixture asked for one of its fixtures
+    (:data:`FIXTURE_NAMES`): pytest's "fixture 'NAME' not found" (``exc``, the failed phase's
+    exception) gets a line on ``report`` saying how to load it. Any other exception: nothing."""
+    name = getattr(exc, "argname", None)
+    if not isinstance(exc, pytest.FixtureLookupError) or name not in FIXTURE_NAMES:
+        return
+    hint = (
+        f"{name} is a fixture of pytest-sparse-mla, which is inactive in this session: add -p sparse_mla "
+        "(or any --sparse-mla-* option or sparse_mla_* ini key)"
+    )
+    longrepr: Any = report.longrepr
+    errorstring = getattr(longrepr, "errorstring", None)
+    if isinstance(errorstring, str):  # pytest's FixtureLookupErrorRepr: the hint under its first line
+        first, newline, rest = errorstring.partition("\n")
+        longrepr.errorstring = f"{first}\n{hint}{newline}{rest}"
+    else:
+        report.sections.append(("sparse-mla", hint))
+
+
 @pytest.fixture(scope="session")
 def sparse_mla_options(pytestconfig: pytest.Config) -> options.SparseMlaOptions:
     """The parsed ``--sparse-mla-*`` options of this session (:class:`options.SparseMlaOptions`)."""
@@ -240,7 +283,7 @@ def sparse_mla_impl(
     )
     if reason is not None:
         pytest.skip(reason)
-    declared = guard.declared_envelope(impl) is not None
+    declared = implementations.declared_envelope(impl) is not None
     typed: SparseMlaImplementation = guard.GuardedImplementation(impl, sparse_mla_envelope, declared)
     return typed
 

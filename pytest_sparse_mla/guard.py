@@ -31,7 +31,7 @@ passes on an adapter's check.
 
 Every other attribute is the implementation's own. Deliberately malformed calls (the bad-input
 suite) go through :meth:`GuardedImplementation.bad_call`, straight to the implementation. Each call
-is recorded for ``--sparse-mla-repro-dir`` (:mod:`pytest_sparse_mla.repro`) and as the kernel call in
+is recorded for ``--sparse-mla-repro-dir`` (:mod:`pytest_sparse_mla.recording`) and as the kernel call in
 flight (:mod:`pytest_sparse_mla.device_health`: a dead CUDA context's or a timeout's message names it).
 """
 
@@ -56,32 +56,11 @@ __all__ = [
     "GuardedImplementation",
     "call_reason",
     "check_result_shapes",
-    "declared_envelope",
     "peer_was_not_asked",
     "envelope_of",
     "result_of",
     "uninitialised_memory_poisoned",
 ]
-
-
-def declared_envelope(impl: Any) -> Envelope | None:
-    """``impl.envelope`` if it declares one, else ``None``.
-
-    Raises:
-        pytest.UsageError: ``envelope`` is set but is not a :class:`pytest_sparse_mla.Envelope`.
-    """
-    env = getattr(impl, "envelope", None)
-    if env is None:
-        return None
-    if not isinstance(env, Envelope):
-        kind = type(env)
-        kind_name = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
-        raise pytest.UsageError(
-            f"implementation {getattr(impl, 'name', impl)!r}: its envelope attribute is a {kind_name} "
-            f"({env!r}): expected a pytest_sparse_mla.Envelope (from pytest_sparse_mla import Envelope), "
-            "or None (no envelope: every call)"
-        )
-    return env
 
 
 def envelope_of(impl: Any) -> Envelope:
@@ -90,9 +69,10 @@ def envelope_of(impl: Any) -> Envelope:
     (``tolerances.profile_for``: ``"exact"``).
 
     Raises:
-        pytest.UsageError: as :func:`declared_envelope`.
+        pytest.UsageError: as ``implementations.registry.declared_envelope``.
     """
     from pytest_sparse_mla import tolerances
+    from pytest_sparse_mla.implementations.registry import declared_envelope
 
     env = declared_envelope(impl)
     if env is not None:
@@ -323,9 +303,9 @@ class GuardedImplementation:
                 "a bug of the suite's case fitting, not of the kernel",
                 pytrace=False,
             )
-        from pytest_sparse_mla import device_health, repro
+        from pytest_sparse_mla import device_health, recording
 
-        with repro.judged_call(args, kwargs) as rec:
+        with recording.judged_call(args, kwargs) as rec:
             running = device_health.begin_call(self._name, "sparse_mla_forward", args, kwargs)
             try:
                 res = self.unguarded.sparse_mla_forward(*args, **kwargs)
@@ -339,16 +319,16 @@ class GuardedImplementation:
             finally:
                 device_health.end_call(running)
             result = result_of(res, env, self._name)
-            repro.set_result(rec, result.output, result.lse)
+            recording.set_result(rec, result.output, result.lse)
         return result
 
     def _recorded_split(self, split: Any, *args: Any, **kwargs: Any) -> Any:
         """The implementation's ``page_split`` (reached as ``.page_split`` when it has one), run with
         uninitialised memory poisoned, recorded for ``--sparse-mla-repro-dir`` and as the kernel call
         in flight (``device_health``)."""
-        from pytest_sparse_mla import device_health, repro
+        from pytest_sparse_mla import device_health, recording
 
-        with repro.judged_call(args, kwargs, capability="page_split") as rec, uninitialised_memory_poisoned():
+        with recording.judged_call(args, kwargs, capability="page_split") as rec, uninitialised_memory_poisoned():
             running = device_health.begin_call(self._name, "page_split", args, kwargs)
             try:
                 out = split(*args, **kwargs)
@@ -357,7 +337,7 @@ class GuardedImplementation:
                 raise
             finally:
                 device_health.end_call(running)
-            repro.set_result(rec, out, None)
+            recording.set_result(rec, out, None)
         return out
 
     def bad_call(self, argument: str, *args: Any, capability: str = "sparse_mla_forward", **kwargs: Any) -> Any:
@@ -365,9 +345,9 @@ class GuardedImplementation:
         deliberately bad input (no guard): it must raise a ``TypeError`` or ``ValueError`` naming
         ``argument`` (``""``: any such error). Recorded for ``--sparse-mla-repro-dir`` with that
         expectation."""
-        from pytest_sparse_mla import device_health, repro
+        from pytest_sparse_mla import device_health, recording
 
-        with repro.judged_call(args, kwargs, expect_error=argument, capability=capability):
+        with recording.judged_call(args, kwargs, expect_error=argument, capability=capability):
             running = device_health.begin_call(self._name, capability, args, kwargs)
             try:
                 return getattr(self.unguarded, capability)(*args, **kwargs)

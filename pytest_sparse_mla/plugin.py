@@ -41,26 +41,6 @@ from pytest_sparse_mla import capabilities, options
 
 #: Modules registered as plugins when the plugin is active: fixtures only (no hooks).
 FIXTURE_MODULES = ("pytest_sparse_mla.fixtures",)
-#: The fixtures those modules define (``tests/test_papercuts.py`` checks the list): asked for in a
-#: session that does not use the plugin, pytest's "fixture not found" says how to load it.
-FIXTURE_NAMES = (
-    "sparse_mla_options",
-    "sparse_mla_capabilities",
-    "sparse_mla_device",
-    "sparse_mla_seed",
-    "sparse_mla_generator",
-    "packed_kv_cache_factory",
-    "split_buffer_registry",
-    "page_split_backend",
-    "split_pages",
-    "sparse_mla_impl",
-    "sparse_mla_envelope",
-    "sparse_mla_inputs",
-    "sparse_mla_tolerances",
-    "sparse_mla_search_shard",
-    "sparse_mla_search",
-    "tensor_snapshot",
-)
 #: Why a session that collects the shipped suites without using the plugin stops.
 NEEDS_PLUGIN = (
     "the pytest-sparse-mla suites need the plugin, which is opt-in: run with -p sparse_mla (or add it to addopts)"
@@ -244,11 +224,11 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     """Forget the session's golden root and stop recording calls (pytester nests sessions in one
     process)."""
     if options.is_active(config):
-        from pytest_sparse_mla import repro
+        from pytest_sparse_mla import recording
         from pytest_sparse_mla.snapshot import session as snapshot_session
 
         snapshot_session.unconfigure(config)
-        repro.enable(False)
+        recording.enable(False)
 
 
 def pytest_report_header(config: pytest.Config) -> list[str] | None:
@@ -329,14 +309,16 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> 
 
         device_health.note_timeout(call)
     report = yield
-    if active and _writes_reports(item.config):
-        from pytest_sparse_mla import selection
-
-        setattr(report, selection.REPORT_ID_ATTR, selection.report_id(item))
     if active:
+        from pytest_sparse_mla import run_report, selection
+
+        if run_report.report_ids_wanted(item.config):
+            setattr(report, selection.REPORT_ID_ATTR, selection.report_id(item))
         device_health.judge_report(item, call, report)
     elif call.excinfo is not None and report.failed:
-        _hint_inactive_fixture(call.excinfo.value, report)
+        from pytest_sparse_mla import fixtures
+
+        fixtures.hint_inactive_fixture(call.excinfo.value, report)
     if call.excinfo is not None and report.failed:
         from pytest_sparse_mla import guard
 
@@ -344,58 +326,11 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> 
             report.user_properties.append((guard.RESULT_FORM_KEY, str(call.excinfo.value.msg)))
             report.longrepr = guard.RESULT_FORM_POINTER  # the message itself is said once, in the summary
             item.session.shouldstop = guard.RESULT_FORM_STOP  # this process (an xdist worker too) stops
-    if report.when == "call" and (report.failed or hasattr(report, "wasxfail")):
-        opts = item.config.stash.get(options.OPTIONS_KEY, None)
-        if opts is not None and opts.repro_dir is not None:
-            from pytest_sparse_mla import repro, tolerances
+    if active and options.get_options(item.config).repro_dir is not None:
+        from pytest_sparse_mla import repro
 
-            funcargs = getattr(item, "funcargs", {})
-            impl = funcargs.get("sparse_mla_impl")
-            if impl is not None:
-                tol = funcargs.get("sparse_mla_tolerances")
-                profiles = tolerances.DEFAULT_PROFILES
-                with options.usage_errors():
-                    fallback = profiles.get(tolerances.profile_for(impl), profiles["kernel"])
-                model = tol.model if tol is not None else fallback
-                outcome = "xfailed" if hasattr(report, "wasxfail") else "failed"
-                spec = opts.impl if ":" in opts.impl else None  # an import string names the object itself
-                written, error = repro.write_safely(
-                    opts.repro_dir, item.nodeid, impl.unguarded, model, outcome, impl_spec=spec,
-                    context_error=device_health.context_error_of(report) if active else None,
-                )  # fmt: skip
-                if error is not None:
-                    report.sections.append(("sparse-mla reproducers", f"not written: {error}"))
-                if written:
-                    report.sections.append(
-                        ("sparse-mla reproducers", "\n".join(f"python {p / 'repro.py'}" for p in written))
-                    )
+        repro.write_for_report(item, report)
     return report
-
-
-def _writes_reports(config: pytest.Config) -> bool:
-    """Whether the session writes a run report or a draft xfail file (their tests' report ids)."""
-    from pytest_sparse_mla import run_report
-
-    return options.get_options(config).xfail_draft is not None or run_report.wanted(config)
-
-
-def _hint_inactive_fixture(exc: BaseException, report: pytest.TestReport) -> None:
-    """A session that does not use the plugin, where a test or fixture asked for one of its fixtures
-    (:data:`FIXTURE_NAMES`): pytest's "fixture 'NAME' not found" gets a line saying how to load it."""
-    name = getattr(exc, "argname", None)
-    if not isinstance(exc, pytest.FixtureLookupError) or name not in FIXTURE_NAMES:
-        return
-    hint = (
-        f"{name} is a fixture of pytest-sparse-mla, which is inactive in this session: add -p sparse_mla "
-        "(or any --sparse-mla-* option or sparse_mla_* ini key)"
-    )
-    longrepr: Any = report.longrepr
-    errorstring = getattr(longrepr, "errorstring", None)
-    if isinstance(errorstring, str):  # pytest's FixtureLookupErrorRepr: the hint under its first line
-        first, newline, rest = errorstring.partition("\n")
-        longrepr.errorstring = f"{first}\n{hint}{newline}{rest}"
-    else:
-        report.sections.append(("sparse-mla", hint))
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -413,10 +348,10 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     With ``--sparse-mla-repro-dir``, start recording the test's calls."""
     opts = item.config.stash.get(options.OPTIONS_KEY, None)
     if opts is not None:  # an active session: record this test's calls only with a repro dir
-        from pytest_sparse_mla import device_health, repro
+        from pytest_sparse_mla import device_health, recording
 
-        repro.enable(opts.repro_dir is not None)
-        repro.begin_test()
+        recording.enable(opts.repro_dir is not None)
+        recording.begin_test()
         device_health.begin_test()
     if item.stash.get(_NEEDS_PLUGIN_KEY, False):
         pytest.fail(NEEDS_PLUGIN, pytrace=False)

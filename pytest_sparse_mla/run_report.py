@@ -24,7 +24,7 @@ import pytest
 
 from pytest_sparse_mla import options
 
-__all__ = ["add", "document", "start", "wanted", "write"]
+__all__ = ["add", "document", "report_ids_wanted", "start", "wanted", "write"]
 
 _ROWS = pytest.StashKey[Any]()
 _START = pytest.StashKey[float]()
@@ -34,6 +34,13 @@ def wanted(config: pytest.Config) -> bool:
     """Whether the session writes a JSON or a Markdown report."""
     opts = options.get_options(config)
     return opts.report_json is not None or opts.report_md is not None
+
+
+def report_ids_wanted(config: pytest.Config) -> bool:
+    """Whether the session's test reports carry their report ids (``selection.REPORT_ID_ATTR``, set
+    by the plugin's ``pytest_runtest_makereport``): the run report (:func:`wanted`) and the draft xfail
+    file (``--sparse-mla-xfail-draft``) name each test by it."""
+    return options.get_options(config).xfail_draft is not None or wanted(config)
 
 
 def start(config: pytest.Config) -> None:
@@ -79,7 +86,7 @@ def document(config: pytest.Config, session: pytest.Session, workers: dict[str, 
             "xfail_file": str(opts.xfail_file) if opts.xfail_file else None,
         },  # fmt: skip
         "workers": workers,
-        "envelope": {"declared": guard.declared_envelope(impl) is not None, **envelope.as_dict()},
+        "envelope": {"declared": implementations.declared_envelope(impl) is not None, **envelope.as_dict()},
         "coverage": coverage.get(config).rows(),
         "device_faults": device_health.fault_entries(config),
         "search": coverage.get(config).search_report(),

@@ -38,7 +38,7 @@ pytest.importorskip("hypothesis")
 
 from hypothesis import given  # noqa: E402
 
-from pytest_sparse_mla import repro, search  # noqa: E402
+from pytest_sparse_mla import recording, search  # noqa: E402
 from pytest_sparse_mla.attention import oracle_forward  # noqa: E402
 from pytest_sparse_mla.guard import check_result_shapes  # noqa: E402
 
@@ -72,7 +72,7 @@ def test_a_drawn_call_matches_the_oracle(
 ):
     @given(call=search.calls(sparse_mla_envelope, sparse_mla_device.type))
     def drawn(call: search.DrawnCall) -> None:
-        repro.begin_test()  # the reproducer is the last (shrunk) example's call
+        recording.begin_test()  # the reproducer is the last (shrunk) example's call
         inputs = search.build(call, sparse_mla_device)
         sparse_mla_search.note(call, inputs)
         _judge(sparse_mla_impl, inputs, sparse_mla_tolerances)
@@ -106,7 +106,7 @@ def test_a_drawn_call_does_not_depend_on_lane_order_or_padding(
 
     @given(call=search.calls(env, sparse_mla_device.type))
     def drawn(call: search.DrawnCall) -> None:
-        repro.begin_test()
+        recording.begin_test()
         inputs = search.build(call, sparse_mla_device)
         sparse_mla_search.note(call, inputs)
         g = torch.Generator().manual_seed(call.seed + 1)

@@ -25,7 +25,7 @@ import inner_session
 import pytest
 import torch
 
-from pytest_sparse_mla import device_health, options, repro
+from pytest_sparse_mla import device_health, options, recording, repro
 
 FAKE_KERNEL = '''
 """A kernel under test that, on request, "kills the CUDA context" (DEAD, read by the session's fake
@@ -380,16 +380,16 @@ def test_a_worker_that_ended_itself_is_not_a_crash_and_does_not_use_up_restarts(
 
 def test_recorded_arguments_are_host_copies_taken_before_the_kernel_runs() -> None:
     x = torch.arange(6.0).reshape(2, 3)[:, 1:]  # a view: storage, offset and strides are kept
-    repro.enable(True)
-    repro.begin_test()
+    recording.enable(True)
+    recording.begin_test()
     try:
-        with repro.judged_call((x,), {"y": torch.ones(2)}) as rec:
+        with recording.judged_call((x,), {"y": torch.ones(2)}) as rec:
             x.add_(100)  # the kernel writes into its input
-            repro.set_result(rec, x * 2, None)
-        (recorded,) = repro.recorded_calls()
+            recording.set_result(rec, x * 2, None)
+        (recorded,) = recording.recorded_calls()
     finally:
-        repro.enable(False)
-        repro.begin_test()
+        recording.enable(False)
+        recording.begin_test()
     arg = recorded.args[0]
     assert arg.device.type == "cpu" and arg.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
     assert (arg.storage_offset(), arg.stride(), arg.tolist()) == (1, (3, 1), [[1.0, 2.0], [4.0, 5.0]])

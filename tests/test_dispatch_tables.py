@@ -636,9 +636,9 @@ def test_deployment_shapes() -> None:
     assert (c128.topk, c128.page_block_size, c128.extra_page_block_size) == (128, 64, 2)
     draft = by_key["DeepSeek-V4-Flash/DSpark draft/TP2"]
     assert (draft.topk, draft.topk_extra, draft.decode_num_tokens) == (192, 0, 6)
-    assert draft.config("prefill") == SparseMlaConfig("DSV4", 65, 32, 192, 64)
+    assert report_module.deployment_config(draft, "prefill") == SparseMlaConfig("DSV4", 65, 32, 192, 64)
     with pytest.raises(ValueError, match="phase='verify'"):
-        draft.config("verify")
+        report_module.deployment_config(draft, "verify")
 
 
 def test_report_text_lists_the_gaps() -> None:

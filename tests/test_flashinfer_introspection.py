@@ -26,7 +26,7 @@ import pytest
 from scripts_loader import load_script
 
 from pytest_sparse_mla import deployments
-from pytest_sparse_mla.dispatch import SparseMlaConfig, release_family, supports
+from pytest_sparse_mla.dispatch import SparseMlaConfig, release_family, report, supports
 
 introspect = load_script("flashinfer_introspect")
 
@@ -180,7 +180,7 @@ def test_load_installed_without_flashinfer_is_unavailable(monkeypatch: pytest.Mo
 
 
 def _probe_cells() -> list[SparseMlaConfig]:
-    cells = {d.config(phase) for d in deployments.DEPLOYMENTS for phase in deployments.PHASES}
+    cells = {report.deployment_config(d, phase) for d in deployments.DEPLOYMENTS for phase in deployments.PHASES}
     cells |= {
         SparseMlaConfig("DSV4", 65, 32, 256, 64),  # flashinfer-ai/flashinfer #3828
         SparseMlaConfig("DSV4", 65, 64, 128, 64, 512, 128),  # extra page 128, dual prefill

@@ -1,7 +1,7 @@
 """Papercuts a new user hit, each now a clear message.
 
 * A test of one's own that asks for one of the plugin's fixtures in a session that does not use the
-  plugin: pytest's "fixture 'NAME' not found" says how to load it (``plugin.FIXTURE_NAMES``).
+  plugin: pytest's "fixture 'NAME' not found" says how to load it (``fixtures.FIXTURE_NAMES``).
 * An implementation whose ``envelope`` is not a :class:`pytest_sparse_mla.Envelope`: one usage error
   (exit 4) while the session configures, not an error per test (``registry.resolve_implementation``).
 * ``--help`` names every built-in implementation (``options.BUILTIN_NAMES``, the keys of
@@ -94,7 +94,7 @@ def test_fixture_names_are_the_fixtures_the_plugin_registers() -> None:
         if marker is not None:
             defined.add(marker.name or attribute)
     assert plugin.FIXTURE_MODULES == ("pytest_sparse_mla.fixtures",)
-    assert sorted(plugin.FIXTURE_NAMES) == sorted(defined)
+    assert sorted(fixtures.FIXTURE_NAMES) == sorted(defined)
 
 
 DICT_ENVELOPE = """

@@ -25,6 +25,7 @@ __all__ = [
     "DEFAULT_RELEASES",
     "Row",
     "coverage",
+    "deployment_config",
     "main",
     "releases_with",
     "render",
@@ -46,6 +47,25 @@ class Row:
     verdicts: tuple[grid.Verdict, ...]
 
 
+def deployment_config(deployment: Deployment, phase: str) -> grid.SparseMlaConfig:
+    """The DSV4 :class:`~pytest_sparse_mla.dispatch.SparseMlaConfig` of one call of ``deployment``
+    in ``phase`` (``"decode"`` or ``"prefill"``: rows from :meth:`Deployment.num_tokens`; the other
+    fields are the deployment's, in FlashInfer's spelling).
+
+    Raises:
+        ValueError: unknown phase.
+    """
+    return grid.SparseMlaConfig(
+        model="DSV4",
+        num_tokens=deployment.num_tokens(phase),
+        num_heads=deployment.num_heads,
+        topk=deployment.topk,
+        page_block_size=deployment.page_block_size,
+        topk_extra=deployment.topk_extra,
+        extra_page_block_size=deployment.extra_page_block_size,
+    )
+
+
 def coverage(
     releases: Sequence[str] | None = None, deployments: Sequence[Deployment] | None = None
 ) -> list[Row]:
@@ -61,7 +81,7 @@ def coverage(
     rows = []
     for deployment in deployments or DEPLOYMENTS:
         for phase in PHASES:
-            config = deployment.config(phase)
+            config = deployment_config(deployment, phase)
             verdicts = tuple(grid.supports(config, release) for release in releases)
             rows.append(Row(deployment, phase, config, verdicts))
     return rows

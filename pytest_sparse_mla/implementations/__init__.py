@@ -38,7 +38,8 @@ attribute                  meaning
                            claims); the suites fit every case inside it and never call outside
                            it. Absent: every call. A call refused at run time raises
                            :class:`pytest_sparse_mla.Unsupported` (a skip without an envelope, a
-                           failure inside a declared one)
+                           failure inside a declared one). Anything else is a usage error
+                           when the session configures (:func:`declared_envelope`)
 ``skip_reason``            ``skip_reason(capability: str, device: str) -> str | None``: why a
                            capability cannot run on ``device`` (``"cpu"``/``"cuda"``) here
 ``flashinfer_release``     ``str | None``: the FlashInfer release (``"0.6.17"``) whose SM120
@@ -116,7 +117,8 @@ _HOMES = {
     "FlashInferImplementation": "flashinfer",
     **dict.fromkeys(
         ("CAPABILITIES", "BUILTINS", "available_implementations", "resolve_implementation", "get_implementation",
-         "implementation_name", "needs_of", "skip_reason_for", "session_device", "configure", "skip_unservable"),
+         "implementation_name", "declared_envelope", "needs_of", "skip_reason_for", "session_device", "configure",
+         "skip_unservable"),
         "registry",
     ),
 }  # fmt: skip

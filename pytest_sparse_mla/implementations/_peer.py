@@ -431,7 +431,7 @@ def call_peer(
     script_args: tuple[Any, ...] | None = None,
 ) -> Any:
     """``fn(*args, **kwargs)``, the peer call of an adapter, reported to ``--sparse-mla-repro-dir``
-    (:func:`pytest_sparse_mla.repro.record_native`) so a reproducer can make the same call. An
+    (:func:`pytest_sparse_mla.recording.record_native`) so a reproducer can make the same call. An
     exception ``fn`` raises is marked as the peer's (:func:`raised_by_peer`) and passes through.
 
     Args:
@@ -439,13 +439,13 @@ def call_peer(
             ``{"kind": "file", "package": ..., "path": ..., "stubs": None | "flaggems" | "vllm"}``
             (``implementations._source``).
         function: ``fn``'s name in that module.
-        script_args: ``args`` as the script should rebuild them (``repro.METADATA`` in place of an
+        script_args: ``args`` as the script should rebuild them (``recording.METADATA`` in place of an
             object it recreates), when they differ.
     """
-    from pytest_sparse_mla import repro
+    from pytest_sparse_mla import recording
 
-    if repro.enabled():
-        repro.record_native(source, function, script_args if script_args is not None else args, kwargs)
+    if recording.enabled():
+        recording.record_native(source, function, script_args if script_args is not None else args, kwargs)
     try:
         return fn(*args, **kwargs)
     except Exception as exc:

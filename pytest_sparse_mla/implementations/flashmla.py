@@ -55,7 +55,7 @@ from typing import Any
 from pytest_sparse_mla import capabilities
 from pytest_sparse_mla.envelope import Envelope, Widths
 from pytest_sparse_mla.implementations import _peer
-from pytest_sparse_mla.repro import METADATA
+from pytest_sparse_mla.recording import METADATA
 
 __all__ = [
     "FlashMlaImplementation",

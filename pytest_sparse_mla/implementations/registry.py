@@ -1,5 +1,7 @@
 """The registry of implementations and ``--sparse-mla-impl`` resolution (the plugin layer: it
-takes a ``pytest.Config`` and raises ``pytest.UsageError``). The adapters themselves live in their
+takes a ``pytest.Config`` and raises ``pytest.UsageError``), and the check of what it resolves (a
+capability provided, an ``envelope`` attribute that is an Envelope: :func:`declared_envelope`,
+which the guard and the fixtures read too). The adapters themselves live in their
 own modules (``builtin``, ``flashinfer``, ``sglang``, ``flashmla``, ``flaggems``, ``vllm_triton``,
 ``flashinfer_reference``) and import no pytest; the protocol is in ``implementations.__init__``
 and ``implementations.protocol``.
@@ -14,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from pytest_sparse_mla import capabilities, options
+from pytest_sparse_mla.envelope import Envelope
 from pytest_sparse_mla.implementations.builtin import ReferenceImplementation, TritonImplementation
 from pytest_sparse_mla.implementations.flashinfer import FlashInferImplementation
 
@@ -154,17 +157,35 @@ def _check_provides_something(impl: Any, spec: str) -> None:
         )
 
 
+def declared_envelope(impl: Any) -> Envelope | None:
+    """``impl.envelope`` if it declares one, else ``None``.
+
+    Raises:
+        pytest.UsageError: ``envelope`` is set but is not a :class:`pytest_sparse_mla.Envelope`.
+    """
+    env = getattr(impl, "envelope", None)
+    if env is None:
+        return None
+    if not isinstance(env, Envelope):
+        kind = type(env)
+        kind_name = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+        raise pytest.UsageError(
+            f"implementation {getattr(impl, 'name', impl)!r}: its envelope attribute is a {kind_name} "
+            f"({env!r}): expected a pytest_sparse_mla.Envelope (from pytest_sparse_mla import Envelope), "
+            "or None (no envelope: every call)"
+        )
+    return env
+
+
 def _check_envelope(impl: Any, spec: str) -> None:
     """An ``envelope`` attribute that is not a :class:`pytest_sparse_mla.Envelope` is one usage error
     while the session configures, not an error in every test that asks for the implementation.
 
     Raises:
-        pytest.UsageError: as ``guard.declared_envelope``, naming ``spec`` too.
+        pytest.UsageError: as :func:`declared_envelope`, naming ``spec`` too.
     """
-    from pytest_sparse_mla import guard
-
     try:
-        guard.declared_envelope(impl)
+        declared_envelope(impl)
     except pytest.UsageError as exc:
         raise pytest.UsageError(f"--sparse-mla-impl={spec!r}: {exc}") from None
 
