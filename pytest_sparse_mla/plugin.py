@@ -16,7 +16,11 @@ logic module                       what the hooks ask it
 ``snapshot.session``               the ``--snapshot-update`` guard and the session's golden root
 ``entry_points``                   implementations declared by installed packages
 ``dispatch.report``                ``--sparse-mla-deployment-report`` (print, then exit)
-``fixtures``                       the fixtures (registered as a plugin module; no hooks)
+``recording``, ``repro``           ``--sparse-mla-repro-dir``: record each test's calls; write
+                                   the reproducers of a failed or xfailed test
+``run_report``                     whether reports carry their ids; the JSON/Markdown reports
+``fixtures``                       the fixtures (registered as a plugin module; no hooks); the
+                                   hint for one asked for in a session that does not use the plugin
 =================================  ===========================================================
 
 Opt-in. Installing the package makes the options known to pytest and nothing else: until the

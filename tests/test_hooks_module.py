@@ -64,6 +64,85 @@ def test_the_scan_finds_a_stray_hook(tmp_path: Path) -> None:
         PACKAGE = saved
 
 
+_CONSTANT = re.compile(r"_?[A-Z][A-Z0-9_]*")
+
+
+def _not_hooks_only(tree: ast.Module) -> list[str]:
+    """What a module's top level holds besides what :func:`test_the_hooks_module_holds_hooks_only`
+    allows, as ``"line: what"``."""
+    found: list[str] = []
+
+    def check_hook(node: ast.FunctionDef | ast.AsyncFunctionDef, where: str) -> None:
+        inner = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)
+        nested = [n for n in ast.walk(node) if n is not node and isinstance(n, inner)]
+        found.extend(f"{n.lineno}: {type(n).__name__} inside hook {where}{node.name}" for n in nested)
+
+    for index, node in enumerate(tree.body):
+        if index == 0 and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+            continue  # the module docstring
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            continue
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("pytest_"):
+            check_hook(node, "")
+            continue
+        if isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names = [t.id for t in targets if isinstance(t, ast.Name)]
+            if len(names) == len(targets) and all(_CONSTANT.fullmatch(n) for n in names):
+                continue
+            found.append(f"{node.lineno}: an assignment that is not a constant ({ast.unparse(node)[:60]})")
+            continue
+        if isinstance(node, ast.ClassDef):
+            methods = [n for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+            others = [n for n in node.body if not isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+                      and not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))]  # fmt: skip
+            found += [f"{n.lineno}: {type(n).__name__} in class {node.name}" for n in others]
+            for method in methods:
+                if method.name.startswith("pytest_"):
+                    check_hook(method, f"{node.name}.")
+                elif method.name != "__init__":
+                    found.append(f"{method.lineno}: method {node.name}.{method.name} is not a hook")
+            continue
+        kind = node.name if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else type(node).__name__
+        found.append(f"{node.lineno}: {kind} (not a hook, an import or a constant)")
+    return found
+
+
+def test_the_hooks_module_holds_hooks_only() -> None:
+    """``plugin.py`` holds pytest hooks only; what they do is in the logic modules.
+
+    "Hooks only", precisely: the module's top level holds nothing but its docstring; imports;
+    constants (assignments to ``UPPER_CASE`` names, with or without one leading underscore: the
+    fixture modules to register, the "needs the plugin" message, a stash key); functions named
+    ``pytest_*`` (hook implementations, decorated or not); and classes of hooks (plugin objects
+    ``pytest_configure`` registers for hooks that need the session's config but receive none),
+    whose methods are ``pytest_*`` hooks and ``__init__`` only. No hook defines a function, class or
+    lambda inside it. So a helper function, a policy written as a private function or a class of
+    logic has no place here: it goes to the module of its concept (e.g. the reproducers' policy
+    is ``repro.write_for_report``), which the hook calls."""
+    tree = ast.parse(HOOKS_MODULE.read_text(), filename=str(HOOKS_MODULE))
+    found = _not_hooks_only(tree)
+    assert found == [], "pytest_sparse_mla/plugin.py holds more than hooks:\n" + "\n".join(found)
+
+
+def test_the_hooks_only_scan_finds_a_helper() -> None:
+    """The scanner itself: a helper function, a non-hook method, a lowercase module variable and a
+    function inside a hook are each found; hooks, constants, imports and ``__init__`` are not."""
+    source = (
+        '"""doc"""\nimport os\nfrom x import y\nLIMIT = 3\n_KEY: int = 4\ncache = {}\n'
+        "def pytest_configure(config):\n    def inner():\n        pass\n"
+        "def _helper():\n    pass\n"
+        "class Hooks:\n    def __init__(self):\n        pass\n    def pytest_sessionstart(self, session):\n"
+        "        pass\n    def policy(self):\n        pass\n"
+    )
+    assert _not_hooks_only(ast.parse(source)) == [
+        "6: an assignment that is not a constant (cache = {})",
+        "8: FunctionDef inside hook pytest_configure",
+        "10: _helper (not a hook, an import or a constant)",
+        "17: method Hooks.policy is not a hook",
+    ]
+
+
 def test_every_plugin_hook_is_a_known_pytest_or_xdist_hook(pytester: pytest.Pytester) -> None:
     """pluggy validates the hooks module against the specs of pytest, xdist and ours."""
     config = pytester.parseconfigure("-p", "sparse_mla")
