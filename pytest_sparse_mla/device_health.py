@@ -42,7 +42,7 @@ above; without xdist, on the terminal, before pytest-timeout ends the session). 
 method (the CPU), pytest-timeout fails the test in place and :func:`note_timeout` adds the call to
 its message.
 
-State is per process (one test at a time per process, as in :mod:`pytest_sparse_mla.repro`). Nothing
+State is per process (one test at a time per process, as in :mod:`pytest_sparse_mla.recording`). Nothing
 here imports torch; :func:`context_fault` uses torch only when the process already imported it and
 initialised CUDA.
 """

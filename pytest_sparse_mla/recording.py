@@ -39,7 +39,8 @@ METADATA = {"__module_call__": "get_mla_metadata", "index": 0}
 
 @dataclass
 class NativeCall:
-    """A peer function call an adapter made (``source`` as :func:`_load`, arguments snapshotted)."""
+    """A peer function call an adapter made (``source`` as ``implementations._peer.call_peer`` takes it,
+    arguments snapshotted)."""
 
     source: dict[str, Any]
     function: str
