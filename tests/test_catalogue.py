@@ -91,7 +91,7 @@ XFAIL = """# Known discrepancies of toy-peer (none listed yet):
 """
 
 ENTRY = """    Builtin(
-        "toy-peer", f"{_HERE}.toy_peer:ToyPeerImplementation", wheel="toy-kernels==1.0", cpu_lane=True,
+        "toy-peer", f"{_HERE}.toy_peer:ToyPeerImplementation", wheel="toy-kernels==1.0",
         source=Source(key="toy_source", label="Toy", line="Toy {}", file=".peers/toy/SOURCE", carried=".peers/toy"),
     ),
 """
