@@ -196,7 +196,7 @@ def test_a_new_peer_is_an_adapter_its_xfail_file_and_one_entry(tmp_path: Path) -
 
     env = {
         **os.environ,
-        "PYTHONPATH": str(checkout),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(checkout), os.environ.get("PYTHONPATH")])),
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
     }
     env.pop("PYTEST_ADDOPTS", None)
