@@ -109,10 +109,7 @@ BUILTINS: tuple[Builtin, ...] = (
     Builtin("reference", f"{_HERE}.builtin:ReferenceImplementation", takes_grid=True, conformance=True),
     Builtin("triton", f"{_HERE}.builtin:TritonImplementation", takes_grid=True),
     Builtin("flashinfer", f"{_HERE}.flashinfer:FlashInferImplementation"),
-    Builtin(
-        "sglang-triton", f"{_HERE}.sglang:SglangTritonImplementation", source=_SGLANG,
-        wheel="sglang==0.5.23",
-    ),
+    Builtin("sglang-triton", f"{_HERE}.sglang:SglangTritonImplementation", source=_SGLANG, wheel="sglang==0.5.23"),
     Builtin(
         "sglang-torch", f"{_HERE}.sglang:SglangTorchImplementation", source=_SGLANG,
         wheel="sglang==0.5.23", cpu_lane=True,
