@@ -4,9 +4,10 @@
 #
 #   RESULTS=dir bash scripts/device_conformance.sh [IMPL ...]     # from the repository root
 #
-# IMPLs default to the reference and every peer (pytest_sparse_mla/implementations/catalogue.py; LIST=1 prints them and
-# exits, no RESULTS needed). Peers come from the carried files listed in scripts/peers_env.sh (a FlashMLA build is made in the background from its source
-# when none is carried, while the other implementations run). Per IMPL, in $RESULTS:
+# IMPLs default to the reference and every peer (pytest_sparse_mla/implementations/catalogue.py; LIST=1 prints them
+# and exits, no RESULTS needed). Peers come from the carried files listed in scripts/peers_env.sh (a FlashMLA build
+# is made in the background from its source when none is carried, while the other implementations run). Per IMPL,
+# in $RESULTS:
 #   conformance-IMPL.json   --sparse-mla-report-json (probe, options, device per worker)
 #   conformance-IMPL.xml    JUnit XML (every test's outcome and message)
 #   conformance-IMPL.log    the pytest output
