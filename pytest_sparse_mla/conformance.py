@@ -211,16 +211,17 @@ def _fmt(value: Any, spec: str = ".2e") -> str:
 
 
 def _peers_line(m: dict[str, Any]) -> list[str]:
-    """The peers' versions and sources (this project's H200 runs; ``machine.json``), if recorded."""
-    if not any(m.get(k) for k in ("sglang", "flashmla_source", "flaggems_source", "vllm_source")):
+    """The peers' versions and sources (this project's H200 runs; ``machine.json``, the keys and words
+    of ``implementations.catalogue.sources``), if any is recorded."""
+    from pytest_sparse_mla.implementations.catalogue import sources
+
+    if not any(m.get(source.key) for source in sources()):
         return []
-    return [
-        f"Peers: SGLang {m.get('sglang')} (wheel from PyPI, installed --no-deps); FlashMLA "
-        f"{'; '.join(m.get('flashmla_source') or ['not built'])}, built with FLASH_MLA_DISABLE_SM100=1; "
-        f"FlagGems {'; '.join(m.get('flaggems_source') or ['not carried'])} (source files); vLLM "
-        f"{'; '.join(m.get('vllm_source') or ['not carried'])}; FlashInfer references: "
-        f"{'; '.join(m.get('flashinfer_reference_source') or ['not carried'])}."
-    ]
+    words = []
+    for source in sources():
+        value = m.get(source.key) or source.missing
+        words.append(source.line.format("; ".join(value) if isinstance(value, list) else value))
+    return ["Peers: " + "; ".join(words) + "."]
 
 
 def markdown(doc: dict[str, Any]) -> str:

@@ -31,6 +31,7 @@ from typing import Any
 import pytest
 
 from pytest_sparse_mla.errors import SparseMlaUsageError
+from pytest_sparse_mla.implementations.catalogue import NAMES
 
 __all__ = [
     "DEVICES",
@@ -61,20 +62,10 @@ HELP_GROUP = "sparse-mla"
 HELP_GROUP_TITLE = "sparse-mla: sparse MLA kernel regression suites (pytest-sparse-mla)"
 #: Names that load the plugin with ``-p`` (the entry-point name and the module).
 PLUGIN_NAMES = ("sparse_mla", "pytest_sparse_mla.plugin", "sparse-mla")
-#: The built-in implementations' names, the keys of ``implementations.registry.BUILTINS`` in order
-#: (that module imports the adapters; ``--help`` lists these without importing it, and
-#: ``tests/test_papercuts.py`` checks the two agree).
-BUILTIN_NAMES = (
-    "reference",
-    "triton",
-    "flashinfer",
-    "sglang-triton",
-    "sglang-torch",
-    "flashmla",
-    "flaggems",
-    "vllm-triton",
-    "flashinfer-reference",
-)
+#: The built-in implementations' names, in order: ``implementations.catalogue.NAMES``, the table that
+#: ``implementations.registry.BUILTINS`` is built from (that module imports pytest and the adapters'
+#: factories; ``--help`` lists these without importing it).
+BUILTIN_NAMES: tuple[str, ...] = NAMES
 #: The forms ``--sparse-mla-impl`` accepts, in resolution order (``--help`` and miss errors).
 IMPL_FORMS = (
     f"a built-in name ({', '.join(BUILTIN_NAMES)})",

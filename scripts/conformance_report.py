@@ -29,13 +29,14 @@ from typing import Any
 
 from pytest_sparse_mla.conformance import _matches, markdown, read_junit, read_xfail_file
 from pytest_sparse_mla.conformance import build as build_doc
+from pytest_sparse_mla.implementations import catalogue
 
 ROOT = Path(__file__).resolve().parents[1]
 XFAIL_DIR = ROOT / "pytest_sparse_mla" / "xfail"
 
 
-#: The built-in peer adapters, in report order.
-PEERS = ("sglang-triton", "sglang-torch", "flashmla", "flaggems", "vllm-triton", "flashinfer-reference")
+#: The built-in peer adapters, in report order (``implementations.catalogue``).
+PEERS = catalogue.peer_names()
 
 
 def declarations() -> dict[str, Any]:
@@ -51,7 +52,7 @@ def declarations() -> dict[str, Any]:
 
 def build(results: Path, smoke_path: Path | None = None, notes_path: Path | None = None) -> dict[str, Any]:
     impls = sorted(p.name[len("conformance-") : -len(".xml")] for p in results.glob("conformance-*.xml"))
-    order = ["reference", *PEERS]
+    order = list(catalogue.conformance_names())
     impls.sort(key=lambda n: (order.index(n) if n in order else len(order), n))
     notes_path = notes_path or ROOT / "docs" / "conformance" / "notes.json"
     notes = json.loads(notes_path.read_text()) if notes_path.exists() else {}
@@ -135,15 +136,8 @@ def bench_markdown(doc: dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
-#: Where each peer's version is read from ``machine.json`` (label, key).
-_VERSIONS = {
-    "sglang-triton": ("sglang", "sglang"),
-    "sglang-torch": ("sglang", "sglang"),
-    "flashmla": ("FlashMLA", "flashmla_source"),
-    "flaggems": ("FlagGems", "flaggems_source"),
-    "vllm-triton": ("vLLM", "vllm_source"),
-    "flashinfer-reference": ("FlashInfer", "flashinfer_reference_source"),
-}
+#: Where each peer's version is read from ``machine.json`` (label, key; ``implementations.catalogue``).
+_VERSIONS = {entry.name: (entry.source.label, entry.source.key) for entry in catalogue.BUILTINS if entry.source}
 
 
 def discrepancies_markdown(doc: dict[str, Any], results: Path, notes: dict[str, Any]) -> str:

@@ -4,9 +4,10 @@
 #
 #   RESULTS=dir bash scripts/device_conformance.sh [IMPL ...]     # from the repository root
 #
-# IMPLs default to: reference sglang-triton sglang-torch flaggems vllm-triton flashinfer-reference flashmla. Peers come from the carried
-# files listed in scripts/peers_env.sh (a FlashMLA build is made in the background from its source
-# when none is carried, while the other implementations run). Per IMPL, in $RESULTS:
+# IMPLs default to the reference and every peer (pytest_sparse_mla/implementations/catalogue.py; LIST=1 prints them
+# and exits, no RESULTS needed). Peers come from the carried files listed in scripts/peers_env.sh (a FlashMLA build
+# is made in the background from its source when none is carried, while the other implementations run). Per IMPL,
+# in $RESULTS:
 #   conformance-IMPL.json   --sparse-mla-report-json (probe, options, device per worker)
 #   conformance-IMPL.xml    JUnit XML (every test's outcome and message)
 #   conformance-IMPL.log    the pytest output
@@ -26,11 +27,18 @@
 # compute-sanitizer memcheck: a test whose kernels access memory out of bounds fails with the first access
 # reported, pytest_sparse_mla/sanitizer.py; one process per suite, log in $RESULTS/sanitizer-IMPL.log).
 set -uo pipefail
+IMPLS=("$@")
+if [ ${#IMPLS[@]} -eq 0 ]; then
+  mapfile -t IMPLS < <(python3 -m pytest_sparse_mla.implementations.catalogue conformance)
+  [ ${#IMPLS[@]} -gt 0 ] || { echo "device_conformance: could not read the implementations" >&2; exit 1; }
+fi
+if [ "${LIST:-0}" = 1 ]; then
+  printf '%s\n' "${IMPLS[@]}"
+  exit 0
+fi
 OUT=${RESULTS:?set RESULTS to the results directory}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
-IMPLS=("$@")
-[ ${#IMPLS[@]} -gt 0 ] || IMPLS=(reference sglang-triton sglang-torch flaggems vllm-triton flashinfer-reference flashmla)
 export PYTHONUNBUFFERED=1 PEERS_ENV_FUNCTIONS_ONLY=1
 # shellcheck source=scripts/peers_env.sh
 source scripts/peers_env.sh
@@ -80,11 +88,16 @@ for dist in ("sglang", "pytest", "pytest-xdist", "syrupy", "hypothesis"):
         info[dist] = m.version(dist)
     except m.PackageNotFoundError:
         info[dist] = None
-src = os.path.join(os.environ.get("PEERS_DIR", "/tmp/sparse-mla-peers"), "flashmla", "PEER_SOURCE.txt")
-info["flashmla_source"] = open(src).read().strip().splitlines() if os.path.exists(src) else None
-for peer, path in (("flaggems", ".peers/flaggems/SOURCE"), ("vllm", ".peers/vllm/SOURCE"),
-                   ("flashinfer_reference", ".peers/flashinfer/SOURCE")):
-    info[f"{peer}_source"] = open(path).read().strip().splitlines() if os.path.exists(path) else None
+from pytest_sparse_mla.implementations.catalogue import sources
+for source in sources():  # each peer's source: a version installed, or a file naming it
+    if source.file is not None:
+        path = source.file.format(PEERS_DIR=os.environ.get("PEERS_DIR", "/tmp/sparse-mla-peers"))
+        info[source.key] = open(path).read().strip().splitlines() if os.path.exists(path) else None
+    elif source.dist is not None and source.key not in info:
+        try:
+            info[source.key] = m.version(source.dist)
+        except m.PackageNotFoundError:
+            info[source.key] = None
 json.dump(info, open(sys.argv[1], "w"), indent=1)
 print(json.dumps(info))
 PY

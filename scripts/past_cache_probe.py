@@ -19,9 +19,9 @@ import dataclasses
 import subprocess
 import sys
 
-from pytest_sparse_mla.implementations import BUILTINS
+from pytest_sparse_mla.implementations import BUILTINS, catalogue
 
-PEERS = ("flashmla", "flaggems", "vllm-triton", "flashinfer-reference", "sglang-triton", "sglang-torch")
+PEERS = catalogue.peer_names()
 TEST = "suites/test_attention_inputs.py::test_a_valid_lane_past_the_cache_does_what_the_envelope_says"
 
 

@@ -40,11 +40,11 @@ peers_install_wheels() {  # every carried wheel, one at a time (one bad wheel do
   done
 }
 
-peers_pythonpath() {
+peers_pythonpath() {  # the carried source directories: pytest_sparse_mla/implementations/catalogue.py
   local p="$PEERS_ROOT:$PEERS_DIR/site:$PEERS_DIR/flashmla" d
-  for d in flaggems/src vllm flashinfer; do
-    [ -d "$PEERS_ROOT/.peers/$d" ] && p="$p:$PEERS_ROOT/.peers/$d"
-  done
+  while read -r d; do
+    [ -n "$d" ] && [ -d "$PEERS_ROOT/$d" ] && p="$p:$PEERS_ROOT/$d"
+  done < <(cd "$PEERS_ROOT" && python3 -m pytest_sparse_mla.implementations.catalogue carried)
   export PYTHONPATH="$p${PYTHONPATH:+:$PYTHONPATH}"
 }
 
@@ -91,8 +91,8 @@ peers_flashmla() {  # unpack a carried build, else build from the carried source
 peers_status() {
   python3 - <<'PY' >&2 || true
 import importlib.metadata as m
-from pytest_sparse_mla.implementations import BUILTINS
-for name in ("sglang-triton", "sglang-torch", "flashmla", "flaggems", "vllm-triton", "flashinfer-reference"):
+from pytest_sparse_mla.implementations import BUILTINS, catalogue
+for name in catalogue.peer_names():
     impl = BUILTINS[name](None)
     print(f"peers_env: {name}: {impl.skip_reason('sparse_mla_forward', 'cuda') or 'ready'}")
 try:

@@ -27,6 +27,7 @@ import sys
 from pathlib import Path
 
 import pytest_sparse_mla
+from pytest_sparse_mla.implementations import catalogue
 
 PACKAGE = "pytest_sparse_mla"
 PACKAGE_DIR = Path(pytest_sparse_mla.__file__).resolve().parent
@@ -41,15 +42,10 @@ CORE = (
     "envelope",
     "errors",
     "formats",
-    "implementations.builtin",
-    "implementations.flashinfer",
-    "implementations.sglang",
-    "implementations.flashmla",
-    "implementations.flaggems",
-    "implementations.vllm_triton",
-    "implementations.flashinfer_reference",
+    *dict.fromkeys(entry.module.removeprefix(f"{PACKAGE}.") for entry in catalogue.BUILTINS),  # every adapter
     "implementations._peer",
     "implementations._source",
+    "implementations.catalogue",
     "implementations.protocol",
     "page_split",
     "recording",

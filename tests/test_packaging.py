@@ -116,7 +116,7 @@ def test_the_sdist_holds_the_tests_and_everything_they_need(tmp_path: Path) -> N
     with tarfile.open(sdist) as tar:
         names = {name.split("/", 1)[1] for name in tar.getnames() if "/" in name}
     expected = {
-        "LICENSE", "README.md", "pyproject.toml", "conftest.py", "tox.ini", ".ci/run",
+        "LICENSE", "README.md", "CONTRIBUTING.md", "pyproject.toml", "conftest.py", "tox.ini", ".ci/run",
         "pytest_sparse_mla/py.typed", "examples/downstream/pyproject.toml",
         "scripts/flashinfer_introspect.py",  # a CI tool the tests load (tests/scripts_loader.py)
     }  # fmt: skip

@@ -18,12 +18,18 @@ from pathlib import Path
 import inner_session
 import pytest
 
+from pytest_sparse_mla.implementations import catalogue
+
 ROOT = Path(__file__).resolve().parents[1]
 XFAIL = ROOT / "pytest_sparse_mla" / "xfail"
 
-LANES = {
-    "sglang-torch": ("sglang", "pip install --no-deps sglang==0.5.23"),
-    "flashinfer-reference": ("flashinfer", "pip install --no-deps flashinfer-python==0.7.2.post1"),
+#: The peers that run on a CPU (``cpu_lane`` in ``implementations.catalogue``) -> how to install their wheel.
+LANES = {entry.name: f"pip install --no-deps {entry.wheel}" for entry in catalogue.BUILTINS if entry.cpu_lane}
+#: Where each lane runs among the self-tests: FlashInfer's with the gate's whole-suite runs (shared oracle and
+#: inputs: tests/conftest.py); SGLang's apart, to balance the two workers; a new lane runs apart too.
+_SCHEDULE = {
+    "flashinfer-reference": inner_session.WHOLE_SUITE_RUN.with_args(seconds=14),
+    "sglang-torch": pytest.mark.sparse_mla_selftest_long(seconds=20),
 }
 
 
@@ -36,16 +42,15 @@ def _missing(name: str) -> str | None:
 
 @pytest.mark.parametrize(
     "name",
-    [  # FlashInfer's lane with the gate's whole-suite runs (shared oracle and inputs: tests/conftest.py); SGLang's
-        # lane runs apart, to balance the two workers
-        pytest.param("flashinfer-reference", marks=inner_session.WHOLE_SUITE_RUN.with_args(seconds=14)),
-        pytest.param("sglang-torch", marks=pytest.mark.sparse_mla_selftest_long(seconds=20)),
+    [
+        pytest.param(name, marks=_SCHEDULE.get(name, pytest.mark.sparse_mla_selftest_long(seconds=20)))
+        for name in [*(n for n in _SCHEDULE if n in LANES), *(n for n in LANES if n not in _SCHEDULE)]
     ],
 )
 def test_peer_meets_the_suite_with_its_xfail_file(name, tmp_path, monkeypatch, capsys):
     reason = _missing(name)
     if reason is not None:
-        pytest.skip(f"{reason}; install it with: {LANES[name][1]}")
+        pytest.skip(f"{reason}; install it with: {LANES[name]}")
     args = [
         "-p", "sparse_mla", str(ROOT / "suites"), "--sparse-mla-impl", name,
         "--sparse-mla-device", "cpu", "--sparse-mla-xfail-file", str(XFAIL / f"{name}.txt"),

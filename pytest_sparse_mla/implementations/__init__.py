@@ -83,18 +83,13 @@ Built-ins
   ``flashinfer/utils.py`` ``is_sm12x_supported``). Compute mode ``"fp8"`` (its kernels quantize
   Q and P to E4M3; profile ``kernel-fp8``).
 
-* ``sglang-triton``, ``sglang-torch`` (``implementations.sglang``): SGLang's Triton and PyTorch
-  DeepSeek-V4 sparse decode and its page split, executed from the installed ``sglang`` wheel
-  without importing its server stack. ``flashmla`` (``implementations.flashmla``): FlashMLA's
-  SM90/SM100 sparse decode (``T <= 64``) and sparse prefill, from a built ``flash_mla``.
-  ``flaggems`` (``implementations.flaggems``): FlagGems' Triton implementation of FlashMLA's
-  interface, executed from its source files. ``vllm-triton`` (``implementations.vllm_triton``):
-  vLLM's Triton BF16 sparse MLA over a dequantized table. ``flashinfer-reference``
-  (``implementations.flashinfer_reference``): the pure-torch references in the flashinfer-python
-  wheel, on any device (CPU included). Each declares what its peer takes as an ``envelope`` and answers
-  ``unsupported_reason(capability, *args, **kwargs)`` (a reason, or ``None``) before a call; the
-  call raises :class:`pytest_sparse_mla.Unsupported` with the same text, and
-  ``_peer.UnsafeForPeer`` for valid inputs the peer would mishandle out of bounds.
+* the peers: adapters over other projects' kernels, one module each, whose docstring says what it
+  runs, from where, and how it maps the call. Their names, adapter classes and what each needs are
+  the entries of ``implementations.catalogue`` (``python -m pytest_sparse_mla.implementations.catalogue
+  peers`` lists them; README, "Run the suites against a peer"). Each declares what its peer takes as an
+  ``envelope`` and answers ``unsupported_reason(capability, *args, **kwargs)`` (a reason, or
+  ``None``) before a call; the call raises :class:`pytest_sparse_mla.Unsupported` with the same
+  text, and ``_peer.UnsafeForPeer`` for valid inputs the peer would mishandle out of bounds.
 
 The hooks module (``pytest_sparse_mla.plugin``) calls :func:`configure` from ``pytest_configure``
 (the implementation is resolved once, so a bad ``--sparse-mla-impl`` is a usage error before any

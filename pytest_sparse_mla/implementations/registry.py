@@ -1,10 +1,10 @@
 """The registry of implementations and ``--sparse-mla-impl`` resolution (the plugin layer: it
 takes a ``pytest.Config`` and raises ``pytest.UsageError``), and the check of what it resolves (a
 capability provided, an ``envelope`` attribute that is an Envelope: :func:`declared_envelope`,
-which the guard and the fixtures read too). The adapters themselves live in their
-own modules (``builtin``, ``flashinfer``, ``sglang``, ``flashmla``, ``flaggems``, ``vllm_triton``,
-``flashinfer_reference``) and import no pytest; the protocol is in ``implementations.__init__``
-and ``implementations.protocol``.
+which the guard and the fixtures read too). The built-ins are the entries of
+``implementations.catalogue`` (name, adapter class); the adapters themselves live in their own
+modules, one per adapter, and import no pytest; the protocol is in ``implementations.__init__`` and
+``implementations.protocol``.
 """
 
 from __future__ import annotations
@@ -17,8 +17,7 @@ import pytest
 
 from pytest_sparse_mla import capabilities, options
 from pytest_sparse_mla.envelope import Envelope
-from pytest_sparse_mla.implementations.builtin import ReferenceImplementation, TritonImplementation
-from pytest_sparse_mla.implementations.flashinfer import FlashInferImplementation
+from pytest_sparse_mla.implementations import catalogue
 
 # The public names are exported by the package (``pytest_sparse_mla.implementations.__all__``).
 
@@ -28,27 +27,25 @@ NEEDS_MARKER = "sparse_mla_needs"
 _IMPL_KEY = pytest.StashKey[Any]()
 
 
-def _peer_adapter(module: str, cls: str) -> Callable[[pytest.Config], Any]:
-    """Factory of a peer adapter class in ``implementations.<module>`` (imported on first use)."""
-    return lambda config: getattr(importlib.import_module(f"pytest_sparse_mla.implementations.{module}"), cls)()
+def _factory(entry: catalogue.Builtin) -> Callable[[pytest.Config], Any]:
+    """Factory of ``entry``'s adapter class (its module imported on first use); a class that
+    ``takes_grid`` gets the session's ``--sparse-mla-grid`` release."""
+
+    def make(config: pytest.Config) -> Any:
+        adapter = getattr(importlib.import_module(entry.module), entry.attribute)
+        return adapter(options.get_options(config).grid) if entry.takes_grid else adapter()
+
+    return make
 
 
-#: built-in name -> factory(config). ``options.BUILTIN_NAMES`` lists the same names, in this order,
-#: for ``--help`` (tests/test_papercuts.py checks the two agree).
-BUILTINS: dict[str, Callable[[pytest.Config], Any]] = {
-    "reference": lambda config: ReferenceImplementation(options.get_options(config).grid),
-    "triton": lambda config: TritonImplementation(options.get_options(config).grid),
-    "flashinfer": lambda config: FlashInferImplementation(),
-    "sglang-triton": _peer_adapter("sglang", "SglangTritonImplementation"),
-    "sglang-torch": _peer_adapter("sglang", "SglangTorchImplementation"),
-    "flashmla": _peer_adapter("flashmla", "FlashMlaImplementation"),
-    "flaggems": _peer_adapter("flaggems", "FlagGemsImplementation"),
-    "vllm-triton": _peer_adapter("vllm_triton", "VllmTritonImplementation"),
-    "flashinfer-reference": _peer_adapter("flashinfer_reference", "FlashInferReferenceImplementation"),
-}
+#: built-in name -> factory(config), one per entry of ``implementations.catalogue.BUILTINS``, in its
+#: order (``options.BUILTIN_NAMES`` reads the same table for ``--help``).
+BUILTINS: dict[str, Callable[[pytest.Config], Any]] = {entry.name: _factory(entry) for entry in catalogue.BUILTINS}
 
 
 if TYPE_CHECKING:  # the built-ins type-check against the protocol (mypy --strict, lint lane)
+    from pytest_sparse_mla.implementations.builtin import ReferenceImplementation, TritonImplementation
+    from pytest_sparse_mla.implementations.flashinfer import FlashInferImplementation
     from pytest_sparse_mla.implementations.protocol import SparseMlaForward, SparseMlaImplementation
 
     _REFERENCE: SparseMlaImplementation = ReferenceImplementation()
