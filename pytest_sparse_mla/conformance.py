@@ -212,8 +212,8 @@ def _fmt(value: Any, spec: str = ".2e") -> str:
 
 def _peers_line(m: dict[str, Any]) -> list[str]:
     """The peers' versions and sources (this project's H200 runs; ``machine.json``, the keys and words
-    of ``implementations.catalogue.sources``), if any is recorded."""
-    from pytest_sparse_mla.implementations.catalogue import sources
+    of ``catalogue.sources``), if any is recorded."""
+    from pytest_sparse_mla.catalogue import sources
 
     if not any(m.get(source.key) for source in sources()):
         return []

@@ -31,7 +31,7 @@ from typing import Any
 import pytest
 
 from pytest_sparse_mla.errors import SparseMlaUsageError
-from pytest_sparse_mla.implementations.catalogue import NAMES
+from pytest_sparse_mla.catalogue import NAMES
 
 __all__ = [
     "DEVICES",
@@ -62,7 +62,7 @@ HELP_GROUP = "sparse-mla"
 HELP_GROUP_TITLE = "sparse-mla: sparse MLA kernel regression suites (pytest-sparse-mla)"
 #: Names that load the plugin with ``-p`` (the entry-point name and the module).
 PLUGIN_NAMES = ("sparse_mla", "pytest_sparse_mla.plugin", "sparse-mla")
-#: The built-in implementations' names, in order: ``implementations.catalogue.NAMES``, the table that
+#: The built-in implementations' names, in order: ``catalogue.NAMES``, the table that
 #: ``implementations.registry.BUILTINS`` is built from (that module imports pytest and the adapters'
 #: factories; ``--help`` lists these without importing it).
 BUILTIN_NAMES: tuple[str, ...] = NAMES

@@ -29,13 +29,13 @@ from typing import Any
 
 from pytest_sparse_mla.conformance import _matches, markdown, read_junit, read_xfail_file
 from pytest_sparse_mla.conformance import build as build_doc
-from pytest_sparse_mla.implementations import catalogue
+from pytest_sparse_mla import catalogue
 
 ROOT = Path(__file__).resolve().parents[1]
 XFAIL_DIR = ROOT / "pytest_sparse_mla" / "xfail"
 
 
-#: The built-in peer adapters, in report order (``implementations.catalogue``).
+#: The built-in peer adapters, in report order (``catalogue``).
 PEERS = catalogue.peer_names()
 
 
@@ -136,7 +136,7 @@ def bench_markdown(doc: dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
-#: Where each peer's version is read from ``machine.json`` (label, key; ``implementations.catalogue``).
+#: Where each peer's version is read from ``machine.json`` (label, key; ``catalogue``).
 _VERSIONS = {entry.name: (entry.source.label, entry.source.key) for entry in catalogue.BUILTINS if entry.source}
 
 

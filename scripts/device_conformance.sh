@@ -4,7 +4,7 @@
 #
 #   RESULTS=dir bash scripts/device_conformance.sh [IMPL ...]     # from the repository root
 #
-# IMPLs default to the reference and every peer (pytest_sparse_mla/implementations/catalogue.py; LIST=1 prints them
+# IMPLs default to the reference and every peer (pytest_sparse_mla/catalogue.py; LIST=1 prints them
 # and exits, no RESULTS needed). Peers come from the carried files listed in scripts/peers_env.sh (a FlashMLA build
 # is made in the background from its source when none is carried, while the other implementations run). Per IMPL,
 # in $RESULTS:
@@ -29,7 +29,7 @@
 set -uo pipefail
 IMPLS=("$@")
 if [ ${#IMPLS[@]} -eq 0 ]; then
-  mapfile -t IMPLS < <(python3 -m pytest_sparse_mla.implementations.catalogue conformance)
+  mapfile -t IMPLS < <(python3 -m pytest_sparse_mla.catalogue conformance)
   [ ${#IMPLS[@]} -gt 0 ] || { echo "device_conformance: could not read the implementations" >&2; exit 1; }
 fi
 if [ "${LIST:-0}" = 1 ]; then
@@ -88,7 +88,7 @@ for dist in ("sglang", "pytest", "pytest-xdist", "syrupy", "hypothesis"):
         info[dist] = m.version(dist)
     except m.PackageNotFoundError:
         info[dist] = None
-from pytest_sparse_mla.implementations.catalogue import sources
+from pytest_sparse_mla.catalogue import sources
 for source in sources():  # each peer's source: a version installed, or a file naming it
     if source.file is not None:
         path = source.file.format(PEERS_DIR=os.environ.get("PEERS_DIR", "/tmp/sparse-mla-peers"))

@@ -1,7 +1,7 @@
 """The suites against every peer adapter, each with its shipped xfail file: tox's ``peers-gpu`` lane.
 
 The peers, their xfail files and the wheels they run from are the entries of
-``pytest_sparse_mla.implementations.catalogue`` (a new peer joins the lane with its entry):
+``pytest_sparse_mla.catalogue`` (a new peer joins the lane with its entry):
 
     python scripts/peer_suites.py --install            # pip install --no-deps the peers' wheels
     python scripts/peer_suites.py --check cuda         # exit 1 naming each peer that cannot run on cuda
@@ -21,7 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pytest_sparse_mla.implementations import catalogue
+from pytest_sparse_mla import catalogue
 
 ROOT = Path(__file__).resolve().parents[1]
 

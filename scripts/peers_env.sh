@@ -40,11 +40,11 @@ peers_install_wheels() {  # every carried wheel, one at a time (one bad wheel do
   done
 }
 
-peers_pythonpath() {  # the carried source directories: pytest_sparse_mla/implementations/catalogue.py
+peers_pythonpath() {  # the carried source directories: pytest_sparse_mla/catalogue.py
   local p="$PEERS_ROOT:$PEERS_DIR/site:$PEERS_DIR/flashmla" d
   while read -r d; do
     [ -n "$d" ] && [ -d "$PEERS_ROOT/$d" ] && p="$p:$PEERS_ROOT/$d"
-  done < <(cd "$PEERS_ROOT" && python3 -m pytest_sparse_mla.implementations.catalogue carried)
+  done < <(cd "$PEERS_ROOT" && python3 -m pytest_sparse_mla.catalogue carried)
   export PYTHONPATH="$p${PYTHONPATH:+:$PYTHONPATH}"
 }
 
@@ -91,7 +91,8 @@ peers_flashmla() {  # unpack a carried build, else build from the carried source
 peers_status() {
   python3 - <<'PY' >&2 || true
 import importlib.metadata as m
-from pytest_sparse_mla.implementations import BUILTINS, catalogue
+from pytest_sparse_mla import catalogue
+from pytest_sparse_mla.implementations import BUILTINS
 for name in catalogue.peer_names():
     impl = BUILTINS[name](None)
     print(f"peers_env: {name}: {impl.skip_reason('sparse_mla_forward', 'cuda') or 'ready'}")

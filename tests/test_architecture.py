@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 
 import pytest_sparse_mla
-from pytest_sparse_mla.implementations import catalogue
+from pytest_sparse_mla import catalogue
 
 PACKAGE = "pytest_sparse_mla"
 PACKAGE_DIR = Path(pytest_sparse_mla.__file__).resolve().parent
@@ -45,7 +45,7 @@ CORE = (
     *dict.fromkeys(entry.module.removeprefix(f"{PACKAGE}.") for entry in catalogue.BUILTINS),  # every adapter
     "implementations._peer",
     "implementations._source",
-    "implementations.catalogue",
+    "catalogue",
     "implementations.protocol",
     "page_split",
     "recording",

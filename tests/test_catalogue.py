@@ -1,4 +1,4 @@
-"""One table of built-ins (``implementations.catalogue``), and a peer added the way a contributor adds one.
+"""One table of built-ins (``catalogue``), and a peer added the way a contributor adds one.
 
 The first tests check the table against what it names: each adapter class exists and carries the
 entry's name, each peer ships its xfail file and no xfail file is left without a peer, a CPU lane's
@@ -6,7 +6,7 @@ peer runs on a CPU and README's test command installs its wheel.
 
 The last test copies the package, the scripts and ``tests/test_architecture.py`` to a temporary
 checkout and makes there exactly the edits CONTRIBUTING.md's "Add a peer" lists: an adapter module,
-its xfail file and one entry in ``implementations/catalogue.py`` (nothing else differs from this
+its xfail file and one entry in ``catalogue.py`` (nothing else differs from this
 checkout: the test compares the two trees). A fresh Python process on that copy then sees the peer in
 ``registry.BUILTINS``, ``options.BUILTIN_NAMES`` and the ``--help`` text, the architecture test's core
 (whose pytest check then catches the adapter importing pytest), ``scripts/device_conformance.sh``'s
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_sparse_mla.implementations import catalogue
+from pytest_sparse_mla import catalogue
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE_DIR = ROOT / "pytest_sparse_mla"
@@ -143,7 +143,7 @@ lane = runpy.run_path(str(root / "scripts" / "peer_suites.py"), run_name="peer_s
 assert Path(command[command.index("--sparse-mla-xfail-file") + 1]).is_file(), command
 out = io.StringIO()
 with redirect_stdout(out):
-    from pytest_sparse_mla.implementations import catalogue
+    from pytest_sparse_mla import catalogue
     catalogue.main(["carried"]); catalogue.main(["wheels"])
 assert {".peers/toy", "toy-kernels==1.0"} <= set(out.getvalue().split()), out.getvalue()
 
@@ -182,7 +182,7 @@ def test_a_new_peer_is_an_adapter_its_xfail_file_and_one_entry(tmp_path: Path) -
     # the contributor's three edits (CONTRIBUTING.md, "Add a peer")
     (checkout / "pytest_sparse_mla" / "implementations" / "toy_peer.py").write_text(ADAPTER)
     (checkout / "pytest_sparse_mla" / "xfail" / "toy-peer.txt").write_text(XFAIL)
-    table = checkout / "pytest_sparse_mla" / "implementations" / "catalogue.py"
+    table = checkout / "pytest_sparse_mla" / "catalogue.py"
     text = table.read_text()
     assert text.count(ANCHOR) == 1
     table.write_text(text.replace(ANCHOR, ENTRY + ANCHOR))
@@ -191,7 +191,7 @@ def test_a_new_peer_is_an_adapter_its_xfail_file_and_one_entry(tmp_path: Path) -
     assert {k for k in after if before.get(k) != after[k]} | (set(before) - set(after)) == {
         "pytest_sparse_mla/implementations/toy_peer.py",
         "pytest_sparse_mla/xfail/toy-peer.txt",
-        "pytest_sparse_mla/implementations/catalogue.py",
+        "pytest_sparse_mla/catalogue.py",
     }
 
     env = {

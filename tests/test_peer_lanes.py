@@ -18,12 +18,12 @@ from pathlib import Path
 import inner_session
 import pytest
 
-from pytest_sparse_mla.implementations import catalogue
+from pytest_sparse_mla import catalogue
 
 ROOT = Path(__file__).resolve().parents[1]
 XFAIL = ROOT / "pytest_sparse_mla" / "xfail"
 
-#: The peers that run on a CPU (``cpu_lane`` in ``implementations.catalogue``) -> how to install their wheel.
+#: The peers that run on a CPU (``cpu_lane`` in ``catalogue``) -> how to install their wheel.
 LANES = {entry.name: f"pip install --no-deps {entry.wheel}" for entry in catalogue.BUILTINS if entry.cpu_lane}
 #: Where each lane runs among the self-tests: FlashInfer's with the gate's whole-suite runs (shared oracle and
 #: inputs: tests/conftest.py); SGLang's apart, to balance the two workers; a new lane runs apart too.

@@ -85,7 +85,7 @@ Built-ins
 
 * the peers: adapters over other projects' kernels, one module each, whose docstring says what it
   runs, from where, and how it maps the call. Their names, adapter classes and what each needs are
-  the entries of ``implementations.catalogue`` (``python -m pytest_sparse_mla.implementations.catalogue
+  the entries of ``catalogue`` (``python -m pytest_sparse_mla.catalogue
   peers`` lists them; README, "Run the suites against a peer"). Each declares what its peer takes as an
   ``envelope`` and answers ``unsupported_reason(capability, *args, **kwargs)`` (a reason, or
   ``None``) before a call; the call raises :class:`pytest_sparse_mla.Unsupported` with the same

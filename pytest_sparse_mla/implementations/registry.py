@@ -2,7 +2,7 @@
 takes a ``pytest.Config`` and raises ``pytest.UsageError``), and the check of what it resolves (a
 capability provided, an ``envelope`` attribute that is an Envelope: :func:`declared_envelope`,
 which the guard and the fixtures read too). The built-ins are the entries of
-``implementations.catalogue`` (name, adapter class); the adapters themselves live in their own
+``catalogue`` (name, adapter class); the adapters themselves live in their own
 modules, one per adapter, and import no pytest; the protocol is in ``implementations.__init__`` and
 ``implementations.protocol``.
 """
@@ -17,7 +17,7 @@ import pytest
 
 from pytest_sparse_mla import capabilities, options
 from pytest_sparse_mla.envelope import Envelope
-from pytest_sparse_mla.implementations import catalogue
+from pytest_sparse_mla import catalogue
 
 # The public names are exported by the package (``pytest_sparse_mla.implementations.__all__``).
 
@@ -38,7 +38,7 @@ def _factory(entry: catalogue.Builtin) -> Callable[[pytest.Config], Any]:
     return make
 
 
-#: built-in name -> factory(config), one per entry of ``implementations.catalogue.BUILTINS``, in its
+#: built-in name -> factory(config), one per entry of ``catalogue.BUILTINS``, in its
 #: order (``options.BUILTIN_NAMES`` reads the same table for ``--help``).
 BUILTINS: dict[str, Callable[[pytest.Config], Any]] = {entry.name: _factory(entry) for entry in catalogue.BUILTINS}
 

@@ -12,7 +12,7 @@ is an adapter module, its xfail file and one entry here (CONTRIBUTING.md, "Add a
 
 Standard library only: ``options`` reads the names while pytest registers the options, which must
 import neither torch nor the adapters (``tests/test_papercuts.py``), and the shell scripts read the
-lists through ``python3 -m pytest_sparse_mla.implementations.catalogue LIST`` (:func:`main`).
+lists through ``python3 -m pytest_sparse_mla.catalogue LIST`` (:func:`main`).
 """
 
 from __future__ import annotations
@@ -191,7 +191,7 @@ _LISTS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m pytest_sparse_mla.implementations.catalogue LIST``: one item per line, for shell
+    """``python -m pytest_sparse_mla.catalogue LIST``: one item per line, for shell
     scripts. ``LIST``: ``names`` (every built-in), ``peers``, ``conformance`` (a conformance run's
     default implementations), ``carried`` (the peers' carried source directories), ``wheels`` (the
     pip requirements of the peers installed from a wheel). Returns the exit status (2: another ``LIST``)."""
