@@ -16,8 +16,8 @@
 * Routing: FlashInfer's SM120 planner offers decode kernels only when ``num_tokens <= 64``
   (``_DECODE_MAX_TOKENS`` in flashinfer ``mla/_sparse_mla_sm120/_policy.py``) and, without a
   calibration profile, picks decode whenever it is legal ("decode first"). The cutoff is defined
-  once, in ``envelope`` (:data:`DECODE_MAX_TOKENS`, which imports neither torch nor pytest); this
-  module re-exports it.
+  once, in ``envelope`` (which imports neither torch nor pytest, so it cannot import this package);
+  this module re-exports it (:data:`DECODE_MAX_TOKENS`, :func:`route_for`).
 """
 
 from __future__ import annotations
