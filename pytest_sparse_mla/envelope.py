@@ -30,8 +30,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
+from pytest_sparse_mla.formats import CALL_FORMATS
+
 __all__ = [
+    "ALL_FORMATS",
     "DECODE_MAX_TOKENS",
+    "DEFAULT_FORMATS",
     "INVARIANCE_CLAIMS",
     "Envelope",
     "NotApplicable",
@@ -41,9 +45,17 @@ __all__ = [
     "route_of",
 ]
 
-#: FlashInfer's decode cutoff (``_DECODE_MAX_TOKENS = 64`` in flashinfer-ai/flashinfer
-#: ``flashinfer/mla/_sparse_mla_sm120``): ``num_tokens <= 64`` is the decode route.
+#: FlashInfer's decode cutoff in tokens (``_DECODE_MAX_TOKENS = 64`` in flashinfer-ai/flashinfer
+#: ``flashinfer/mla/_sparse_mla_sm120/_policy.py``): ``num_tokens <= 64`` is the decode route. The one
+#: definition: ``attention.conventions`` imports it.
 DECODE_MAX_TOKENS = 64
+#: Every attention call format an envelope may name: the entries of ``formats.CALL_FORMATS`` with
+#: ``envelope=True`` (``"dsv4"``, ``"dsv3_2"``, ``"dsv4_1"``), in the table's order.
+ALL_FORMATS: tuple[str, ...] = tuple(name for name, entry in CALL_FORMATS.items() if entry.envelope)
+#: The formats of the default envelope (:data:`UNIVERSAL`, and every format field's default): the
+#: entries with ``default_envelope=True`` (``"dsv4"``, ``"dsv3_2"``; V4.1 is declared by the kernel
+#: that reads its records).
+DEFAULT_FORMATS: tuple[str, ...] = tuple(name for name, entry in CALL_FORMATS.items() if entry.default_envelope)
 #: Invariance claims an envelope may make bit for bit (``Envelope.bitwise_invariance``).
 INVARIANCE_CLAIMS: tuple[str, ...] = ("padding", "heads", "batch", "layout")
 
@@ -121,8 +133,8 @@ class Envelope:
     Attributes:
         formats: packed cache formats taken: ``"dsv4"`` (584 B/token), ``"dsv3_2"`` (656 B/token),
             ``"dsv4_1"`` (DeepSeek-V4.1: 528 B SWA records in the main cache, 288 B indexed FP4
-            records in the extra cache; ``formats.CALL_FORMATS``). The default leaves V4.1 out: a
-            kernel that reads its records declares it.
+            records in the extra cache): :data:`ALL_FORMATS`, from ``formats.CALL_FORMATS``. The
+            default (:data:`DEFAULT_FORMATS`) leaves V4.1 out: a kernel that reads its records declares it.
         num_heads: head counts taken, or ``None`` for any ``H >= 1``.
         topk, extra_topk: main / extra index-row widths (:class:`Widths`).
         extra_cache_formats: formats for which an ``extra_kv_cache`` is taken (``()``: none).
@@ -151,19 +163,19 @@ class Envelope:
         notes: further facts, each with its public source.
     """
 
-    formats: tuple[str, ...] = ("dsv4", "dsv3_2")
+    formats: tuple[str, ...] = DEFAULT_FORMATS
     num_heads: tuple[int, ...] | None = None
     topk: Widths = Widths()
     extra_topk: Widths = Widths()
-    extra_cache_formats: tuple[str, ...] = ("dsv4", "dsv3_2")
+    extra_cache_formats: tuple[str, ...] = DEFAULT_FORMATS
     page_block_sizes: tuple[int, ...] | None = None
     extra_page_block_sizes: tuple[int, ...] | None = None
-    topk_length_formats: tuple[str, ...] = ("dsv4", "dsv3_2")
+    topk_length_formats: tuple[str, ...] = DEFAULT_FORMATS
     topk_length_range: Literal["clamped", "row"] = "clamped"
     min_tokens: int = 0
     max_tokens: int | None = None
     attn_sink: bool = True
-    sink_formats: tuple[str, ...] = ("dsv4", "dsv3_2")
+    sink_formats: tuple[str, ...] = DEFAULT_FORMATS
     masked_indices: Literal["negative", "minus_one"] = "negative"
     index_past_cache: Literal["masked", "refused", "undefined"] = "refused"
     lse_conventions: tuple[LseConvention, ...] = ("flashinfer", "flashmla")
@@ -171,11 +183,10 @@ class Envelope:
     notes: tuple[str, ...] = field(default=())
 
     def __post_init__(self) -> None:
-        known = {"dsv4", "dsv3_2", "dsv4_1"}
         for name in ("formats", "extra_cache_formats", "topk_length_formats", "sink_formats"):
             value = getattr(self, name)
-            if not isinstance(value, tuple) or not set(value) <= known:
-                raise ValueError(f"Envelope({name}={value!r}): expected a tuple of {sorted(known)}")
+            if not isinstance(value, tuple) or not set(value) <= set(ALL_FORMATS):
+                raise ValueError(f"Envelope({name}={value!r}): expected a tuple of {sorted(ALL_FORMATS)}")
         if not self.formats:
             raise ValueError("Envelope(formats=()): expected at least one format")
         for name in ("num_heads", "page_block_sizes", "extra_page_block_sizes"):
@@ -301,8 +312,6 @@ class Envelope:
         return out
 
 
-#: The envelope of an implementation that declares none: every call in the DSV4 and DSV3.2 formats.
+#: The envelope of an implementation that declares none: every call in the :data:`DEFAULT_FORMATS`
+#: (DSV4 and DSV3.2).
 UNIVERSAL = Envelope()
-
-#: Every attention call format this project knows (``formats.CALL_FORMATS``).
-ALL_FORMATS: tuple[str, ...] = ("dsv4", "dsv3_2", "dsv4_1")

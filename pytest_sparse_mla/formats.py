@@ -10,7 +10,12 @@ Record formats (:data:`FORMATS`; sizes in bytes per token; a page holds ``ps`` =
 * ``dsv3_2`` (DeepSeek-V3.2), 656, *inline*: 512 E4M3 NoPE codes, 4 fp32 scales (per 128), 64 BF16 RoPE.
 * ``dsv4_1_swa`` (528: 512 E4M3 codes, 16 UE8M0 scales per 32) and ``dsv4_1_indexed`` (288: 512 E2M1
   codes two per byte, 32 E4M3 scales per 16), DeepSeek-V4.1 inline records; an attention call's
-  ``fmt="dsv4_1"`` (:data:`CALL_FORMATS`) reads SWA records in the main cache, indexed in the extra.
+  ``fmt="dsv4_1"`` reads SWA records in the main cache, indexed in the extra.
+
+Call formats (:data:`CALL_FORMATS`, one :class:`CallFormat` each): the ``fmt`` of an attention call,
+its record formats and everything else asked of it (whether an envelope may name it, the default
+envelope's, the bundled reference's Triton kernel, FlashInfer's grid model). Every list of call
+formats in the package and its suites reads this table: adding a format is adding an entry.
 
 Scales are powers of two (``scale_rule`` ``"flashmla"``, ``"sglang"``, ``"dsv4_1"``; UE8M0 byte
 ``127 + log2(s)``), codes ``float8_e4m3fn(clamp(x/s, -448, 448))``. Page strides: ``"tight"``
@@ -18,6 +23,9 @@ Scales are powers of two (``scale_rule`` ``"flashmla"``, ``"sglang"``, ``"dsv4_1
 ``[P, ps*B]``, ``"3d"`` ``[P, ps, B]``, ``"hnd"`` ``[P, 1, ps, B]``, ``"nhd"`` ``[P, ps, 1, B]``
 (rules: :func:`parse_cache`); flat token index ``page * ps + slot``. :func:`quantize_pack` raises
 ``ValueError`` on non-finite input; :func:`unpack_dequantize` decodes any bytes.
+
+Importing this module does not import torch (the functions that compute import it), so the envelope
+and the dispatch grid, which never import torch, read its tables.
 
 Sources: deepseek-ai/FlashMLA ``tests/quant.py`` and README; flashinfer-ai/flashinfer
 ``include/flashinfer/attention/sparse_mla_sm120/model/kv_cache_traits.cuh``, ``common/kv_cache_io.cuh``,
@@ -30,9 +38,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "NOPE_OVERFLOW",
@@ -43,7 +52,9 @@ __all__ = [
     "DSV4_1_SWA",
     "DSV4_1_INDEXED",
     "FORMATS",
+    "CallFormat",
     "CALL_FORMATS",
+    "call_format",
     "cache_formats",
     "call_format_name",
     "record_format",
@@ -158,14 +169,85 @@ FORMATS: dict[str, PackedFormat] = {
 }
 
 
-#: The ``fmt`` of an attention call names the record format of its main cache and of its extra
-#: cache: one format for both, or ``"dsv4_1"``: DeepSeek-V4.1's SWA records in the main cache and
-#: its indexed records in the extra cache (flashinfer-python 0.7.2.post1 ``compressed_reference.py``
-#: ``compressed_sparse_mla_reference(..., cache_format="deepseek_v41")``).
-CALL_FORMATS: dict[str, tuple[PackedFormat, PackedFormat]] = {
-    **{name: (f, f) for name, f in FORMATS.items()},
-    "dsv4_1": (DSV4_1_SWA, DSV4_1_INDEXED),
-}
+@dataclass(frozen=True)
+class CallFormat:
+    """One attention call format: what an attention call's ``fmt`` names, and everything the rest of
+    the package asks about it (one entry of :data:`CALL_FORMATS`, the one table every list of call
+    formats reads: ``envelope.ALL_FORMATS`` and the default envelope, the bundled reference's
+    backends, the FlashInfer grid's model, the suites' parametrisations).
+
+    Attributes:
+        name: the ``fmt`` value: ``"dsv4"``, ``"dsv3_2"``, ``"dsv4_1"``, or a record format used for
+            both caches.
+        main: record format of the main cache (``kv_cache``).
+        extra: record format of the extra cache (``extra_kv_cache``).
+        envelope: whether an ``Envelope`` may name it (``envelope.ALL_FORMATS``), and so the shipped
+            suites run it: the call formats of DeepSeek's models. A V4.1 record format used for both
+            caches (``"dsv4_1_swa"``, ``"dsv4_1_indexed"``) is a call of the bundled reference only.
+        default_envelope: whether the default envelope (``envelope.UNIVERSAL``, that of an
+            implementation declaring none) takes it. V4.1 is left out: a kernel that reads its
+            records declares it.
+        triton: whether the bundled reference's Triton kernel reads it (the DSV4 footer and DSV3.2
+            inline layouts); any other format runs on its torch backend.
+        grid_model: the FlashInfer dispatch grid's model (``dispatch.grid.MODELS``) that judges the
+            call: ``"DSV4"``, ``"DSV3_2"`` or ``"DSV4_1"`` (``ModelType::DSV4_1``; ``dispatch.format_model``
+            picks ``"DSV4_1_INLINE"`` where the release reads inline records); ``None``: FlashInfer
+            takes no such call, for the reason ``no_grid``.
+        no_grid: why FlashInfer takes no call of this format (``grid_model`` ``None``).
+    """
+
+    name: str
+    main: PackedFormat
+    extra: PackedFormat
+    envelope: bool = False
+    default_envelope: bool = False
+    triton: bool = False
+    grid_model: str | None = None
+    no_grid: str = ""
+
+    @property
+    def d_qk(self) -> int:
+        """Query/key width of the call: the main record format's (512 DSV4 and V4.1, 576 DSV3.2)."""
+        return self.main.d_qk
+
+    @property
+    def d_v(self) -> int:
+        """Output (value) width of the call: the main record format's (512 for every format)."""
+        return self.main.d_v
+
+
+#: Every attention call format, by ``fmt``: one record format for both caches, or ``"dsv4_1"``:
+#: DeepSeek-V4.1's SWA records in the main cache and its indexed records in the extra cache
+#: (flashinfer-python 0.7.2.post1 ``compressed_reference.py``
+#: ``compressed_sparse_mla_reference(..., cache_format="deepseek_v41")``). FlashInfer's models (its
+#: ``ModelType``): ``dispatch.grid.MODELS``.
+CALL_FORMATS: dict[str, CallFormat] = {
+    c.name: c
+    for c in (
+        CallFormat("dsv4", DSV4, DSV4, envelope=True, default_envelope=True, triton=True, grid_model="DSV4"),
+        CallFormat("dsv3_2", DSV3_2, DSV3_2, envelope=True, default_envelope=True, triton=True, grid_model="DSV3_2"),
+        CallFormat("dsv4_1_swa", DSV4_1_SWA, DSV4_1_SWA, grid_model="DSV4_1"),
+        CallFormat(
+            "dsv4_1_indexed", DSV4_1_INDEXED, DSV4_1_INDEXED,
+            no_grid="FlashInfer reads DeepSeek-V4.1 FP4 indexed records only in the extra cache "
+            "(extra_kv_fp4=True); expected a main cache of SWA records (fmt='dsv4_1' or 'dsv4_1_swa')",
+        ),
+        CallFormat("dsv4_1", DSV4_1_SWA, DSV4_1_INDEXED, envelope=True, grid_model="DSV4_1"),
+    )
+}  # fmt: skip
+
+
+def call_format(fmt: PackedFormat | str) -> CallFormat:
+    """The :data:`CALL_FORMATS` entry of an attention call's ``fmt`` (a :class:`PackedFormat`: the
+    entry of its name).
+
+    Raises:
+        ValueError: unknown name.
+    """
+    name = fmt.name if isinstance(fmt, PackedFormat) else fmt
+    if name in CALL_FORMATS:
+        return CALL_FORMATS[name]
+    raise ValueError(f"fmt={fmt!r}: expected one of {sorted(CALL_FORMATS)}")
 
 
 def get_format(fmt: PackedFormat | str) -> PackedFormat:
@@ -180,7 +262,7 @@ def get_format(fmt: PackedFormat | str) -> PackedFormat:
     if fmt in FORMATS:
         return FORMATS[fmt]
     if fmt in CALL_FORMATS:
-        return CALL_FORMATS[fmt][0]
+        return CALL_FORMATS[fmt].main
     raise ValueError(f"fmt={fmt!r}: expected one of {sorted(CALL_FORMATS)}")
 
 
@@ -205,7 +287,7 @@ def record_format(fmt: PackedFormat | str, name: str = "fmt") -> PackedFormat:
             cache, ``"dsv4_1_swa"`` or ``"dsv4_1_indexed"``), or an unknown name.
     """
     if isinstance(fmt, str) and fmt not in FORMATS and fmt in CALL_FORMATS:
-        main, extra = CALL_FORMATS[fmt]
+        main, extra = CALL_FORMATS[fmt].main, CALL_FORMATS[fmt].extra
         raise ValueError(
             f"{name}={fmt!r} is an attention call format (main cache {main.name!r}, extra cache {extra.name!r}); "
             f"one cache has one record format: expected {main.name!r} or {extra.name!r}"
@@ -222,9 +304,8 @@ def cache_formats(fmt: PackedFormat | str) -> tuple[PackedFormat, PackedFormat]:
     """
     if isinstance(fmt, PackedFormat):
         return fmt, fmt
-    if fmt in CALL_FORMATS:
-        return CALL_FORMATS[fmt]
-    raise ValueError(f"fmt={fmt!r}: expected one of {sorted(CALL_FORMATS)}")
+    entry = call_format(fmt)
+    return entry.main, entry.extra
 
 
 def _check_page_block_size(page_block_size: object, name: str = "page_block_size") -> int:
@@ -332,6 +413,8 @@ def parse_cache(
             pointer not 16-byte aligned; 4-D without a singleton head axis; zero pages or tokens;
             ``page_block_size`` disagreeing with the shape.
     """
+    import torch
+
     f = record_format(fmt)
     bpt = f.bytes_per_token
     if not isinstance(cache, torch.Tensor):
@@ -422,6 +505,8 @@ def page_bytes_view(cache: torch.Tensor, layout: CacheLayout) -> torch.Tensor:
     The view shares storage with ``cache`` and keeps its page stride, so it is the one "raw page"
     accessor both unpacking and the page split use. Padding past ``page_bytes`` is not included.
     """
+    import torch
+
     return torch.as_strided(
         cache,
         (layout.num_pages, layout.page_bytes),
@@ -442,6 +527,8 @@ def allocate_pages(
     Raises:
         ValueError: ``num_pages`` < 1, ``page_stride`` < 1 or ``fill`` outside 0..255.
     """
+    import torch
+
     if num_pages < 1 or page_stride < 1:
         raise ValueError(f"num_pages={num_pages}, page_stride={page_stride}: expected positive ints")
     if isinstance(fill, bool) or not isinstance(fill, int) or not 0 <= fill <= 255:
@@ -466,6 +553,8 @@ def as_form(
         ValueError: unknown ``form``, a non-2-D or non-uint8 buffer, or a buffer whose rows are
             shorter than ``ps*B``.
     """
+    import torch
+
     f = get_format(fmt)
     ps = _check_page_block_size(page_block_size)
     bpt = f.bytes_per_token
@@ -489,6 +578,8 @@ def as_form(
 
 def _pow2_exponent_ceil(x: torch.Tensor) -> torch.Tensor:
     """Exact ``ceil(log2(x))`` for positive finite fp32 ``x`` (int32), via ``frexp``."""
+    import torch
+
     mantissa, exponent = torch.frexp(x)
     # x = m * 2**e with m in [0.5, 1): x is a power of two iff m == 0.5, then log2(x) = e - 1.
     return torch.where(mantissa == 0.5, exponent - 1, exponent).to(torch.int32)
@@ -512,6 +603,8 @@ def scale_exponents(amax: torch.Tensor, rule: ScaleRule = "flashmla") -> torch.T
     Raises:
         ValueError: unknown rule, or a negative or non-finite ``amax``.
     """
+    import torch
+
     a = amax.to(torch.float32)
     if a.numel() and not bool((torch.isfinite(a) & (a >= 0)).all()):
         raise ValueError("amax: expected finite, non-negative group maxima (max |x| of finite values)")
@@ -537,6 +630,8 @@ def _source_is_clean(source: torch.Tensor, f: PackedFormat) -> bool:
     below :data:`NOPE_OVERFLOW` in magnitude, from the extremes (``torch.aminmax`` propagates NaN and
     reads BF16 in one pass: several times faster than an elementwise ``isfinite`` over a million
     rows); :func:`_check_source` looks for the first bad value only when this says no."""
+    import torch
+
     parts = [(source[..., : f.d_nope], NOPE_OVERFLOW)]
     if f.d_rope:
         parts.append((source[..., f.d_nope :], math.inf))
@@ -548,6 +643,8 @@ def _source_is_clean(source: torch.Tensor, f: PackedFormat) -> bool:
 
 
 def _check_source(source: torch.Tensor, f: PackedFormat) -> None:
+    import torch
+
     if not isinstance(source, torch.Tensor):
         raise TypeError(f"source: expected a torch.Tensor, got {type(source).__name__}")
     if source.dtype != torch.bfloat16:
@@ -583,6 +680,8 @@ def _quantize_groups(
     nope: torch.Tensor, group_size: int, rule: ScaleRule
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``[..., n]`` fp32 NoPE values in groups: (E4M3 code bytes, int32 exponents)."""
+    import torch
+
     shape = nope.shape
     groups = nope.reshape(*shape[:-1], shape[-1] // group_size, group_size)
     exponents = scale_exponents(groups.abs().amax(dim=-1), rule)
@@ -603,6 +702,8 @@ def _e2m1_codes(x: torch.Tensor) -> torch.Tensor:
     :data:`E2M1_VALUES`): round to nearest, ties to the even code, magnitudes above 6 saturate to 6,
     the sign of a zero is kept (-0.0 is code 8). The index is the number of midpoints the magnitude
     passes (every midpoint is an exact fp32 number, so the comparisons are exact)."""
+    import torch
+
     magnitude = x.abs()
     index = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
     for midpoint, tie_up in _E2M1_MIDPOINTS:
@@ -619,6 +720,8 @@ def _quantize_e2m1(values: torch.Tensor, group_size: int) -> tuple[torch.Tensor,
     0.7.2.post1 ``pack_deepseek_v41_cache_reference`` writes them (its comment: DeepSeek-V4.1's
     ``fp4_quant_kernel`` divides).
     """
+    import torch
+
     shape = values.shape
     groups = values.reshape(*shape[:-1], shape[-1] // group_size, group_size)
     amax = groups.abs().amax(dim=-1)
@@ -679,6 +782,8 @@ def quantize_pack(
         ValueError: wrong shape, non-finite values, NoPE values ``>=`` :data:`NOPE_OVERFLOW` in
             magnitude (they would dequantize to inf), bad stride, form or scale rule.
     """
+    import torch
+
     f = record_format(fmt)
     rule = _default_rule(f, scale_rule)
     _check_source(source, f)
@@ -744,6 +849,8 @@ def unpack_fields(
     Raises:
         TypeError, ValueError: as :func:`parse_cache`.
     """
+    import torch
+
     f = record_format(fmt)
     layout = parse_cache(cache, f, page_block_size=page_block_size)
     pages = page_bytes_view(cache, layout)
@@ -777,6 +884,8 @@ def check_scales(cache: torch.Tensor, fmt: PackedFormat | str = DSV4, *, page_bl
         TypeError, ValueError: as :func:`parse_cache`.
         ValueError: the first bad record, by page, slot and scale group, with its byte(s).
     """
+    import torch
+
     f = record_format(fmt)
     fields = unpack_fields(cache, f, page_block_size=page_block_size)
     raw = fields.scale_bytes[..., : f.num_scales * (4 if f.scale_kind == "fp32" else 1)]
@@ -804,7 +913,7 @@ def unpack_dequantize(
     fmt: PackedFormat | str = DSV4,
     *,
     page_block_size: int | None = None,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Dequantize a packed cache to ``[num_pages, page_block_size, d_qk]`` latent rows.
 
@@ -821,12 +930,16 @@ def unpack_dequantize(
         cache: packed uint8 cache in any accepted form.
         fmt: the packed format.
         page_block_size: see :func:`parse_cache`.
-        dtype: result dtype (``torch.float32``, ``torch.bfloat16`` or ``torch.float64``).
+        dtype: result dtype (``torch.float32``, ``torch.bfloat16`` or ``torch.float64``; ``None``, the
+            default: ``torch.float32``).
 
     Raises:
         TypeError, ValueError: as :func:`parse_cache`.
     """
+    import torch
+
     f = record_format(fmt)
+    dtype = torch.float32 if dtype is None else dtype
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype={dtype!r}: expected a floating torch.dtype (torch.float32, torch.bfloat16, ...)")
     fields = unpack_fields(cache, f, page_block_size=page_block_size)

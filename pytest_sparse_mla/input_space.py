@@ -15,6 +15,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from pytest_sparse_mla.envelope import ALL_FORMATS
+
 __all__ = [
     "DIMENSIONS",
     "Dimension",
@@ -95,7 +97,7 @@ _CONTRACT = "this package's contract (`attention.call.SparseMlaCall.read`, `Enve
 DIMENSIONS: tuple[Dimension, ...] = (
     Dimension(
         "fmt",
-        "`dsv4`, `dsv3_2`, `dsv4_1`",
+        ", ".join(f"`{name}`" for name in ALL_FORMATS),
         "`formats.CALL_FORMATS`; FlashMLA MODEL1/V32, flashinfer-python 0.7.2.post1 V4.1 reference",
         "all three",
         "every format of the envelope",

@@ -42,6 +42,7 @@ from pytest_sparse_mla.attention.cases import (
     AttentionInputs,
     deployment_cases,
 )
+from pytest_sparse_mla.envelope import ALL_FORMATS
 from pytest_sparse_mla.guard import check_result_shapes
 from pytest_sparse_mla.parametrize import case_params
 
@@ -108,7 +109,7 @@ def _lse(convention: str, scale: float) -> object:
     [_lse("flashinfer", 1.0), _lse("flashinfer", math.log(2.0)), _lse("flashinfer", 0.5), _lse("flashmla", 1.0)],
 )
 @pytest.mark.parametrize("with_sink", [False, True], ids=["no-sink", "sink"])
-@pytest.mark.parametrize("fmt", ["dsv4", "dsv3_2", "dsv4_1"])
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
 def test_lse_conventions(
     fmt, lse_convention, lse_scale, with_sink, sparse_mla_impl, sparse_mla_tolerances, sparse_mla_inputs,
     sparse_mla_envelope,
@@ -130,7 +131,7 @@ def test_lse_conventions(
 @pytest.mark.sparse_mla_error_class("empty-rows")
 @pytest.mark.parametrize("sink", ["no-sink", "sink", "minus-inf-sink"])
 @pytest.mark.parametrize("how", ["all-minus-one", "topk_length-0", "negative-lengths"])
-@pytest.mark.parametrize("fmt", ["dsv4", "dsv3_2", "dsv4_1"])
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
 def test_empty_rows_give_zero_output_and_sentinel_lse(
     fmt, how, sink, sparse_mla_impl, sparse_mla_tolerances, sparse_mla_inputs, sparse_mla_envelope, sparse_mla_device
 ):

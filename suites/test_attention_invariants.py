@@ -49,14 +49,14 @@ import torch
 from pytest_sparse_mla import data, formats
 from pytest_sparse_mla.attention import oracle_forward
 from pytest_sparse_mla.attention.cases import AttentionCase, AttentionInputs, fit_case, make_inputs
-from pytest_sparse_mla.envelope import Envelope, NotApplicable
+from pytest_sparse_mla.envelope import ALL_FORMATS, Envelope, NotApplicable
 from pytest_sparse_mla.implementations import skip_reason_for
 
 pytestmark = pytest.mark.sparse_mla_needs("sparse_mla_forward")
 
 DUAL_C4 = {"topk_extra": 128, "extra_page_block_size": 64, "extra_num_pages": 8}
 DUAL_C128 = {"topk_extra": 128, "extra_page_block_size": 2, "extra_num_pages": 128}
-FORMATS = ["dsv4", "dsv3_2", "dsv4_1"]
+FORMATS = list(ALL_FORMATS)  # every call format an envelope may name (formats.CALL_FORMATS)
 
 
 def _pad(indices: torch.Tensor, width: int, value: int = -1) -> torch.Tensor:

@@ -124,7 +124,7 @@ def declared_release(sparse_mla_impl) -> str:  # type: ignore[no-untyped-def]
 def _inputs(shape: GridShape, generator: torch.Generator, device: torch.device) -> dict:
     """Keyword arguments of ``sparse_mla_forward`` for ``shape``: random queries and rows, half of
     each index row valid (FlashInfer's test draw), caches with enough tokens for every lane."""
-    fmt = {"DSV4": "dsv4", "DSV3_2": "dsv3_2", "DSV4_1": "dsv4_1"}[shape.model]
+    fmt = next(n for n, c in formats.CALL_FORMATS.items() if c.envelope and c.grid_model == shape.model)
     main_fmt, extra_fmt = formats.cache_formats(fmt)
     f = main_fmt
     pages = -(-shape.topk // shape.page_block_size) + 1

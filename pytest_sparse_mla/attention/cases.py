@@ -368,9 +368,9 @@ def make_inputs(
 
 
 def _named_format(kw: dict[str, Any]) -> dict[str, Any]:
-    """A case written for DSV3.2 or DeepSeek-V4.1 exists for that format: it requires it
-    (``fit_case`` never moves it)."""
-    if kw.get("fmt") in ("dsv3_2", "dsv4_1"):
+    """A case written for a format other than the default DSV4 (DSV3.2, DeepSeek-V4.1) exists for that
+    format: it requires it (``fit_case`` never moves it)."""
+    if kw.get("fmt", AttentionCase.fmt) != AttentionCase.fmt:
         kw["requires"] = (*kw.get("requires", ()), "format")
     return kw
 

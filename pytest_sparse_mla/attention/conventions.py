@@ -15,24 +15,24 @@
   The *output* is the same under both conventions: the sink always adds denominator mass.
 * Routing: FlashInfer's SM120 planner offers decode kernels only when ``num_tokens <= 64``
   (``_DECODE_MAX_TOKENS`` in flashinfer ``mla/_sparse_mla_sm120/_policy.py``) and, without a
-  calibration profile, picks decode whenever it is legal ("decode first").
+  calibration profile, picks decode whenever it is legal ("decode first"). The cutoff is defined
+  once, in ``envelope`` (which imports neither torch nor pytest, so it cannot import this package);
+  this module re-exports it (:data:`DECODE_MAX_TOKENS`, :func:`route_for`).
 """
 
 from __future__ import annotations
 
 import math
 
+from pytest_sparse_mla.envelope import DECODE_MAX_TOKENS, route_of
+
 __all__ = ["LSE_CONVENTIONS", "DECODE_MAX_TOKENS", "route_for", "check_lse_convention"]
 
 LSE_CONVENTIONS: tuple[str, ...] = ("flashinfer", "flashmla")
 
-#: FlashInfer's decode cutoff in tokens (``_DECODE_MAX_TOKENS``).
-DECODE_MAX_TOKENS = 64
-
-
-def route_for(num_tokens: int) -> str:
-    """FlashInfer's default route for ``num_tokens`` query tokens: ``"decode"`` iff ``<= 64``."""
-    return "decode" if num_tokens <= DECODE_MAX_TOKENS else "prefill"
+#: FlashInfer's default route for ``num_tokens`` query tokens: ``"decode"`` iff ``<= 64``
+#: (:data:`DECODE_MAX_TOKENS`); the envelope's :func:`~pytest_sparse_mla.envelope.route_of`.
+route_for = route_of
 
 
 def check_lse_convention(lse_convention: object, lse_scale: object) -> tuple[str, float]:

@@ -231,7 +231,8 @@ def sparse_mla_forward(
             (``page * page_block_size + slot``); negative = masked; row-pitched views allowed.
         sm_scale: score scale (finite float), applied to the full ``d_qk`` dot product; DeepSeek-V4
             uses ``512 ** -0.5``.
-        fmt: ``"dsv4"`` (584 B/token) or ``"dsv3_2"`` (656 B/token); both caches use it.
+        fmt: the call format (``formats.CALL_FORMATS``): ``"dsv4"`` (584 B/token) or ``"dsv3_2"``
+            (656 B/token) for both caches, ``"dsv4_1"`` (528 B SWA main cache, 288 B FP4 extra cache).
         page_block_size: tokens per main page, only needed to disambiguate a 2-D cache.
         topk_length: optional ``[T]`` int32 valid prefix length per token, clamped to ``[0, topk]``.
         attn_sink: optional ``[H]`` fp32 per-head logit (natural-log units) that adds
@@ -327,20 +328,12 @@ def _forward(
     # FlashInfer returns before any dispatch when q.shape[0] == 0 (flashinfer/mla/_sparse_mla_sm120/
     # _api.py custom op), so an empty batch never meets the grid.
     if grid_release is not None and num_tokens > 0:
-        from pytest_sparse_mla.dispatch import FooterRecordsWarning, enforce_grid, inline_v41_model
+        from pytest_sparse_mla.dispatch import FooterRecordsWarning, enforce_grid, format_model
 
-        if f is formats.DSV4_1_INDEXED:
-            raise ValueError(
-                f"grid_release={grid_release!r} with fmt={fmt!r}: FlashInfer reads DeepSeek-V4.1 FP4 "
-                "indexed records only in the extra cache (extra_kv_fp4=True); expected a main cache of "
-                "SWA records (fmt='dsv4_1' or 'dsv4_1_swa')"
-            )
-        model = f.name
-        if f is formats.DSV4_1_SWA:
-            model, footer_note = inline_v41_model(grid_release)
-            pages = [layout.page_block_size] + ([extra_layout.page_block_size] if extra_layout else [])
-            if footer_note is not None and max(pages) > 1:
-                warnings.warn(FooterRecordsWarning(footer_note), stacklevel=2)
+        model, footer_note = format_model(fmt, grid_release)  # the call format's grid model
+        pages = [layout.page_block_size] + ([extra_layout.page_block_size] if extra_layout else [])
+        if footer_note is not None and max(pages) > 1:
+            warnings.warn(FooterRecordsWarning(footer_note), stacklevel=2)
         grid = enforce_grid(
             grid_release,
             model=model,
@@ -352,10 +345,11 @@ def _forward(
             extra_page_block_size=extra_layout.page_block_size if extra_layout is not None else 0,
         )
 
-    if f not in (formats.DSV4, formats.DSV3_2) and backend is None:
-        backend = "torch"  # the Triton kernel reads the DSV4 and DSV3.2 layouts only
-    if f not in (formats.DSV4, formats.DSV3_2) and backend == "triton":
-        raise ValueError(f"backend='triton' with fmt={fmt!r}: the Triton forward reads DSV4 and DSV3.2 caches only")
+    if not formats.call_format(fmt).triton and backend is None:
+        backend = "torch"  # the Triton kernel reads the DSV4 and DSV3.2 layouts only (CallFormat.triton)
+    if not formats.call_format(fmt).triton and backend == "triton":
+        read = [name for name, entry in formats.CALL_FORMATS.items() if entry.triton]
+        raise ValueError(f"backend='triton' with fmt={fmt!r}: the Triton forward reads fmt in {read} only")
     backend = resolve_backend(backend, q.device)
     route = route_for(num_tokens)
     device = q.device

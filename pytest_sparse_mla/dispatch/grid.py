@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field, replace
 from importlib import resources
 from typing import Any
 
+from pytest_sparse_mla import formats
 from pytest_sparse_mla.dispatch import errors
 
 __all__ = [
@@ -49,6 +50,7 @@ __all__ = [
     "supports",
     "enforce_grid",
     "inline_v41_model",
+    "format_model",
 ]
 
 #: route names a supported verdict carries.
@@ -70,7 +72,8 @@ class _Model:
 
 
 #: model key -> how FlashInfer names it (``ModelType`` DSV3_2=0, DSV4=1, DSV4_1=5, DSV4_1_INLINE=6;
-#: model_type.h).
+#: model_type.h). Which model judges a call of each attention call format is the format's entry in
+#: ``formats.CALL_FORMATS`` (``grid_model``; :func:`format_model`).
 MODELS: dict[str, _Model] = {
     "DSV4": _Model(cpp="DSV4", family="dsv4", model_type=1, d_qk=512),
     "DSV3_2": _Model(cpp="DSV3_2", family="dsv3_2", model_type=0, d_qk=576),
@@ -791,6 +794,27 @@ def inline_v41_model(release: object) -> tuple[str, str | None]:
             f"(kv_scale_format='ue8m0_g32_inline') are read from {first}"
         )
     return "DSV4_1_INLINE", None
+
+
+def format_model(fmt: str, release: object) -> tuple[str, str | None]:
+    """The model (:data:`MODELS`) that judges an attention call of format ``fmt`` on ``release``:
+    the format's ``grid_model`` in ``formats.CALL_FORMATS``; a ``"DSV4_1"`` one as
+    :func:`inline_v41_model` says (this package's V4.1 caches hold inline records).
+
+    Returns:
+        ``(model, note)``: ``note`` is :func:`inline_v41_model`'s (a release that misreads inline
+        records), else ``None``.
+
+    Raises:
+        ValueError: an unknown format, or one FlashInfer takes no call of (the entry's ``no_grid``).
+        UnsupportedReleaseError: as :func:`inline_v41_model`, for a V4.1 format.
+    """
+    entry = formats.call_format(fmt)
+    if entry.grid_model is None:
+        raise ValueError(f"fmt={entry.name!r} (flashinfer-python {release}): {entry.no_grid}")
+    if entry.grid_model == "DSV4_1":
+        return inline_v41_model(release)
+    return entry.grid_model, None
 
 
 @functools.lru_cache(maxsize=8192)
