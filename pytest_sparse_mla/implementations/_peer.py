@@ -411,7 +411,7 @@ class PeerAdapter:
         return f"<{type(self).__name__} {self.name!r}>"
 
 
-def virtual_table(call: SparseMlaCall, *, row_multiple: int) -> tuple[Any, Any, Any]:
+def virtual_table(call: SparseMlaCall, *, row_multiple: int, fold_lengths: bool = False) -> tuple[Any, Any, Any]:
     """The BF16 latent table and index rows a prefill-style peer reads instead of packed caches.
 
     The packed caches are dequantized with ``formats.unpack_dequantize`` on the layouts the call
@@ -426,11 +426,14 @@ def virtual_table(call: SparseMlaCall, *, row_multiple: int) -> tuple[Any, Any, 
         call: the read call (``attention.call.SparseMlaCall``): its caches, layouts, index rows and
             lengths.
         row_multiple: the peer's index-row multiple (lanes).
+        fold_lengths: fold ``topk_length`` into the rows without an extra cache too (for a peer that
+            takes no lengths): every invalid lane becomes ``-1``.
 
     Returns:
         ``(kv, rows, length)``: ``kv`` ``[N, 1, d_qk]`` BF16 (``N`` = main tokens + extra tokens),
         ``rows`` ``[T, width]`` int32 (``width`` a multiple of ``row_multiple``), ``length`` the
-        ``topk_length`` to hand the peer (``None`` with an extra cache: folded into ``rows``).
+        ``topk_length`` to hand the peer (``None`` where folded into ``rows``: with an extra cache
+        or ``fold_lengths``).
     """
     import torch
 
@@ -443,10 +446,11 @@ def virtual_table(call: SparseMlaCall, *, row_multiple: int) -> tuple[Any, Any, 
         for source in call.sources
     ]
     rows, length = main.indices, main.topk_length
+    if extra is not None or (fold_lengths and length is not None):
+        rows, length = torch.where(main.valid_lanes(), main.indices, torch.full_like(main.indices, -1)), None
     if extra is not None:
-        main_rows = torch.where(main.valid_lanes(), main.indices, torch.full_like(main.indices, -1))
         extra_rows = torch.where(extra.valid_lanes(), extra.indices + main.num_slots, -1)
-        rows, length = torch.cat([main_rows, extra_rows.to(main.indices.dtype)], dim=1), None
+        rows = torch.cat([rows, extra_rows.to(main.indices.dtype)], dim=1)
     width = -(-rows.shape[1] // row_multiple) * row_multiple
     padded = torch.full((rows.shape[0], width), -1, dtype=torch.int32, device=rows.device)
     padded[:, : rows.shape[1]] = rows

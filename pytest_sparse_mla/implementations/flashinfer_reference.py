@@ -37,7 +37,7 @@ from __future__ import annotations
 import functools
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pytest_sparse_mla.envelope import Envelope
 from pytest_sparse_mla.implementations._peer import (
@@ -48,6 +48,9 @@ from pytest_sparse_mla.implementations._peer import (
     lse_to_convention,
     source_skip_reason,
 )
+
+if TYPE_CHECKING:
+    from pytest_sparse_mla.attention.call import Candidates
 
 __all__ = ["FlashInferReferenceImplementation", "ENVELOPE", "references", "flashinfer_source"]
 
@@ -104,7 +107,7 @@ def references() -> tuple[Any, Any]:
     )
 
 
-def _flat_pages(source: Any, page_nbytes: int) -> Any:
+def _flat_pages(source: Candidates, page_nbytes: int) -> Any:
     """The pages of ``source``'s cache (an ``attention.call.Candidates``) as FlashInfer's flat
     ``[pages, page_nbytes]`` buffer (a copy; zero tail)."""
     import torch
@@ -117,7 +120,7 @@ def _flat_pages(source: Any, page_nbytes: int) -> Any:
     return flat
 
 
-def _token_rows(source: Any) -> Any:
+def _token_rows(source: Candidates) -> Any:
     """The token records of ``source``'s cache (an ``attention.call.Candidates``) as a
     ``[tokens, 1, bytes_per_token]`` copy."""
     import torch

@@ -50,12 +50,15 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pytest_sparse_mla import capabilities
 from pytest_sparse_mla.envelope import Envelope, Widths
 from pytest_sparse_mla.implementations import _peer
 from pytest_sparse_mla.repro import METADATA
+
+if TYPE_CHECKING:
+    from pytest_sparse_mla.attention.call import Candidates
 
 __all__ = [
     "FlashMlaImplementation",
@@ -179,7 +182,7 @@ class FlashMlaImplementation(_peer.PeerAdapter):
 
     # ---- the forward
 
-    def refuse_lanes(self, source: Any) -> None:
+    def refuse_lanes(self, source: Candidates) -> None:
         """FlashMLA does not clamp ``topk_length`` (:meth:`_check_lengths`)."""
         self._check_lengths(source)
 
@@ -203,7 +206,7 @@ class FlashMlaImplementation(_peer.PeerAdapter):
         )
         return _peer.PeerResult(out, lse, route, entry)
 
-    def _check_lengths(self, source: Any) -> None:
+    def _check_lengths(self, source: Candidates) -> None:
         """Refuse a ``topk_length`` of ``source`` outside ``[0, topk]`` (:class:`_peer.UnsafeForPeer`)."""
         length, topk = source.topk_length, source.topk
         if length is None:
@@ -217,7 +220,7 @@ class FlashMlaImplementation(_peer.PeerAdapter):
                 "processed'), they size the work and read index lanes from the raw value"
             )
 
-    def _check_decode_rows(self, source: Any) -> None:
+    def _check_decode_rows(self, source: Candidates) -> None:
         """Refuse decode index rows of ``source`` FlashMLA's decode would read out of bounds."""
         if not self.decode_masks_only_minus_one:
             return
@@ -246,7 +249,6 @@ class FlashMlaImplementation(_peer.PeerAdapter):
         flash_mla = self.module()
         for source in c.sources:
             self._check_decode_rows(source)
-        main_length, extra_length = c.main.topk_length, c.extra_topk_length
         sched, _ = flash_mla.get_mla_metadata()
         args = (c.q.unsqueeze(1), call.kv4, None, None, 512, sched, None)
         kwargs = {
@@ -257,8 +259,8 @@ class FlashMlaImplementation(_peer.PeerAdapter):
             "attn_sink": c.attn_sink,
             "extra_k_cache": call.extra4,
             "extra_indices_in_kvcache": c.extra.indices.unsqueeze(1) if c.extra is not None else None,
-            "topk_length": None if main_length is None else main_length.contiguous(),
-            "extra_topk_length": None if extra_length is None else extra_length.contiguous(),
+            "topk_length": None if c.main.topk_length is None else c.main.topk_length.contiguous(),
+            "extra_topk_length": None if c.extra_topk_length is None else c.extra_topk_length.contiguous(),
         }
         out, lse = _peer.call_peer(
             self.decode_source, "flash_mla_with_kvcache", flash_mla.flash_mla_with_kvcache, args, kwargs,

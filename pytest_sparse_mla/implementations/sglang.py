@@ -67,11 +67,14 @@ import sys
 import types
 from collections.abc import Iterator, MutableMapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pytest_sparse_mla import capabilities
 from pytest_sparse_mla.envelope import Envelope, Unsupported
 from pytest_sparse_mla.implementations import _peer
+
+if TYPE_CHECKING:
+    from pytest_sparse_mla.attention.call import Candidates
 
 __all__ = [
     "SGLANG_FILES",
@@ -511,7 +514,7 @@ class SglangTorchImplementation(_SglangBase):
     _forward_function = "_sm120_sparse_decode_fwd"
     _lse_has_sink = False
 
-    def refuse_lanes(self, source: Any) -> None:
+    def refuse_lanes(self, source: Candidates) -> None:
         """The torch path gathers every lane with torch indexing: on CUDA a valid lane past the
         cache is a device-side assert (measured on the H200), and a lane past ``topk_length`` is
         gathered too (only negatives are clamped)."""

@@ -139,13 +139,9 @@ class VllmTritonImplementation(PeerAdapter):
         """
         import torch
 
-        from pytest_sparse_mla.attention.call import valid_lanes
-
         c = call.call
         check_folded_lengths(c)
-        kv, rows, length = virtual_table(c, row_multiple=ROW_MULTIPLE)
-        if length is not None:  # one prefix length per row: folded into the row
-            rows = torch.where(valid_lanes(rows, length), rows, torch.full_like(rows, -1))
+        kv, rows, _ = virtual_table(c, row_multiple=ROW_MULTIPLE, fold_lengths=True)  # the kernel takes no lengths
         d_qk = c.main.layout.fmt.d_qk
         out, _max_logits, lse = call_peer(
             SOURCE, "triton_bf16_mla_sparse_interface", vllm_module().triton_bf16_mla_sparse_interface,
