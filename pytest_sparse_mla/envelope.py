@@ -28,7 +28,10 @@ This module imports neither torch nor pytest.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:  # for annotations only: this module imports neither torch nor pytest
+    from pytest_sparse_mla.attention.call import SparseMlaCall
 
 from pytest_sparse_mla.formats import CALL_FORMATS
 
@@ -258,6 +261,66 @@ class Envelope:
             return page_block_size
         return min(taken, key=lambda p: (abs(p - page_block_size), p))
 
+    # ---- the envelope's rules: one reason each (``None``: the call is inside on that rule)
+
+    def format_reason(self, fmt: str) -> str | None:
+        """Why call format ``fmt`` is not taken, or ``None``."""
+        return None if fmt in self.formats else f"format {fmt!r} is not in formats={self.formats}"
+
+    def tokens_reason(self, num_tokens: int) -> str | None:
+        """Why ``num_tokens`` is not taken, or ``None``."""
+        if num_tokens < self.min_tokens or (self.max_tokens is not None and num_tokens > self.max_tokens):
+            return f"num_tokens={num_tokens} is outside [{self.min_tokens}, {self.max_tokens}]"
+        return None
+
+    def heads_reason(self, num_heads: int) -> str | None:
+        """Why ``num_heads`` is not taken, or ``None``."""
+        if self.num_heads is not None and num_heads not in self.num_heads:
+            return f"num_heads={num_heads} is not in num_heads={self.num_heads}"
+        return None
+
+    def extra_reason(self, fmt: str) -> str | None:
+        """Why an extra cache is not taken for ``fmt``, or ``None``."""
+        if self.takes_extra(fmt):
+            return None
+        return f"an extra cache for {fmt!r} (extra_cache_formats={self.extra_cache_formats})"
+
+    def page_reason(self, name: str, page_block_size: int) -> str | None:
+        """Why ``page_block_size`` is not taken for the cache ``name`` names (``"page_block_size"``:
+        the main cache, ``"extra_page_block_size"``: the extra cache), or ``None``."""
+        taken = self.extra_page_block_sizes if name.startswith("extra") else self.page_block_sizes
+        if taken is not None and page_block_size not in taken:
+            return f"{name}={page_block_size} is not in {taken}"
+        return None
+
+    def lengths_reason(self, fmt: str) -> str | None:
+        """Why ``topk_length`` / ``extra_topk_length`` are not taken for ``fmt``, or ``None``."""
+        if self.takes_lengths(fmt):
+            return None
+        return f"topk_length for {fmt!r} (topk_length_formats={self.topk_length_formats})"
+
+    def length_value_reason(self, name: str, value: int, width: int) -> str | None:
+        """Why one ``topk_length`` value ``value`` of a ``width``-lane row (argument ``name``) is not
+        taken (``topk_length_range="row"``: outside ``[0, width]``), or ``None``."""
+        if self.topk_length_range == "row" and not 0 <= value <= width:
+            return f"{name}={value} outside [0, {width}] (topk_length_range='row')"
+        return None
+
+    def sink_reason(self, fmt: str) -> str | None:
+        """Why an ``attn_sink`` is not taken for ``fmt``, or ``None``."""
+        if self.takes_sink(fmt):
+            return None
+        return f"an attn_sink for {fmt!r} (attn_sink={self.attn_sink}, sink_formats={self.sink_formats})"
+
+    def lse_reason(self, lse_convention: str) -> str | None:
+        """Why ``lse_convention`` is not honoured, or ``None`` (also for a forward without an LSE:
+        its output is judged whatever convention is asked)."""
+        if self.returns_lse and lse_convention not in self.lse_conventions:
+            return f"lse_convention={lse_convention!r} is not in lse_conventions={self.lse_conventions}"
+        return None
+
+    # ---- a call against every rule
+
     def call_reason(
         self,
         *,
@@ -272,35 +335,55 @@ class Envelope:
         has_sink: bool = False,
         lse_convention: str | None = None,
     ) -> str | None:
-        """Why a call of this shape lies outside the envelope, or ``None`` (shapes only, no values)."""
-        if fmt not in self.formats:
-            return f"format {fmt!r} is not in formats={self.formats}"
-        if num_tokens < self.min_tokens or (self.max_tokens is not None and num_tokens > self.max_tokens):
-            return f"num_tokens={num_tokens} is outside [{self.min_tokens}, {self.max_tokens}]"
-        if self.num_heads is not None and num_heads not in self.num_heads:
-            return f"num_heads={num_heads} is not in num_heads={self.num_heads}"
-        reason = self.topk.reason("topk", topk)
-        if reason is None and extra_topk is not None:
-            if not self.takes_extra(fmt):
-                return f"an extra cache for {fmt!r} (extra_cache_formats={self.extra_cache_formats})"
-            reason = self.extra_topk.reason("extra_topk", extra_topk)
-        if reason is not None:
-            return reason
-        for name, ps, taken in (
-            ("page_block_size", page_block_size, self.page_block_sizes),
-            ("extra_page_block_size", extra_page_block_size, self.extra_page_block_sizes),
-        ):
-            if ps is not None and taken is not None and ps not in taken:
-                return f"{name}={ps} is not in {taken}"
-        if has_topk_length and not self.takes_lengths(fmt):
-            return f"topk_length for {fmt!r} (topk_length_formats={self.topk_length_formats})"
-        if has_sink and not self.takes_sink(fmt):
-            if not self.attn_sink:
-                return "attn_sink (attn_sink=False)"
-            return f"attn_sink for {fmt!r} (sink_formats={self.sink_formats})"
-        if lse_convention is not None and self.returns_lse and lse_convention not in self.lse_conventions:
-            return f"lse_convention={lse_convention!r} is not in lse_conventions={self.lse_conventions}"
-        return None
+        """Why a call of this shape lies outside the envelope, or ``None`` (shapes only, no values):
+        the first reason of the rules above, in this order: format, ``num_tokens``, ``num_heads``,
+        ``topk``, the extra cache and ``extra_topk``, page sizes, lengths, sink, LSE convention
+        (``None`` arguments are not judged)."""
+        return (
+            self.format_reason(fmt)
+            or self.tokens_reason(num_tokens)
+            or self.heads_reason(num_heads)
+            or self.topk.reason("topk", topk)
+            or (
+                None
+                if extra_topk is None
+                else self.extra_reason(fmt) or self.extra_topk.reason("extra_topk", extra_topk)
+            )
+            or (None if page_block_size is None else self.page_reason("page_block_size", page_block_size))
+            or (
+                None
+                if extra_page_block_size is None
+                else self.page_reason("extra_page_block_size", extra_page_block_size)
+            )
+            or (self.lengths_reason(fmt) if has_topk_length else None)
+            or (self.sink_reason(fmt) if has_sink else None)
+            or (None if lse_convention is None else self.lse_reason(lse_convention))
+        )
+
+    def read_call_reason(self, call: SparseMlaCall, *, page_sizes: bool = True, lse: bool = True) -> str | None:
+        """Why a read call (``attention.call.SparseMlaCall``) lies outside the envelope, or ``None``:
+        :meth:`call_reason` on its shapes (no values, no host synchronisation). The guard and the
+        peers' adapters judge every call with this.
+
+        Args:
+            call: the read call (queries of any rank: a missing ``num_heads`` dim reads as 0).
+            page_sizes: hold the caches' page sizes to the envelope's.
+            lse: hold the call's LSE convention to the envelope's.
+        """
+        shape = tuple(call.q.shape)
+        extra = call.extra
+        return self.call_reason(
+            fmt=call.fmt,
+            num_tokens=int(shape[0]) if shape else 0,
+            num_heads=int(shape[1]) if len(shape) > 1 else 0,
+            topk=call.main.topk,
+            extra_topk=extra.topk if extra is not None else None,
+            page_block_size=call.main.layout.page_block_size if page_sizes else None,
+            extra_page_block_size=extra.layout.page_block_size if extra is not None and page_sizes else None,
+            has_topk_length=call.main.topk_length is not None or call.extra_topk_length is not None,
+            has_sink=call.attn_sink is not None,
+            lse_convention=call.lse_convention if lse else None,
+        )
 
     def as_dict(self) -> dict[str, Any]:
         """The envelope as a JSON-ready dict (reports, ``docs/conformance.json``)."""

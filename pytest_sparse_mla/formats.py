@@ -843,16 +843,23 @@ def unpack_fields(
     fmt: PackedFormat | str = DSV4,
     *,
     page_block_size: int | None = None,
+    layout: CacheLayout | None = None,
 ) -> PackedFields:
     """Split a packed cache into its raw fields by page and slot (never by 584-byte rows).
 
+    Args:
+        layout: the cache's :class:`CacheLayout` as :func:`parse_cache` returned it for this
+            tensor (e.g. ``attention.call.Candidates.layout``): the cache is not parsed again, and
+            ``fmt`` / ``page_block_size`` are not read (the layout's format is the record format).
+
     Raises:
-        TypeError, ValueError: as :func:`parse_cache`.
+        TypeError, ValueError: as :func:`parse_cache` (without ``layout``).
     """
     import torch
 
-    f = record_format(fmt)
-    layout = parse_cache(cache, f, page_block_size=page_block_size)
+    if layout is None:
+        layout = parse_cache(cache, record_format(fmt), page_block_size=page_block_size)
+    f = layout.fmt
     pages = page_bytes_view(cache, layout)
     p, ps = layout.num_pages, layout.page_block_size
     if f.layout == "footer":
@@ -914,6 +921,7 @@ def unpack_dequantize(
     *,
     page_block_size: int | None = None,
     dtype: torch.dtype | None = None,
+    layout: CacheLayout | None = None,
 ) -> torch.Tensor:
     """Dequantize a packed cache to ``[num_pages, page_block_size, d_qk]`` latent rows.
 
@@ -932,17 +940,21 @@ def unpack_dequantize(
         page_block_size: see :func:`parse_cache`.
         dtype: result dtype (``torch.float32``, ``torch.bfloat16`` or ``torch.float64``; ``None``, the
             default: ``torch.float32``).
+        layout: the cache's :class:`CacheLayout` as :func:`parse_cache` returned it for this
+            tensor (e.g. ``attention.call.Candidates.layout``, what ``SparseMlaCall.read`` parsed):
+            the cache is not parsed again, and ``fmt`` / ``page_block_size`` are not read.
 
     Raises:
-        TypeError, ValueError: as :func:`parse_cache`.
+        TypeError: ``dtype`` is not a floating dtype; as :func:`parse_cache` (without ``layout``).
+        ValueError: as :func:`parse_cache` (without ``layout``).
     """
     import torch
 
-    f = record_format(fmt)
+    f = record_format(fmt) if layout is None else layout.fmt
     dtype = torch.float32 if dtype is None else dtype
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype={dtype!r}: expected a floating torch.dtype (torch.float32, torch.bfloat16, ...)")
-    fields = unpack_fields(cache, f, page_block_size=page_block_size)
+    fields = unpack_fields(cache, f, page_block_size=page_block_size, layout=layout)
     p, ps, _ = fields.codes.shape
     if f.code == "e2m1":  # codes 0..7 the magnitudes, 8..15 the same negated (-0.0 for code 8)
         table = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), device=fields.codes.device)

@@ -3,9 +3,11 @@
 The ``sparse_mla_impl`` fixture hands the suites a :class:`GuardedImplementation` around the
 selected implementation. Its ``sparse_mla_forward``:
 
-* checks each well-formed call against the implementation's envelope
-  (:func:`envelope_of`); a call outside a *declared* envelope is a bug of the suite's case fitting
-  and fails as such (the kernel is never called);
+* reads each well-formed call once (:func:`read_call`) and checks it against the implementation's
+  envelope (:func:`envelope_of`, ``Envelope.read_call_reason``); a call outside a *declared*
+  envelope is a bug of the suite's case fitting and fails as such (the kernel is never called). A
+  built-in peer adapter is handed that read call (``implementations._peer.PeerAdapter.forward_call``)
+  instead of reading and checking it again;
 * drops ``lse_convention`` / ``lse_scale`` for a kernel that returns no LSE, ``lse_scale`` for one
   without the FlashInfer convention, and asks such a kernel for its own convention when a call
   names none (the protocol's default is ``"flashinfer"``);
@@ -41,11 +43,14 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from pytest_sparse_mla.envelope import INVARIANCE_CLAIMS, UNIVERSAL, Envelope, Unsupported
+
+if TYPE_CHECKING:
+    from pytest_sparse_mla.attention.call import SparseMlaCall
 
 __all__ = [
     "RESULT_FORM_KEY",
@@ -58,6 +63,7 @@ __all__ = [
     "check_result_shapes",
     "peer_was_not_asked",
     "envelope_of",
+    "read_call",
     "result_of",
     "uninitialised_memory_poisoned",
 ]
@@ -245,25 +251,36 @@ def peer_was_not_asked(impl: Any, exc: BaseException) -> str | None:
     return f"{code.co_filename.rsplit('/', 1)[-1]}:{tb.tb_lineno} in {code.co_name}"
 
 
-def call_reason(env: Envelope, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
-    """Why a well-formed call lies outside ``env``, or ``None`` (also for a malformed call, which
-    the implementation under test is left to refuse).
-
-    The call is read as ``attention.call.SparseMlaCall.read`` reads it and held to the envelope
-    with its page sizes and its LSE convention (``SparseMlaCall.envelope_reason``).
-    """
+def read_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> SparseMlaCall | None:
+    """The call ``(args, kwargs)`` of ``sparse_mla_forward`` as ``attention.call.SparseMlaCall.read``
+    reads it (keywords it does not read are left out), or ``None`` for a malformed call, which the
+    implementation under test is left to refuse."""
     from pytest_sparse_mla.attention.call import CALL_ARGUMENTS, SparseMlaCall
 
     given = {**dict(zip(_POSITIONAL, args, strict=False)), **kwargs}
     try:
-        call = SparseMlaCall.read(
+        return SparseMlaCall.read(
             *(given.get(name) for name in _POSITIONAL), **{k: v for k, v in given.items() if k in CALL_ARGUMENTS}
         )
     except (TypeError, ValueError, IndexError, AttributeError):
         return None
-    if call.q.dim() != 3:
+
+
+def _reason(env: Envelope, call: SparseMlaCall, kwargs: dict[str, Any]) -> str | None:
+    """Why a read call with ``[T, H, d_qk]`` queries lies outside ``env`` (``Envelope.read_call_reason``,
+    with its page sizes, and its LSE convention when the call names one), or ``None``."""
+    return env.read_call_reason(call, lse="lse_convention" in kwargs)
+
+
+def call_reason(env: Envelope, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+    """Why a well-formed call lies outside ``env``, or ``None`` (also for a malformed call, which
+    the implementation under test is left to refuse): the call read once (:func:`read_call`) and
+    held to the envelope with its page sizes and its LSE convention (``Envelope.read_call_reason``).
+    """
+    call = read_call(args, kwargs)
+    if call is None or call.q.dim() != 3:
         return None
-    return call.envelope_reason(env, lse="lse_convention" in kwargs)
+    return _reason(env, call, kwargs)
 
 
 class GuardedImplementation:
@@ -289,6 +306,8 @@ class GuardedImplementation:
 
     def sparse_mla_forward(self, *args: Any, **kwargs: Any) -> ForwardResult:
         """The implementation's ``sparse_mla_forward`` inside its envelope (module docstring)."""
+        from pytest_sparse_mla.implementations._peer import takes_read_call
+
         env = self.envelope
         if not env.returns_lse:
             kwargs.pop("lse_convention", None)
@@ -296,7 +315,12 @@ class GuardedImplementation:
             kwargs.pop("lse_scale", None)
             if env.returns_lse:  # the protocol's default ("flashinfer") is not one this kernel honours
                 kwargs.setdefault("lse_convention", env.lse_convention)
-        reason = call_reason(env, args, kwargs) if self.declared else None
+        impl = self.unguarded
+        # A built-in peer adapter is handed the call read here (read once, held to the envelope once).
+        hand_over = len(args) == len(_POSITIONAL) and takes_read_call(impl, kwargs)
+        call = read_call(args, kwargs) if self.declared or hand_over else None
+        judged = self.declared and call is not None and call.q.dim() == 3
+        reason = _reason(env, call, kwargs) if judged and call is not None else None
         if reason is not None:
             pytest.fail(
                 f"pytest-sparse-mla called {self._name} outside its declared envelope ({reason}): "
@@ -308,7 +332,11 @@ class GuardedImplementation:
         with recording.judged_call(args, kwargs) as rec:
             running = device_health.begin_call(self._name, "sparse_mla_forward", args, kwargs)
             try:
-                res = self.unguarded.sparse_mla_forward(*args, **kwargs)
+                if hand_over and call is not None:
+                    return_fp32 = bool(kwargs.get("return_fp32", False))
+                    res = impl.forward_call(call, return_fp32=return_fp32, envelope_checked=judged)
+                else:
+                    res = impl.sparse_mla_forward(*args, **kwargs)
             except Unsupported as exc:
                 if self.declared:
                     pytest.fail(f"{self._name} refused a call inside its declared envelope: {exc}", pytrace=False)

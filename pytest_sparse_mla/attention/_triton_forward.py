@@ -32,12 +32,17 @@ Derivations, the online-softmax steps and H200 measurements: ``docs/design/refer
 from __future__ import annotations
 
 import functools
+import math
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
+
+if TYPE_CHECKING:
+    from pytest_sparse_mla.attention.call import SparseMlaCall
 
 __all__ = [
     "INTERPRETED",
@@ -74,6 +79,7 @@ _GATHER_ROWS = 32
 #: Bytes of gathered rows per launch pair: a call's tokens are processed in blocks that fit.
 _GATHER_BYTES = 256 * 2**20
 _FP32_LOWEST = float(torch.finfo(torch.float32).min)
+_LOG2E = 1.0 / math.log(2.0)
 _INT32_MAX = 2**31 - 1
 
 
@@ -680,21 +686,8 @@ def split_chunks(num_tokens: int, head_groups: int, num_chunks: int, device: tor
 
 
 def sparse_mla(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    geometry: CacheGeometry,
-    indices: torch.Tensor,
-    topk_length: torch.Tensor | None,
-    extra_kv_cache: torch.Tensor | None,
-    extra_geometry: CacheGeometry | None,
-    extra_indices: torch.Tensor | None,
-    extra_topk_length: torch.Tensor | None,
-    attn_sink: torch.Tensor | None,
+    call: SparseMlaCall,
     *,
-    sm_scale: float,
-    dsv4: bool,
-    flashmla_lse: bool,
-    lse_multiplier: float,
     output: torch.Tensor,
     lse: torch.Tensor,
     output_fp32: torch.Tensor | None,
@@ -702,22 +695,18 @@ def sparse_mla(
     config: tuple[int, int, int, int] | None = None,
     split: bool | None = None,
 ) -> None:
-    """Run the forward (one launch, or two when split), writing ``output``, ``lse``, ``output_fp32``
-    (if given) and ``out_of_range``. No host synchronisation; every argument is trusted (the caller,
-    ``attention.reference.sparse_mla_forward``, has validated them).
+    """Run the forward of a read call (one launch, or two when split), writing ``output``, ``lse``,
+    ``output_fp32`` (if given) and ``out_of_range``. No host synchronisation; the call is trusted
+    (the caller, ``attention.reference.sparse_mla_forward``, has read it with ``validate=True``).
 
     Args:
-        q: ``[T, H, d_qk]`` BF16 with unit last-dim stride (``d_qk`` 512 DSV4, 576 DSV3.2).
-        kv_cache, extra_kv_cache: the packed uint8 caches (any accepted form; only their data
-            pointers are used, with ``geometry`` / ``extra_geometry`` from :func:`cache_geometry`).
-        indices, extra_indices: ``[T, topk]`` int32 flat token indices (any strides).
-        topk_length, extra_topk_length: ``[T]`` int32 or ``None``.
-        attn_sink: ``[H]`` fp32 natural-log logits or ``None``.
-        sm_scale: score scale.
-        dsv4: DSV4 footer layout (UE8M0 scales, ``V`` = the whole 512-dim row) or DSV3.2 inline
-            (fp32 scales, ``V`` = the 512 NoPE dims).
-        flashmla_lse: natural-log LSE without the sink (``+inf`` when empty), else FlashInfer's
-            ``logaddexp(lse, sink) * lse_multiplier`` (``lse_multiplier = log2(e) * lse_scale``).
+        call: the ``attention.call.SparseMlaCall``, DSV4 (footer layout: UE8M0 scales, ``V`` = the
+            whole 512-dim row) or DSV3.2 (inline: fp32 scales, ``V`` = the 512 NoPE dims): ``q``
+            ``[T, H, d_qk]`` BF16 (copied when its last dim is strided); each cache's data pointer
+            with its layout (:func:`cache_geometry`); ``[T, topk]`` int32 index rows (any strides);
+            ``[T]`` int32 lengths or ``None``; ``[H]`` fp32 sink or ``None``; ``sm_scale``; the LSE
+            convention: ``"flashmla"`` (natural log without the sink, ``+inf`` when empty) or
+            ``"flashinfer"`` (``logaddexp(lse, sink) * log2(e) * lse_scale``).
         output: ``[T, H, 512]`` BF16; lse: ``[T, H]`` fp32; output_fp32: ``[T, H, 512]`` fp32 or
             ``None``; each with unit last-dim stride.
         out_of_range: ``[T]`` int32, contiguous: per token, the number of lanes inside the valid
@@ -728,16 +717,23 @@ def sparse_mla(
         split: force the split (``True``) or the unsplit (``False``) launch; default
             :func:`split_chunks`. Both give the same bits.
     """
+    main, extra = call.main, call.extra
+    dsv4 = main.layout.fmt.layout == "footer"
+    flashmla_lse = call.lse_convention == "flashmla"
+    lse_multiplier = _LOG2E * call.lse_scale
+    sm_scale, attn_sink = call.sm_scale, call.attn_sink
+    q = call.q if call.q.stride(2) == 1 else call.q.contiguous()  # query rows are read with unit stride
     block_h, num_warps, num_stages, chunk = config or DEFAULT_CONFIG[dsv4]
     num_tokens, num_heads, _ = (int(v) for v in q.shape)
     if num_tokens == 0:
         return
-    g = geometry
-    topk = int(indices.shape[1])
-    if extra_kv_cache is None or extra_geometry is None or extra_indices is None:
+    g = cache_geometry(main.layout)
+    kv_cache, indices, topk = main.cache, main.indices, main.topk
+    if extra is None:
         extra_kv_cache, extra_indices, extra_topk, x = kv_cache, indices, 0, _NO_CACHE
     else:
-        extra_topk, x = int(extra_indices.shape[1]), extra_geometry
+        extra_kv_cache, extra_indices, extra_topk = extra.cache, extra.indices, extra.topk
+        x = cache_geometry(extra.layout)
     lanes_total = topk + extra_topk
     main_chunks = triton.cdiv(topk, chunk)
     num_chunks = main_chunks + triton.cdiv(extra_topk, chunk)
@@ -752,8 +748,8 @@ def sparse_mla(
     for t0 in range(0, num_tokens, block):
         t1 = min(num_tokens, t0 + block)
         n = t1 - t0
-        length = topk_length[t0:t1] if topk_length is not None else None
-        xlength = extra_topk_length[t0:t1] if extra_topk_length is not None else None
+        length = main.topk_length[t0:t1] if main.topk_length is not None else None
+        xlength = extra.topk_length[t0:t1] if extra is not None and extra.topk_length is not None else None
         _gather(kv_cache, g, indices[t0:t1], length, extra_kv_cache, x, extra_indices[t0:t1], xlength,
                 extra_topk, dsv4, rows, scales)  # fmt: skip
         _attend(

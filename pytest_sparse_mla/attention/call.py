@@ -256,27 +256,6 @@ class SparseMlaCall:
             "lse_scale": self.lse_scale,
         }
 
-    def envelope_reason(self, envelope: Any, *, page_sizes: bool = True, lse: bool = True) -> str | None:
-        """Why this call lies outside ``envelope`` (``Envelope.call_reason``), or ``None``.
-
-        Args:
-            page_sizes: hold the caches' page sizes to the envelope's.
-            lse: hold the LSE convention to the envelope's.
-        """
-        extra = self.extra
-        return envelope.call_reason(  # type: ignore[no-any-return]
-            fmt=self.fmt,
-            num_tokens=self.num_tokens,
-            num_heads=self.num_heads,
-            topk=self.main.topk,
-            extra_topk=extra.topk if extra else None,
-            page_block_size=self.main.layout.page_block_size if page_sizes else None,
-            extra_page_block_size=extra.layout.page_block_size if extra and page_sizes else None,
-            has_topk_length=self.main.topk_length is not None or (extra is not None and extra.topk_length is not None),
-            has_sink=self.attn_sink is not None,
-            lse_convention=self.lse_convention if lse else None,
-        )
-
 
 def _candidates(
     q: torch.Tensor,

@@ -599,32 +599,31 @@ def fit_case(case: AttentionCase, envelope: Envelope) -> AttentionCase:
     if not req <= set(REQUIREMENTS):
         raise ValueError(f"{case.name}: requires={case.requires!r}: expected names from {REQUIREMENTS}")
 
-    def adjust(requirement: str, why: str, note: str, **changes: Any) -> None:
+    def adjust(requirement: str, why: str | None, note: str, **changes: Any) -> None:
         """Record ``changes`` (``note`` in ``fitted``), or refuse when the case requires ``requirement``."""
         if requirement in req:
             raise NotApplicable(f"not applicable to this envelope: {why}")
         change.update(changes)
         notes.append(note)
 
-    if case.fmt not in envelope.formats:
+    why = envelope.format_reason(case.fmt)
+    if why is not None:
         first = envelope.formats[0]
-        adjust("format", f"format {case.fmt!r} is not in formats={envelope.formats}", f"fmt {case.fmt}->{first}",
-               fmt=first)  # fmt: skip
+        adjust("format", why, f"fmt {case.fmt}->{first}", fmt=first)
         case = replace(case, fmt=first)
     tokens = envelope.tokens_for(case.num_tokens)
     if tokens != case.num_tokens:
-        adjust("tokens", f"num_tokens={case.num_tokens} is outside [{envelope.min_tokens}, {envelope.max_tokens}]",
-               f"num_tokens {case.num_tokens}->{tokens}", num_tokens=tokens)  # fmt: skip
+        adjust("tokens", envelope.tokens_reason(case.num_tokens), f"num_tokens {case.num_tokens}->{tokens}",
+               num_tokens=tokens)  # fmt: skip
     heads = envelope.heads_for(case.num_heads)
     if heads != case.num_heads:
-        adjust("heads", f"num_heads={case.num_heads} is not in num_heads={envelope.num_heads}",
-               f"num_heads {case.num_heads}->{heads}", num_heads=heads)  # fmt: skip
+        adjust("heads", envelope.heads_reason(case.num_heads), f"num_heads {case.num_heads}->{heads}",
+               num_heads=heads)  # fmt: skip
     if case.with_sink and not envelope.takes_sink(case.fmt):
-        adjust("sink", f"an attn_sink for {case.fmt!r} (attn_sink={envelope.attn_sink}, "
-               f"sink_formats={envelope.sink_formats})", "attn_sink dropped", with_sink=False)  # fmt: skip
+        adjust("sink", envelope.sink_reason(case.fmt), "attn_sink dropped", with_sink=False)
     dual = case.dual
     if dual and not envelope.takes_extra(case.fmt):
-        adjust("extra", f"an extra cache for {case.fmt!r} (extra_cache_formats={envelope.extra_cache_formats})",
+        adjust("extra", envelope.extra_reason(case.fmt),
                "extra cache dropped", topk_extra=0, extra_page_block_size=0, extra_num_pages=0,
                extra_topk_length=None)  # fmt: skip
         dual = False
@@ -632,7 +631,7 @@ def fit_case(case: AttentionCase, envelope: Envelope) -> AttentionCase:
     if dual:
         lengths.append(("extra_topk_length", case.extra_topk_length, case.topk_extra))
     if any(value is not None for _, value, _ in lengths) and not envelope.takes_lengths(case.fmt):
-        adjust("topk_length", f"topk_length for {case.fmt!r} (topk_length_formats={envelope.topk_length_formats})",
+        adjust("topk_length", envelope.lengths_reason(case.fmt),
                "topk_length dropped", topk_length=None, extra_topk_length=None)  # fmt: skip
         lengths = []
     for key, width_key, widths in (("topk", "index_width", envelope.topk),
@@ -646,10 +645,10 @@ def fit_case(case: AttentionCase, envelope: Envelope) -> AttentionCase:
                    f"{key} {width}->{drawn} drawn in rows of {row}", **{key: drawn, width_key: row})  # fmt: skip
     for name, value, width in lengths:
         drawn = change.get("topk" if name == "topk_length" else "topk_extra", width)
-        if value is not None and envelope.topk_length_range == "row" and not 0 <= value <= drawn:
+        why = None if value is None else envelope.length_value_reason(name, value, drawn)
+        if value is not None and why is not None:
             clamped = min(max(value, 0), drawn)
-            adjust("topk_length", f"{name}={value} outside [0, {drawn}] (topk_length_range='row')",
-                   f"{name} {value}->{clamped}", **{name: clamped})  # fmt: skip
+            adjust("topk_length", why, f"{name} {value}->{clamped}", **{name: clamped})
     for ps_key, pages_key, taken, need in (
         ("page_block_size", "num_pages", envelope.page_block_sizes, "page"),
         ("extra_page_block_size", "extra_num_pages", envelope.extra_page_block_sizes, "extra_page"),
@@ -659,7 +658,7 @@ def fit_case(case: AttentionCase, envelope: Envelope) -> AttentionCase:
             continue
         fitted = Envelope.page_for(ps, taken)
         if fitted != ps:
-            adjust(need, f"{ps_key}={ps} is not in {taken}", f"{ps_key} {ps}->{fitted}",
+            adjust(need, envelope.page_reason(ps_key, ps), f"{ps_key} {ps}->{fitted}",
                    **{ps_key: fitted, pages_key: -(-getattr(case, pages_key) * ps // fitted)})  # fmt: skip
     bpt = formats.get_format(case.fmt).bytes_per_token
     for stride_key, ps_key in (("page_stride", "page_block_size"), ("extra_page_stride", "extra_page_block_size")):

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from pytest_sparse_mla import formats
-from pytest_sparse_mla.attention.call import CALL_ARGUMENTS, SparseMlaCall
+from pytest_sparse_mla.attention.call import CALL_ARGUMENTS, Candidates, SparseMlaCall
 
 __all__ = ["ErrorScales", "OracleOutput", "memoized", "oracle_forward"]
 
@@ -106,14 +106,16 @@ class OracleOutput:
                             self.lse_scale, scales)  # fmt: skip
 
 
-def _lane_mask(indices: torch.Tensor, length: torch.Tensor | None) -> torch.Tensor:
-    """``[T, topk]`` bool: lane ``j`` of token ``t`` is valid (index ``>= 0`` and
-    ``j < clamp(length[t], 0, topk)``)."""
-    valid = indices >= 0
-    if length is not None:
-        lanes = torch.arange(indices.shape[1], device=indices.device)
-        valid &= lanes < length.to(indices.device, torch.int64).clamp(min=0)[:, None]
-    return valid
+def _lane_mask(source: Candidates, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(flat [T, topk] int64, valid [T, topk] bool)`` of one candidate source, on ``device``:
+    its index rows, and whether lane ``j`` of token ``t`` is valid (index ``>= 0`` and
+    ``j < clamp(topk_length[t], 0, topk)``)."""
+    flat = source.indices.to(device, torch.int64)
+    valid = flat >= 0
+    if source.topk_length is not None:
+        lanes = torch.arange(flat.shape[1], device=device)
+        valid &= lanes < source.topk_length.to(device, torch.int64).clamp(min=0)[:, None]
+    return flat, valid
 
 
 def _check_in_range(flat: torch.Tensor, valid: torch.Tensor, rows: int, message: str) -> None:
@@ -210,32 +212,25 @@ def oracle_forward(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tenso
 
 def _oracle(call: SparseMlaCall) -> OracleOutput:
     """The float64 computation of :func:`oracle_forward`."""
-    f, ef = call.record_formats
+    f = call.main.layout.fmt
     q, sm_scale, attn_sink = call.q, call.sm_scale, call.attn_sink
     lse_convention, lse_scale = call.lse_convention, call.lse_scale
-    indices, topk_length = call.main.indices, call.main.topk_length
     device = q.device
-    main = formats.unpack_dequantize(
-        call.main.cache, f, page_block_size=call.main.layout.page_block_size, dtype=torch.float64
-    ).reshape(-1, f.d_qk)
-    tables = [main]
-    extra_indices = extra_topk_length = None
-    if call.extra is not None:
-        extra_indices, extra_topk_length = call.extra.indices, call.extra.topk_length
-        extra = formats.unpack_dequantize(
-            call.extra.cache, ef, page_block_size=call.extra.layout.page_block_size, dtype=torch.float64
-        ).reshape(-1, ef.d_qk)
-        tables.append(extra)
+    tables = [
+        formats.unpack_dequantize(source.cache, layout=source.layout, dtype=torch.float64).reshape(
+            -1, source.layout.fmt.d_qk
+        )
+        for source in call.sources
+    ]
+    main = tables[0]
     table = torch.cat(tables).to(device)
 
     num_tokens, num_heads = q.shape[0], q.shape[1]
-    flat = indices.to(device, torch.int64)
-    valid = _lane_mask(flat, topk_length)
+    flat, valid = _lane_mask(call.main, device)
     past_main = f"indices: token {{}} references a row past the {main.shape[0]}-token cache"
     _check_in_range(flat, valid, main.shape[0], past_main)
-    if extra_indices is not None:
-        extra_flat = extra_indices.to(device, torch.int64)
-        extra_valid = _lane_mask(extra_flat, extra_topk_length)
+    if call.extra is not None:
+        extra_flat, extra_valid = _lane_mask(call.extra, device)
         _check_in_range(extra_flat, extra_valid, table.shape[0] - main.shape[0],
                         "extra_indices: token {} references a row past the extra cache")  # fmt: skip
         flat = torch.cat([flat, extra_flat + main.shape[0]], dim=1)

@@ -73,7 +73,7 @@ from typing import Any
 import torch
 
 from pytest_sparse_mla import capabilities, formats
-from pytest_sparse_mla.attention.call import SparseMlaCall, valid_lanes
+from pytest_sparse_mla.attention.call import Candidates, SparseMlaCall
 from pytest_sparse_mla.attention.conventions import route_for
 
 _TRITON_MODULE = "pytest_sparse_mla.attention._triton_forward"
@@ -161,22 +161,17 @@ def resolve_backend(backend: str | None, device: torch.device | str) -> str:
     return backend
 
 
-def _candidate_lanes(
-    indices: torch.Tensor,
-    topk_length: torch.Tensor | None,
-    num_rows: int,
-    offset: int,
-    zero_row: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Table rows of every lane (invalid lanes -> ``zero_row``), padded to a multiple of the tile.
+def _candidate_lanes(source: Candidates, offset: int, zero_row: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Table rows of every lane of ``source`` (its index ``+ offset``; invalid lanes ->
+    ``zero_row``), padded to a multiple of the tile.
 
     Returns ``(rows [T, Kp] int64, valid [T, Kp] bool, out_of_range [T, K] bool)``; lanes past the
-    cache are invalid (they name the zero row) and flagged in ``out_of_range``.
+    cache (``source.num_slots``) are invalid (they name the zero row) and flagged in ``out_of_range``.
     """
-    num_tokens, topk = indices.shape
-    idx = indices.to(torch.int64)
-    valid = valid_lanes(idx, topk_length)
-    out_of_range = valid & (idx >= num_rows)
+    num_tokens, topk = source.indices.shape
+    idx = source.indices.to(torch.int64)
+    valid = source.valid_lanes()
+    out_of_range = valid & (idx >= source.num_slots)
     valid &= ~out_of_range  # skipped, never read (counted in SparseMlaOutput.out_of_range)
     rows = torch.where(valid, idx + offset, zero_row)
     pad = (-topk) % LANE_TILE
@@ -186,10 +181,11 @@ def _candidate_lanes(
     return rows, valid, out_of_range
 
 
-def _raise_out_of_range(name: str, indices: torch.Tensor, bad: torch.Tensor, num_rows: int) -> None:
+def _raise_out_of_range(source: Candidates, bad: torch.Tensor) -> None:
     token, lane = (int(v) for v in bad.nonzero()[0].tolist())
-    value = int(indices[token, lane])
-    cache = "extra_kv_cache" if name.startswith("extra") else "kv_cache"
+    value = int(source.indices[token, lane])
+    cache, name, _ = source.names
+    num_rows = source.num_slots
     raise ValueError(
         f"{name}[{token}, {lane}]={value} is out of range: {cache} holds {num_rows} tokens "
         f"(num_pages * page_block_size), so valid flat indices are 0..{num_rows - 1} (negative = "
@@ -313,16 +309,9 @@ def _forward(
     check_indices: bool | None,
 ) -> SparseMlaOutput:
     """The forward of a checked call (:func:`sparse_mla_forward`)."""
-    f, ef = call.record_formats
-    q, fmt, sm_scale, attn_sink = call.q, call.fmt, call.sm_scale, call.attn_sink
-    lse_convention, lse_scale = call.lse_convention, call.lse_scale
+    q, f, fmt = call.q, call.main.layout.fmt, call.fmt
     num_tokens, num_heads = call.num_tokens, call.num_heads
-    layout, indices, topk_length = call.main.layout, call.main.indices, call.main.topk_length
-    kv_cache, page_block_size = call.main.cache, call.main.page_block_size
-    extra_layout = extra_kv_cache = extra_indices = extra_topk_length = extra_page_block_size = None
-    if call.extra is not None:
-        extra_layout, extra_kv_cache, extra_indices = call.extra.layout, call.extra.cache, call.extra.indices
-        extra_topk_length, extra_page_block_size = call.extra.topk_length, call.extra.page_block_size
+    main, extra = call.main, call.extra
 
     grid = None
     # FlashInfer returns before any dispatch when q.shape[0] == 0 (flashinfer/mla/_sparse_mla_sm120/
@@ -331,7 +320,7 @@ def _forward(
         from pytest_sparse_mla.dispatch import FooterRecordsWarning, enforce_grid, format_model
 
         model, footer_note = format_model(fmt, grid_release)  # the call format's grid model
-        pages = [layout.page_block_size] + ([extra_layout.page_block_size] if extra_layout else [])
+        pages = [source.layout.page_block_size for source in call.sources]
         if footer_note is not None and max(pages) > 1:
             warnings.warn(FooterRecordsWarning(footer_note), stacklevel=2)
         grid = enforce_grid(
@@ -339,10 +328,10 @@ def _forward(
             model=model,
             num_tokens=num_tokens,
             num_heads=num_heads,
-            topk=int(indices.shape[1]),
-            page_block_size=layout.page_block_size,
-            topk_extra=int(extra_indices.shape[1]) if extra_indices is not None else 0,
-            extra_page_block_size=extra_layout.page_block_size if extra_layout is not None else 0,
+            topk=main.topk,
+            page_block_size=main.layout.page_block_size,
+            topk_extra=extra.topk if extra is not None else 0,
+            extra_page_block_size=extra.layout.page_block_size if extra is not None else 0,
         )
 
     if not formats.call_format(fmt).triton and backend is None:
@@ -371,98 +360,55 @@ def _forward(
         return SparseMlaOutput(output, lse, route, output_fp32, grid, out_of_range)
 
     if backend == "triton":
-        module = triton_forward_module()
-        if q.stride(2) != 1:  # the kernel reads query rows with unit stride (any other strides are fine)
-            q = q.contiguous()
-        module.sparse_mla(
-            q, kv_cache, module.cache_geometry(layout), indices, topk_length,
-            extra_kv_cache, module.cache_geometry(extra_layout) if extra_layout is not None else None,
-            extra_indices, extra_topk_length, attn_sink,
-            sm_scale=sm_scale, dsv4=f.layout == "footer", flashmla_lse=lse_convention == "flashmla",
-            lse_multiplier=_LOG2E * lse_scale, output=output, lse=lse, output_fp32=output_fp32,
-            out_of_range=out_of_range,
-        )  # fmt: skip
+        triton_forward_module().sparse_mla(
+            call, output=output, lse=lse, output_fp32=output_fp32, out_of_range=out_of_range
+        )
     else:
-        table, rows, valid, zero_row = _prepare_candidates(
-            (f, ef), kv_cache, indices, topk_length, page_block_size, layout,
-            extra_kv_cache, extra_indices, extra_topk_length, extra_page_block_size, extra_layout,
-            out_of_range,
-        )  # fmt: skip
-        finish = _Finaliser(attn_sink, lse_convention, lse_scale)
-        _torch_loop(q, table, rows, valid, sm_scale, d_v, chunk_tokens, finish, output, lse, output_fp32)
+        table, rows, valid = _prepare_candidates(call, out_of_range)
+        _torch_loop(call, table, rows, valid, chunk_tokens, output, lse, output_fp32)
     if check_indices or (check_indices is None and not capturing):
-        _check_out_of_range(
-            out_of_range, indices, topk_length, layout.num_tokens,
-            extra_indices, extra_topk_length, extra_layout.num_tokens if extra_layout is not None else 0,
-        )  # fmt: skip
+        _check_out_of_range(call, out_of_range)
     return SparseMlaOutput(output, lse, route, output_fp32, grid, out_of_range)
 
 
-def _check_out_of_range(
-    out_of_range: torch.Tensor,
-    indices: torch.Tensor,
-    topk_length: torch.Tensor | None,
-    num_main: int,
-    extra_indices: torch.Tensor | None,
-    extra_topk_length: torch.Tensor | None,
-    num_extra: int,
-) -> None:
+def _check_out_of_range(call: SparseMlaCall, out_of_range: torch.Tensor) -> None:
     """The host check of a call (its one synchronisation): raise for the first lane past its cache."""
     if not bool(out_of_range.cpu().any()):
         return
-    _, _, bad = _candidate_lanes(indices, topk_length, num_main, 0, 0)
-    if bool(bad.any()):
-        _raise_out_of_range("indices", indices, bad, num_main)
-    assert extra_indices is not None
-    _, _, extra_bad = _candidate_lanes(extra_indices, extra_topk_length, num_extra, 0, 0)
-    _raise_out_of_range("extra_indices", extra_indices, extra_bad, num_extra)
+    for source in call.sources:
+        _, _, bad = _candidate_lanes(source, 0, 0)
+        if bool(bad.any()):
+            _raise_out_of_range(source, bad)
 
 
 def _prepare_candidates(
-    fmts: tuple[formats.PackedFormat, formats.PackedFormat],
-    kv_cache: torch.Tensor,
-    indices: torch.Tensor,
-    topk_length: torch.Tensor | None,
-    page_block_size: int | None,
-    layout: formats.CacheLayout,
-    extra_kv_cache: torch.Tensor | None,
-    extra_indices: torch.Tensor | None,
-    extra_topk_length: torch.Tensor | None,
-    extra_page_block_size: int | None,
-    extra_layout: formats.CacheLayout | None,
-    out_of_range: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    call: SparseMlaCall, out_of_range: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The preparation of the torch backend: candidate table and the row of every lane.
 
-    Returns ``(table [R, d_qk] fp32, rows [T, Lp] int64, valid [T, Lp] bool, zero_row)``: the
-    table holds the main rows, then the extra rows, then one all-zero row (``zero_row = R - 1``)
-    that every invalid lane names; ``Lp`` is the main row padded to a multiple of
-    :data:`LANE_TILE` plus the extra row padded likewise. Lanes past their cache are invalid
-    and counted per token into ``out_of_range`` (``[T]`` int32, zeros on entry).
+    Returns ``(table [R, d_qk] fp32, rows [T, Lp] int64, valid [T, Lp] bool)``: the table holds
+    the main rows, then the extra rows, then one all-zero row (``R - 1``) that every invalid lane
+    names; ``Lp`` is the main row padded to a multiple of :data:`LANE_TILE` plus the extra row
+    padded likewise. Lanes past their cache are invalid and counted per token into
+    ``out_of_range`` (``[T]`` int32, zeros on entry).
     """
-    f, ef = fmts
-    device = indices.device
-    num_main = layout.num_tokens
-    num_extra = extra_layout.num_tokens if extra_layout is not None else 0
-    zero_row = num_main + num_extra
-    table = torch.empty((zero_row + 1, f.d_qk), dtype=torch.float32, device=device)
-    table[:num_main] = formats.unpack_dequantize(kv_cache, f, page_block_size=page_block_size).view(num_main, f.d_qk)
-    if extra_kv_cache is not None:
-        table[num_main:zero_row] = formats.unpack_dequantize(
-            extra_kv_cache, ef, page_block_size=extra_page_block_size
-        ).view(num_extra, ef.d_qk)
+    sources = call.sources
+    zero_row = sum(source.num_slots for source in sources)
+    device = call.main.indices.device
+    table = torch.empty((zero_row + 1, call.main.layout.fmt.d_qk), dtype=torch.float32, device=device)
+    lanes = []
+    offset = 0
+    for source in sources:
+        rows = formats.unpack_dequantize(source.cache, layout=source.layout)
+        table[offset : offset + source.num_slots] = rows.view(source.num_slots, source.layout.fmt.d_qk)
+        lanes.append(_candidate_lanes(source, offset, zero_row))
+        offset += source.num_slots
     table[zero_row] = 0.0
-
-    rows, valid, bad = _candidate_lanes(indices, topk_length, num_main, 0, zero_row)
-    if extra_indices is not None:
-        extra_rows, extra_valid, extra_bad = _candidate_lanes(
-            extra_indices, extra_topk_length, num_extra, num_main, zero_row
-        )
-        rows = torch.cat([rows, extra_rows], dim=1)
-        valid = torch.cat([valid, extra_valid], dim=1)
-        out_of_range += extra_bad.sum(dim=1, dtype=torch.int32)
-    out_of_range += bad.sum(dim=1, dtype=torch.int32)
-    return table, rows, valid, zero_row
+    for _, _, bad in lanes:
+        out_of_range += bad.sum(dim=1, dtype=torch.int32)
+    rows = torch.cat([lane_rows for lane_rows, _, _ in lanes], dim=1) if len(lanes) > 1 else lanes[0][0]
+    valid = torch.cat([lane_valid for _, lane_valid, _ in lanes], dim=1) if len(lanes) > 1 else lanes[0][1]
+    return table, rows, valid
 
 
 class _Finaliser:
@@ -475,10 +421,9 @@ class _Finaliser:
     one head does not depend on the other heads or on the tensor layout.
     """
 
-    def __init__(self, attn_sink: torch.Tensor | None, lse_convention: str, lse_scale: float) -> None:
-        self.attn_sink = attn_sink
-        self.lse_convention = lse_convention
-        self.lse_scale = lse_scale
+    def __init__(self, call: SparseMlaCall) -> None:
+        self.lse_convention = call.lse_convention
+        self.lse_scale = call.lse_scale
 
     def __call__(
         self, run_max: torch.Tensor, run_sum: torch.Tensor, acc: torch.Tensor, sink: torch.Tensor | None
@@ -503,27 +448,27 @@ class _Finaliser:
 
 
 def _torch_loop(
-    q: torch.Tensor,
+    call: SparseMlaCall,
     table: torch.Tensor,
     rows: torch.Tensor,
     valid: torch.Tensor,
-    sm_scale: float,
-    d_v: int,
     chunk_tokens: int | None,
-    finish: _Finaliser,
     output: torch.Tensor,
     lse: torch.Tensor,
     output_fp32: torch.Tensor | None,
 ) -> None:
-    """``backend="torch"``: fixed-shape batched GEMMs per head group of :data:`HEAD_GROUP`.
+    """``backend="torch"``: fixed-shape batched GEMMs per head group of :data:`HEAD_GROUP`, over
+    the candidate ``table`` and lane ``rows`` / ``valid`` of :func:`_prepare_candidates`.
 
     Off the CPU every chunk runs at the full chunk size (the last one padded with masked tokens):
     cuBLAS picks its algorithm by shape, so a 1-token call and a 65-token call would otherwise
     round one token's sums differently (seen on an H200: one element in 32,768 one unit in the
     last place apart), and a token's bits would depend on the call's size."""
+    q, sm_scale, attn_sink = call.q, call.sm_scale, call.attn_sink
     num_tokens, num_heads, d_qk = (int(v) for v in q.shape)
+    d_v = call.main.layout.fmt.d_v
+    finish = _Finaliser(call)
     device = q.device
-    attn_sink = finish.attn_sink
     fixed = device.type != "cpu"
     tc = chunk_tokens or default_chunk_tokens(device)
     if not fixed:

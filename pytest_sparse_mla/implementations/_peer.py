@@ -27,11 +27,15 @@ the plugin resolves ``--sparse-mla-impl`` and must stay light.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pytest_sparse_mla.envelope import Envelope, Unsupported
+
+if TYPE_CHECKING:  # torch is imported lazily: the adapters' modules must stay light
+    from pytest_sparse_mla import formats
+    from pytest_sparse_mla.attention.call import Candidates, SparseMlaCall
 
 __all__ = [
     "UnsafeForPeer",
@@ -42,6 +46,8 @@ __all__ = [
     "lse_to_convention",
     "shape_reason",
     "PeerCall",
+    "IGNORED_ARGUMENTS",
+    "takes_read_call",
     "PeerAdapter",
     "virtual_table",
     "call_peer",
@@ -95,28 +101,26 @@ def nhd_view(cache: Any, layout: Any) -> Any:
     )
 
 
-def refuse_lanes_past_cache(
-    adapter: str, indices: Any, topk_length: Any | None, num_slots: int, name: str, why: str
-) -> None:
-    """Refuse (:class:`UnsafeForPeer`) a valid lane whose index is ``>= num_slots``, for a peer
-    measured to corrupt the process on one (one host sync). Peers that mask such a lane or return
-    garbage are run: their behaviour is the verdict (``Envelope.index_past_cache``).
+def refuse_lanes_past_cache(adapter: str, source: Candidates, why: str) -> None:
+    """Refuse (:class:`UnsafeForPeer`) a valid lane of ``source`` whose index is past its cache
+    (``>= source.num_slots``), for a peer measured to corrupt the process on one (one host sync).
+    Peers that mask such a lane or return garbage are run: their behaviour is the verdict
+    (``Envelope.index_past_cache``).
 
     Args:
-        adapter: the adapter's name. indices: ``[T, topk]`` int32. topk_length: ``[T]`` or ``None``.
-        num_slots: the cache's ``num_pages * page_block_size`` (tokens). name: ``"indices"`` or
-            ``"extra_indices"``. why: what the peer does with such a lane, and where.
+        adapter: the adapter's name.
+        source: the main or the extra ``attention.call.Candidates`` of the read call.
+        why: what the peer does with such a lane, and where.
 
     Raises:
-        UnsafeForPeer: naming ``name``, the first offending token, lane and value, and ``why``.
+        UnsafeForPeer: naming the index argument, the first offending token, lane and value, and ``why``.
     """
-    from pytest_sparse_mla.attention.call import valid_lanes
-
-    bad = valid_lanes(indices, topk_length) & (indices >= num_slots)
+    indices, num_slots = source.indices, source.num_slots
+    bad = source.valid_lanes() & (indices >= num_slots)
     if bool(bad.any()):
         t, j = (int(v) for v in bad.nonzero()[0])
         raise UnsafeForPeer(
-            f"{adapter}: {name}[{t}, {j}]={int(indices[t, j])} is a valid lane past the cache "
+            f"{adapter}: {source.names[1]}[{t}, {j}]={int(indices[t, j])} is a valid lane past the cache "
             f"({num_slots} slots); {why}"
         )
 
@@ -188,50 +192,45 @@ def lse_to_convention(
 
 
 def shape_reason(
-    peer: str, envelope: Envelope, devices: tuple[str, ...], q: Any, kv_cache: Any, indices: Any, **arguments: Any
+    peer: str,
+    devices: tuple[str, ...],
+    q: Any,
+    kv_cache: Any,
+    fmt: formats.PackedFormat | str,
+    outside: str | None,
+    *,
+    exact_token_stride: bool = False,
 ) -> str | None:
-    """Why a peer cannot take this forward call, from shapes, formats and devices only (no host sync).
+    """Why a peer cannot take a forward call, from its device, its envelope's verdict and its cache
+    strides (no host sync): what the envelope does not say (the device, the token stride) is judged
+    here, the envelope's rules only by the envelope (``Envelope.read_call_reason`` /
+    ``Envelope.call_reason``, whose reason the caller passes as ``outside``).
 
     Args:
         peer: the peer's entry point, in words (prefix of the reason).
-        envelope: the adapter's envelope.
         devices: device types the peer runs on.
-        q, kv_cache, indices: as the forward.
-        arguments: the forward's keywords (``fmt``, ``topk_length``, ``extra_indices``,
-            ``extra_topk_length``, ``attn_sink`` are read; the rest ignored), and
-            ``exact_token_stride``: also require token rows of exactly ``bytes_per_token`` bytes.
+        q: the queries (their ``device.type`` is read; no device: ``"cpu"``).
+        kv_cache: the main cache (its strides are read with ``exact_token_stride``).
+        fmt: the call format (``formats.get_format``: its ``bytes_per_token``).
+        outside: why the call lies outside the peer's envelope, or ``None``.
+        exact_token_stride: also require token rows of exactly ``bytes_per_token`` bytes.
 
     Returns:
-        The reason (``Envelope.call_reason``'s text, the device or the token stride), or ``None``.
+        The reason (the device, ``outside``, or the token stride, in this order), or ``None``.
 
     Raises:
         ValueError: unknown ``fmt`` (``formats.get_format``).
     """
     from pytest_sparse_mla import formats
 
-    fmt = arguments.get("fmt", "dsv4")
-    extra_indices = arguments.get("extra_indices")
     f = formats.get_format(fmt)
-    shape = tuple(getattr(q, "shape", ()))
-    num_tokens = int(shape[0]) if shape else 0
     device = str(getattr(getattr(q, "device", None), "type", "cpu"))
     if device not in devices:
         return f"{peer} runs on {'/'.join(devices)}, not on {device}"
-    idx_shape = tuple(getattr(indices, "shape", ()))
-    extra_shape = tuple(getattr(extra_indices, "shape", ())) if extra_indices is not None else None
-    reason = envelope.call_reason(
-        fmt=formats.call_format_name(fmt),
-        num_tokens=num_tokens,
-        num_heads=int(shape[1]) if len(shape) > 1 else 0,
-        topk=int(idx_shape[-1]) if idx_shape else 0,
-        extra_topk=int(extra_shape[-1]) if extra_shape else None,
-        has_topk_length=any(arguments.get(name) is not None for name in ("topk_length", "extra_topk_length")),
-        has_sink=arguments.get("attn_sink") is not None,
-    )
-    if reason is not None:
-        return f"{peer}: outside its envelope: {reason}"
+    if outside is not None:
+        return f"{peer}: outside its envelope: {outside}"
     strided = isinstance(getattr(kv_cache, "shape", None), tuple) and kv_cache.dim() >= 3
-    if arguments.get("exact_token_stride") and strided:
+    if exact_token_stride and strided:
         token_axis = 2 if kv_cache.dim() == 4 and kv_cache.shape[1] == 1 else 1
         if kv_cache.shape[token_axis] > 1 and kv_cache.stride(token_axis) != f.bytes_per_token:
             return (
@@ -241,49 +240,62 @@ def shape_reason(
     return None
 
 
+def _argument_shapes(q: Any, kv_cache: Any, indices: Any, **arguments: Any) -> dict[str, Any]:
+    """The shapes ``Envelope.call_reason`` judges, read from a forward call's arguments as given (shape
+    metadata only: stand-ins with ``shape`` and ``device`` do; a missing dim reads as 0).
+
+    Raises:
+        ValueError: unknown ``fmt`` (``formats.call_format_name``).
+    """
+    from pytest_sparse_mla import formats
+
+    shape = tuple(getattr(q, "shape", ()))
+    idx_shape = tuple(getattr(indices, "shape", ()))
+    extra_indices = arguments.get("extra_indices")
+    extra_shape = tuple(getattr(extra_indices, "shape", ())) if extra_indices is not None else None
+    return {
+        "fmt": formats.call_format_name(arguments.get("fmt", "dsv4")),
+        "num_tokens": int(shape[0]) if shape else 0,
+        "num_heads": int(shape[1]) if len(shape) > 1 else 0,
+        "topk": int(idx_shape[-1]) if idx_shape else 0,
+        "extra_topk": int(extra_shape[-1]) if extra_shape else None,
+        "has_topk_length": any(arguments.get(name) is not None for name in ("topk_length", "extra_topk_length")),
+        "has_sink": arguments.get("attn_sink") is not None,
+    }
+
+
 @dataclass(frozen=True)
 class PeerCall:
-    """A forward call read by :meth:`PeerAdapter.sparse_mla_forward`, with the views the peers read.
+    """A read forward call with the cache views the peers read (:meth:`PeerAdapter.forward_call`).
 
     Attributes:
         call: the call (``attention.call.SparseMlaCall``: queries, candidate sources, sink, scale,
-            LSE convention).
+            LSE convention), read once.
         kv4: the main cache's ``[P, ps, 1, B]`` NHD view (:func:`nhd_view`).
         extra4: the extra cache's view, or ``None``.
     """
 
-    call: Any
+    call: SparseMlaCall
     kv4: Any
     extra4: Any | None
 
-    @property
-    def num_tokens(self) -> int:
-        """``T``."""
-        return int(self.call.num_tokens)
 
-    @property
-    def layout(self) -> Any:
-        """The main cache's ``formats.CacheLayout``."""
-        return self.call.main.layout
+#: Keywords of the bundled reference's forward that the peer adapters accept and ignore.
+IGNORED_ARGUMENTS: tuple[str, ...] = ("grid_release", "chunk_tokens", "backend")
 
-    @property
-    def idx(self) -> Any:
-        """``[T, topk]`` main index rows."""
-        return self.call.main.indices
 
-    @property
-    def extra(self) -> tuple[Any, Any, Any, Any] | None:
-        """``None``, or ``(extra_kv_cache, extra_kv4, extra_layout, extra_idx)``."""
-        x = self.call.extra
-        return None if x is None else (x.cache, self.extra4, x.layout, x.indices)
+def takes_read_call(impl: Any, keywords: Iterable[str]) -> bool:
+    """Whether handing ``impl`` a read call (:meth:`PeerAdapter.forward_call`) is the same as calling
+    ``impl.sparse_mla_forward(q, kv_cache, indices, **kwargs)`` with these ``keywords``: ``impl`` is a
+    :class:`PeerAdapter` whose ``sparse_mla_forward`` is the base class's (it reads the call and
+    hands it to ``forward_call``; a subclass that overrides it is called as it is), and every keyword
+    is one that method reads (``attention.call.CALL_ARGUMENTS``, ``return_fp32``) or ignores
+    (:data:`IGNORED_ARGUMENTS`)."""
+    from pytest_sparse_mla.attention.call import CALL_ARGUMENTS
 
-    @property
-    def lse_convention(self) -> str:
-        return str(self.call.lse_convention)
-
-    @property
-    def lse_scale(self) -> float:
-        return float(self.call.lse_scale)
+    if not isinstance(impl, PeerAdapter) or type(impl).sparse_mla_forward is not PeerAdapter.sparse_mla_forward:
+        return False
+    return set(keywords) <= {*CALL_ARGUMENTS, *IGNORED_ARGUMENTS, "return_fp32"}
 
 
 class PeerAdapter:
@@ -304,117 +316,141 @@ class PeerAdapter:
     returns_fp32 = False
 
     def unsupported_reason(self, capability: str, *args: Any, **kwargs: Any) -> str | None:
-        """Why the peer cannot take this call (same arguments as the call), or ``None``.
+        """Why the peer cannot take this call (same arguments as the call, before it is made), or ``None``.
 
-        Only shapes, formats and devices are read (no host sync, :func:`shape_reason`); the call
-        raises :class:`pytest_sparse_mla.Unsupported` with the same text.
+        Only shapes, formats and devices are read (no host sync; stand-ins with ``shape`` and
+        ``device`` do): the device and the token stride (:func:`shape_reason`), the envelope's rules
+        (``Envelope.call_reason``). The call raises :class:`pytest_sparse_mla.Unsupported` with the
+        same text (:meth:`forward_call`, on the read call).
         """
         if capability != "sparse_mla_forward":
             return f"{self.name} provides no {capability!r}"
+        return self._arguments_reason(*args, **kwargs)
+
+    def _arguments_reason(self, q: Any, kv_cache: Any, indices: Any, **arguments: Any) -> str | None:
+        outside = self.envelope.call_reason(**_argument_shapes(q, kv_cache, indices, **arguments))
+        fmt = arguments.get("fmt", "dsv4")
         return shape_reason(
-            self.peer, self.envelope, self.devices, *args, exact_token_stride=self.exact_token_stride, **kwargs
+            self.peer, self.devices, q, kv_cache, fmt, outside, exact_token_stride=self.exact_token_stride
         )
 
-    def refuse_lanes(self, idx: Any, length: Any, num_slots: int, name: str, length_name: str) -> None:
-        """Raise :class:`UnsafeForPeer` for index lanes the peer would mishandle (none by default)."""
+    def call_reason(self, call: SparseMlaCall, *, envelope_checked: bool = False) -> str | None:
+        """Why the peer cannot take a read call, or ``None``: its device, the envelope's verdict
+        (``Envelope.read_call_reason``; left out with ``envelope_checked``: the caller has judged
+        the call against this envelope) and the token stride (:func:`shape_reason`)."""
+        outside = None if envelope_checked else self.envelope.read_call_reason(call, page_sizes=False, lse=False)
+        return shape_reason(
+            self.peer, self.devices, call.q, call.main.cache, call.fmt, outside,
+            exact_token_stride=self.exact_token_stride,
+        )  # fmt: skip
+
+    def refuse_lanes(self, source: Candidates) -> None:
+        """Raise :class:`UnsafeForPeer` for index lanes of ``source`` (the main or the extra
+        ``attention.call.Candidates``) the peer would mishandle (none by default)."""
 
     def sparse_mla_forward(self, q: Any, kv_cache: Any, indices: Any, **arguments: Any) -> PeerResult:
         """The protocol's ``sparse_mla_forward`` (``implementations.protocol.SparseMlaForward``).
 
         The call is read once (``attention.call.SparseMlaCall.read``: the LSE convention, the extra
         cache and its indices together, each cache, the index rows' shape; no more, so the peer
-        is judged on its own validation), :meth:`refuse_lanes` refuses lanes the peer would
-        mishandle out of bounds, and :meth:`forward` runs the peer (a valid lane past its cache
-        reaches the peer unless ``refuse_lanes`` refuses it: ``Envelope.index_past_cache``).
-        ``grid_release``, ``chunk_tokens`` and ``backend`` (the bundled reference's) are ignored.
+        is judged on its own validation) and handed to :meth:`forward_call`. ``grid_release``,
+        ``chunk_tokens`` and ``backend`` (the bundled reference's) are ignored.
 
         Raises:
-            ValueError: ``return_fp32=True`` for a peer with a BF16 output only; as
-                ``SparseMlaCall.read``.
-            TypeError: as ``SparseMlaCall.read``.
-            pytest_sparse_mla.Unsupported: as :meth:`unsupported_reason`.
-            UnsafeForPeer: as :meth:`refuse_lanes`.
+            ValueError, TypeError: as ``SparseMlaCall.read``; as :meth:`forward_call`.
+            pytest_sparse_mla.Unsupported, UnsafeForPeer: as :meth:`forward_call`.
             Whatever the peer raises.
         """
         from pytest_sparse_mla.attention.call import SparseMlaCall
-        from pytest_sparse_mla.attention.conventions import check_lse_convention
 
-        for name in ("grid_release", "chunk_tokens", "backend"):
+        for name in IGNORED_ARGUMENTS:
             arguments.pop(name, None)
         return_fp32 = bool(arguments.pop("return_fp32", False))
-        check_lse_convention(arguments.get("lse_convention", "flashinfer"), arguments.get("lse_scale", 1.0))
+        call = SparseMlaCall.read(q, kv_cache, indices, **arguments)
+        return self.forward_call(call, return_fp32=return_fp32)
+
+    def forward_call(
+        self, call: SparseMlaCall, *, return_fp32: bool = False, envelope_checked: bool = False
+    ) -> PeerResult:
+        """Run the peer on a read call (what :meth:`sparse_mla_forward` does after reading it; the
+        envelope guard hands a suite's call here, read and judged once).
+
+        :meth:`call_reason` refuses a call the peer cannot take, :meth:`refuse_lanes` refuses lanes
+        the peer would mishandle out of bounds, and :meth:`forward` runs the peer (a valid lane past
+        its cache reaches the peer unless ``refuse_lanes`` refuses it: ``Envelope.index_past_cache``).
+
+        Args:
+            call: the call, as ``attention.call.SparseMlaCall.read`` reads it (not validating).
+            return_fp32: ask for the fp32 output (only where ``returns_fp32``).
+            envelope_checked: the caller has held the call to this adapter's envelope.
+
+        Raises:
+            ValueError: ``return_fp32=True`` for a peer with a BF16 output only.
+            pytest_sparse_mla.Unsupported: as :meth:`call_reason`.
+            UnsafeForPeer: as :meth:`refuse_lanes`.
+            Whatever the peer raises.
+        """
         if return_fp32 and not self.returns_fp32:
             raise ValueError(f"return_fp32=True: {self.name} returns a BF16 output only (expected return_fp32=False)")
-        reason = self.unsupported_reason("sparse_mla_forward", q, kv_cache, indices, **arguments)
+        reason = self.call_reason(call, envelope_checked=envelope_checked)
         if reason is not None:
             raise Unsupported(f"{self.name}: {reason}")
-        call = SparseMlaCall.read(q, kv_cache, indices, **arguments)
         views = []
         for source in call.sources:
             views.append(nhd_view(source.cache, source.layout))
-            length = source.topk_length
-            if length is not None and tuple(getattr(length, "shape", ())) != (call.num_tokens,):
+            if source.topk_length is not None and tuple(getattr(source.topk_length, "shape", ())) != (call.num_tokens,):
                 continue  # a malformed length: the peer's own check answers for it
-            self.refuse_lanes(source.indices, length, source.num_slots, source.names[1], source.names[2])
+            self.refuse_lanes(source)
         return self.forward(PeerCall(call, views[0], views[1] if len(views) > 1 else None), return_fp32)
 
     def forward(self, call: PeerCall, return_fp32: bool) -> PeerResult:
-        """Run the peer on a read call (:meth:`sparse_mla_forward`)."""
+        """Run the peer on a read call (:meth:`forward_call`)."""
         raise NotImplementedError
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"
 
 
-def virtual_table(
-    call: PeerCall,
-    kv_cache: Any,
-    topk_length: Any,
-    extra_topk_length: Any,
-    *,
-    row_multiple: int,
-) -> tuple[Any, Any, Any]:
+def virtual_table(call: SparseMlaCall, *, row_multiple: int, fold_lengths: bool = False) -> tuple[Any, Any, Any]:
     """The BF16 latent table and index rows a prefill-style peer reads instead of packed caches.
 
-    The packed caches are dequantized with ``formats.unpack_dequantize`` (exact: an E4M3 code times
-    a power of two is a BF16 number). With an extra cache, its table is appended after the main one
-    and its valid lanes are shifted by the main cache's token count (FlashInfer's test reference
-    builds the same "virtual table", ``tests/attention/test_sparse_mla_sm120.py``); the two rows are
-    joined and lanes past ``topk_length`` / ``extra_topk_length`` become ``-1`` (one row has one
-    prefix length). Rows are padded with ``-1`` to a multiple of ``row_multiple``.
+    The packed caches are dequantized with ``formats.unpack_dequantize`` on the layouts the call
+    parsed (exact: an E4M3 code times a power of two is a BF16 number). With an extra cache, its
+    table is appended after the main one and its valid lanes are shifted by the main cache's token
+    count (FlashInfer's test reference builds the same "virtual table",
+    ``tests/attention/test_sparse_mla_sm120.py``); the two rows are joined and lanes past
+    ``topk_length`` / ``extra_topk_length`` become ``-1`` (one row has one prefix length). Rows are
+    padded with ``-1`` to a multiple of ``row_multiple``.
 
     Args:
-        call: the read call (:class:`PeerCall`).
-        kv_cache: the main packed cache (the bytes ``call.layout`` describes).
-        topk_length, extra_topk_length: ``[T]`` int32 or ``None``.
+        call: the read call (``attention.call.SparseMlaCall``): its caches, layouts, index rows and
+            lengths.
         row_multiple: the peer's index-row multiple (lanes).
+        fold_lengths: fold ``topk_length`` into the rows without an extra cache too (for a peer that
+            takes no lengths): every invalid lane becomes ``-1``.
 
     Returns:
         ``(kv, rows, length)``: ``kv`` ``[N, 1, d_qk]`` BF16 (``N`` = main tokens + extra tokens),
         ``rows`` ``[T, width]`` int32 (``width`` a multiple of ``row_multiple``), ``length`` the
-        ``topk_length`` to hand the peer (``None`` with an extra cache: folded into ``rows``).
+        ``topk_length`` to hand the peer (``None`` where folded into ``rows``: with an extra cache
+        or ``fold_lengths``).
     """
     import torch
 
     from pytest_sparse_mla import formats
-    from pytest_sparse_mla.attention.call import valid_lanes
 
-    layout = call.layout
-    d_qk = layout.fmt.d_qk
-    table = formats.unpack_dequantize(
-        kv_cache, layout.fmt, page_block_size=layout.page_block_size, dtype=torch.bfloat16
-    )
-    tables = [table.reshape(-1, d_qk)]
-    rows, length = call.idx, topk_length
-    if call.extra is not None:
-        extra_cache, _, elayout, eidx = call.extra
-        etable = formats.unpack_dequantize(
-            extra_cache, elayout.fmt, page_block_size=elayout.page_block_size, dtype=torch.bfloat16
-        )
-        tables.append(etable.reshape(-1, d_qk))
-        main_rows = torch.where(valid_lanes(call.idx, topk_length), call.idx, torch.full_like(call.idx, -1))
-        extra_rows = torch.where(valid_lanes(eidx, extra_topk_length), eidx + layout.num_tokens, -1)
-        rows, length = torch.cat([main_rows, extra_rows.to(call.idx.dtype)], dim=1), None
+    main, extra = call.main, call.extra
+    d_qk = main.layout.fmt.d_qk
+    tables = [
+        formats.unpack_dequantize(source.cache, layout=source.layout, dtype=torch.bfloat16).reshape(-1, d_qk)
+        for source in call.sources
+    ]
+    rows, length = main.indices, main.topk_length
+    if extra is not None or (fold_lengths and length is not None):
+        rows, length = torch.where(main.valid_lanes(), main.indices, torch.full_like(main.indices, -1)), None
+    if extra is not None:
+        extra_rows = torch.where(extra.valid_lanes(), extra.indices + main.num_slots, -1)
+        rows = torch.cat([rows, extra_rows.to(main.indices.dtype)], dim=1)
     width = -(-rows.shape[1] // row_multiple) * row_multiple
     padded = torch.full((rows.shape[0], width), -1, dtype=torch.int32, device=rows.device)
     padded[:, : rows.shape[1]] = rows
@@ -456,10 +492,10 @@ def call_peer(
         raise
 
 
-def check_folded_lengths(q: Any, topk_length: Any, extra_topk_length: Any, has_extra: bool) -> None:
-    """Check the lengths an adapter folds into the index rows itself (its peer takes none): the same
-    checks as the bundled reference (``[T]`` int32 on ``q``'s device; ``extra_topk_length`` only with
-    an extra cache).
+def check_folded_lengths(call: SparseMlaCall) -> None:
+    """Check the lengths of a read call that an adapter folds into the index rows itself (its peer
+    takes none): the same checks as the bundled reference (``[T]`` int32 on ``q``'s device;
+    ``extra_topk_length`` only with an extra cache).
 
     Raises:
         TypeError: not a tensor, or not int32. ValueError: a wrong shape or device;
@@ -469,11 +505,11 @@ def check_folded_lengths(q: Any, topk_length: Any, extra_topk_length: Any, has_e
 
     from pytest_sparse_mla.attention.call import check_vector
 
-    if extra_topk_length is not None and not has_extra:
+    if call.extra_topk_length is not None and call.extra is None:
         raise ValueError("extra_topk_length requires extra_kv_cache and extra_indices")
-    for name, value in (("topk_length", topk_length), ("extra_topk_length", extra_topk_length)):
+    for name, value in (("topk_length", call.main.topk_length), ("extra_topk_length", call.extra_topk_length)):
         if value is not None:
-            check_vector(value, name, torch.int32, int(q.shape[0]), "one length per token", q)
+            check_vector(value, name, torch.int32, call.num_tokens, "one length per token", call.q)
 
 
 def source_skip_reason(

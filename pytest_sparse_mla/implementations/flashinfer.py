@@ -95,14 +95,14 @@ class FlashInferImplementation(PeerAdapter):
         from packaging.version import Version
 
         c = call.call
-        q, attn_sink = c.q, c.attn_sink
+        device = c.q.device
         entry = _flashinfer_entry()
         num_tokens, num_heads = c.num_tokens, c.num_heads
-        output = torch.zeros((num_tokens, num_heads, 512), dtype=torch.bfloat16, device=q.device)
-        out_lse = torch.zeros((num_tokens, num_heads), dtype=torch.float32, device=q.device)
+        output = torch.zeros((num_tokens, num_heads, 512), dtype=torch.bfloat16, device=device)
+        out_lse = torch.zeros((num_tokens, num_heads), dtype=torch.float32, device=device)
         kwargs: dict[str, Any] = {
             "topk_length": c.main.topk_length,
-            "attn_sink": attn_sink,
+            "attn_sink": c.attn_sink,
             "extra_kv_cache": c.extra.cache if c.extra else None,
             "extra_indices": c.extra.indices if c.extra else None,
             "extra_topk_length": c.extra_topk_length,
@@ -111,17 +111,17 @@ class FlashInferImplementation(PeerAdapter):
             splits = -(-c.main.topk // 64) + (-(-c.extra.topk // 64) if c.extra else 0)
             version = Version(capabilities.probe().flashinfer_version or "0")
             heads = (8 if num_heads == 8 else -(-num_heads // 16) * 16) if version >= Version("0.7.0") else num_heads
-            kwargs["mid_out"] = torch.empty((num_tokens, heads, splits, 512), dtype=torch.bfloat16, device=q.device)
-            kwargs["mid_lse"] = torch.empty((num_tokens, heads, splits), dtype=torch.float32, device=q.device)
+            kwargs["mid_out"] = torch.empty((num_tokens, heads, splits, 512), dtype=torch.bfloat16, device=device)
+            kwargs["mid_lse"] = torch.empty((num_tokens, heads, splits), dtype=torch.float32, device=device)
         source = {"kind": "import", "module": entry.__module__}
-        args = (q, c.main.cache, c.main.indices, output, out_lse, float(c.sm_scale))
+        args = (c.q, c.main.cache, c.main.indices, output, out_lse, float(c.sm_scale))
         call_peer(source, "_sparse_mla_sm120_paged_attention", entry, args, kwargs)
         # FlashInfer's out_lse: base 2, sink included -> natural log for the shared conversion
         lse = lse_to_convention(
             out_lse.to(torch.float64) * math.log(2.0),
             sink_included=True,
-            attn_sink=attn_sink,
-            lse_convention=call.lse_convention,
-            lse_scale=call.lse_scale,
+            attn_sink=c.attn_sink,
+            lse_convention=c.lse_convention,
+            lse_scale=c.lse_scale,
         )
         return PeerResult(output, lse, c.route, "flashinfer _sparse_mla_sm120_paged_attention")

@@ -37,7 +37,7 @@ from __future__ import annotations
 import functools
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pytest_sparse_mla.envelope import Envelope
 from pytest_sparse_mla.implementations._peer import (
@@ -48,6 +48,9 @@ from pytest_sparse_mla.implementations._peer import (
     lse_to_convention,
     source_skip_reason,
 )
+
+if TYPE_CHECKING:
+    from pytest_sparse_mla.attention.call import Candidates
 
 __all__ = ["FlashInferReferenceImplementation", "ENVELOPE", "references", "flashinfer_source"]
 
@@ -104,10 +107,12 @@ def references() -> tuple[Any, Any]:
     )
 
 
-def _flat_pages(cache: Any, layout: Any, page_nbytes: int) -> Any:
-    """The cache's pages as FlashInfer's flat ``[pages, page_nbytes]`` buffer (a copy; zero tail)."""
+def _flat_pages(source: Candidates, page_nbytes: int) -> Any:
+    """The pages of ``source``'s cache (an ``attention.call.Candidates``) as FlashInfer's flat
+    ``[pages, page_nbytes]`` buffer (a copy; zero tail)."""
     import torch
 
+    cache, layout = source.cache, source.layout
     used = layout.page_block_size * layout.fmt.bytes_per_token
     pages = torch.as_strided(cache, (layout.num_pages, used), (layout.page_stride, 1), cache.storage_offset())
     flat = torch.zeros((layout.num_pages, page_nbytes), dtype=torch.uint8, device=cache.device)
@@ -115,10 +120,12 @@ def _flat_pages(cache: Any, layout: Any, page_nbytes: int) -> Any:
     return flat
 
 
-def _token_rows(cache: Any, layout: Any) -> Any:
-    """The cache's token records as a ``[tokens, 1, bytes_per_token]`` copy."""
+def _token_rows(source: Candidates) -> Any:
+    """The token records of ``source``'s cache (an ``attention.call.Candidates``) as a
+    ``[tokens, 1, bytes_per_token]`` copy."""
     import torch
 
+    cache, layout = source.cache, source.layout
     bpt = layout.fmt.bytes_per_token
     rows = torch.as_strided(
         cache,
@@ -162,49 +169,45 @@ class FlashInferReferenceImplementation(PeerAdapter):
         import torch
 
         c = call.call
-        q, kv_cache, topk_length, attn_sink, sm_scale = c.q, c.main.cache, c.main.topk_length, c.attn_sink, c.sm_scale
-        extra_topk_length = c.extra_topk_length
+        main, extra = c.main, c.extra
         compressed, nsa = references()
-        query = q.float() if return_fp32 else q
-        layout = call.layout
-        if layout.fmt.name == "dsv3_2":
+        query = c.q.float() if return_fp32 else c.q
+        if main.layout.fmt.name == "dsv3_2":
             out, lse2 = call_peer(
                 _SOURCES[1], "sparse_mla_reference", nsa.sparse_mla_reference, (),
-                {"q_all": query, "kv_cache": _token_rows(kv_cache, layout), "page_table_1": call.idx,
-                 "active_token_counts": topk_length, "sm_scale": float(sm_scale), "v_head_dim": 512,
+                {"q_all": query, "kv_cache": _token_rows(main), "page_table_1": main.indices,
+                 "active_token_counts": main.topk_length, "sm_scale": float(c.sm_scale), "v_head_dim": 512,
                  "return_lse": True},
             )  # fmt: skip
             lse = lse2.to(torch.float64) * math.log(2.0)
             entry = "flashinfer...mla.reference.sparse_mla_reference"
         else:
-            width = call.idx.shape[1]
-            lengths = topk_length if topk_length is not None else torch.full(
-                (call.num_tokens,), width, dtype=torch.int32, device=q.device
+            lengths = main.topk_length if main.topk_length is not None else torch.full(
+                (c.num_tokens,), main.topk, dtype=torch.int32, device=c.q.device
             )  # fmt: skip
             kwargs: dict[str, Any] = {}
-            if extra_topk_length is not None:  # the reference checks that it comes with an extra cache
-                kwargs["extra_topk_lengths"] = extra_topk_length
-            if call.extra is not None:
-                extra_cache, _, elayout, eidx = call.extra
+            if c.extra_topk_length is not None:  # the reference checks that it comes with an extra cache
+                kwargs["extra_topk_lengths"] = c.extra_topk_length
+            if extra is not None:
                 kwargs = {
                     "extra_k_cache": _flat_pages(
-                        extra_cache, elayout, compressed.compressed_sparse_mla_page_nbytes(elayout.page_block_size)
+                        extra, compressed.compressed_sparse_mla_page_nbytes(extra.layout.page_block_size)
                     ),
-                    "extra_indices": eidx,
-                    "extra_topk_lengths": extra_topk_length if extra_topk_length is not None else torch.full(
-                        (call.num_tokens,), eidx.shape[1], dtype=torch.int32, device=q.device
+                    "extra_indices": extra.indices,
+                    "extra_topk_lengths": extra.topk_length if extra.topk_length is not None else torch.full(
+                        (c.num_tokens,), extra.topk, dtype=torch.int32, device=c.q.device
                     ),
-                    "extra_page_size": elayout.page_block_size,
+                    "extra_page_size": extra.layout.page_block_size,
                 }  # fmt: skip
-            page_nbytes = compressed.compressed_sparse_mla_page_nbytes(layout.page_block_size)
-            kwargs.update(sm_scale=float(sm_scale), attn_sink=attn_sink, swa_page_size=layout.page_block_size,
+            page_nbytes = compressed.compressed_sparse_mla_page_nbytes(main.layout.page_block_size)
+            kwargs.update(sm_scale=float(c.sm_scale), attn_sink=c.attn_sink, swa_page_size=main.layout.page_block_size,
                           return_lse=True)  # fmt: skip
             out, lse = call_peer(
                 _SOURCES[0], "compressed_sparse_mla_reference", compressed.compressed_sparse_mla_reference,
-                (query, _flat_pages(kv_cache, layout, page_nbytes), call.idx, lengths), kwargs,
+                (query, _flat_pages(main, page_nbytes), main.indices, lengths), kwargs,
             )  # fmt: skip
             entry = "flashinfer...mla.compressed_reference.compressed_sparse_mla_reference"
         lse = lse_to_convention(
-            lse, sink_included=True, attn_sink=attn_sink, lse_convention=call.lse_convention, lse_scale=call.lse_scale
+            lse, sink_included=True, attn_sink=c.attn_sink, lse_convention=c.lse_convention, lse_scale=c.lse_scale
         )
         return PeerResult(out, lse, None, entry)

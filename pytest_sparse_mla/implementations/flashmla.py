@@ -50,12 +50,15 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pytest_sparse_mla import capabilities
 from pytest_sparse_mla.envelope import Envelope, Widths
 from pytest_sparse_mla.implementations import _peer
 from pytest_sparse_mla.recording import METADATA
+
+if TYPE_CHECKING:
+    from pytest_sparse_mla.attention.call import Candidates
 
 __all__ = [
     "FlashMlaImplementation",
@@ -179,9 +182,9 @@ class FlashMlaImplementation(_peer.PeerAdapter):
 
     # ---- the forward
 
-    def refuse_lanes(self, idx: Any, length: Any, num_slots: int, name: str, length_name: str) -> None:
+    def refuse_lanes(self, source: Candidates) -> None:
         """FlashMLA does not clamp ``topk_length`` (:meth:`_check_lengths`)."""
-        self._check_lengths(self.name, length, idx.shape[1], length_name)
+        self._check_lengths(source)
 
     def forward(self, call: _peer.PeerCall, return_fp32: bool) -> _peer.PeerResult:
         """Run FlashMLA's route for the call (routes in the module docstring).
@@ -195,30 +198,33 @@ class FlashMlaImplementation(_peer.PeerAdapter):
             ImportError: flash_mla does not import.
             Whatever FlashMLA raises (``RuntimeError`` from its ``TORCH_CHECK`` / ``KU_ASSERT``).
         """
-        route = self.route(call.num_tokens)
+        route = self.route(call.call.num_tokens)
         out, lse, entry = self._decode(call) if route == "decode" else self._prefill(call)
+        c = call.call
         lse = _peer.lse_to_convention(
-            lse, sink_included=False, attn_sink=call.call.attn_sink, lse_convention=call.lse_convention,
-            lse_scale=call.lse_scale,
-        )  # fmt: skip
+            lse, sink_included=False, attn_sink=c.attn_sink, lse_convention=c.lse_convention, lse_scale=c.lse_scale
+        )
         return _peer.PeerResult(out, lse, route, entry)
 
-    @staticmethod
-    def _check_lengths(adapter: str, length: Any, topk: int, name: str) -> None:
+    def _check_lengths(self, source: Candidates) -> None:
+        """Refuse a ``topk_length`` of ``source`` outside ``[0, topk]`` (:class:`_peer.UnsafeForPeer`)."""
+        length, topk = source.topk_length, source.topk
         if length is None:
             return
         bad = (length < 0) | (length > topk)
         if bool(bad.any()):
             t = int(bad.nonzero()[0, 0])
             raise _peer.UnsafeForPeer(
-                f"{adapter}: {name}[{t}]={int(length[t])} outside [0, {topk}]; the kernels do not clamp "
+                f"{self.name}: {source.names[2]}[{t}]={int(length[t])} outside [0, {topk}]; the kernels do not clamp "
                 "it (FlashMLA's flash_mla_interface.py: 'only the leftmost topk_length indices will be "
                 "processed'), they size the work and read index lanes from the raw value"
             )
 
-    def _check_decode_rows(self, idx: Any, length: Any, name: str) -> None:
+    def _check_decode_rows(self, source: Candidates) -> None:
+        """Refuse decode index rows of ``source`` FlashMLA's decode would read out of bounds."""
         if not self.decode_masks_only_minus_one:
             return
+        idx, name = source.indices, source.names[1]
         if idx.stride(0) % 2 or idx.data_ptr() % 8:
             raise _peer.UnsafeForPeer(
                 f"flashmla: {name} rows start at {idx.data_ptr()} with row stride {idx.stride(0)}; "
@@ -226,7 +232,7 @@ class FlashMlaImplementation(_peer.PeerAdapter):
             )
         from pytest_sparse_mla.attention.call import valid_lanes
 
-        prefix = valid_lanes(idx.clamp(min=0), length)  # lanes inside the valid prefix
+        prefix = valid_lanes(idx.clamp(min=0), source.topk_length)  # lanes inside the valid prefix
         bad = prefix & (idx < -1)
         if bool(bad.any()):
             t, j = (int(v) for v in bad.nonzero()[0])
@@ -239,28 +245,22 @@ class FlashMlaImplementation(_peer.PeerAdapter):
 
     def _decode(self, call: _peer.PeerCall) -> tuple[Any, Any, str]:
         """``flash_mla_with_kvcache`` on the packed caches, one batch entry per token."""
-        c, idx, extra = call.call, call.idx, call.extra
-        q, kv4, topk_length, attn_sink, sm_scale = c.q, call.kv4, c.main.topk_length, c.attn_sink, c.sm_scale
-        extra_topk_length = c.extra_topk_length
+        c = call.call
         flash_mla = self.module()
-        self._check_decode_rows(idx, topk_length, "indices")
-        extra_kv4 = extra_idx3 = None
-        if extra is not None:
-            _, extra_kv4, _, eidx = extra
-            self._check_decode_rows(eidx, extra_topk_length, "extra_indices")
-            extra_idx3 = eidx.unsqueeze(1)
+        for source in c.sources:
+            self._check_decode_rows(source)
         sched, _ = flash_mla.get_mla_metadata()
-        args = (q.unsqueeze(1), kv4, None, None, 512, sched, None)
+        args = (c.q.unsqueeze(1), call.kv4, None, None, 512, sched, None)
         kwargs = {
-            "softmax_scale": sm_scale,
+            "softmax_scale": c.sm_scale,
             "causal": False,
             "is_fp8_kvcache": True,
-            "indices": idx.unsqueeze(1),
-            "attn_sink": attn_sink,
-            "extra_k_cache": extra_kv4,
-            "extra_indices_in_kvcache": extra_idx3,
-            "topk_length": None if topk_length is None else topk_length.contiguous(),
-            "extra_topk_length": None if extra_topk_length is None else extra_topk_length.contiguous(),
+            "indices": c.main.indices.unsqueeze(1),
+            "attn_sink": c.attn_sink,
+            "extra_k_cache": call.extra4,
+            "extra_indices_in_kvcache": c.extra.indices.unsqueeze(1) if c.extra is not None else None,
+            "topk_length": None if c.main.topk_length is None else c.main.topk_length.contiguous(),
+            "extra_topk_length": None if c.extra_topk_length is None else c.extra_topk_length.contiguous(),
         }
         out, lse = _peer.call_peer(
             self.decode_source, "flash_mla_with_kvcache", flash_mla.flash_mla_with_kvcache, args, kwargs,
@@ -272,9 +272,7 @@ class FlashMlaImplementation(_peer.PeerAdapter):
         """``flash_mla_sparse_fwd`` on the dequantized virtual table (:func:`_peer.virtual_table`)."""
         c = call.call
         flash_mla = self.module()
-        kv, rows, length = _peer.virtual_table(
-            call, c.main.cache, c.main.topk_length, c.extra_topk_length, row_multiple=PREFILL_ROW_MULTIPLE
-        )
+        kv, rows, length = _peer.virtual_table(c, row_multiple=PREFILL_ROW_MULTIPLE)
         length = None if length is None else length.contiguous()
         args = (c.q, kv, rows.unsqueeze(1), c.sm_scale, 512, c.attn_sink, length)
         out, _max_logits, lse = _peer.call_peer(

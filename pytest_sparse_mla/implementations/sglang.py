@@ -67,11 +67,14 @@ import sys
 import types
 from collections.abc import Iterator, MutableMapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pytest_sparse_mla import capabilities
 from pytest_sparse_mla.envelope import Envelope, Unsupported
 from pytest_sparse_mla.implementations import _peer
+
+if TYPE_CHECKING:
+    from pytest_sparse_mla.attention.call import Candidates
 
 __all__ = [
     "SGLANG_FILES",
@@ -406,25 +409,19 @@ class _SglangBase(_peer.PeerAdapter):
             Whatever SGLang raises.
         """
         c = call.call
-        q, topk_length, attn_sink, sm_scale = c.q, c.main.topk_length, c.attn_sink, c.sm_scale
-        extra_topk_length = c.extra_topk_length
-        idx = call.idx
-        extra4 = extra_idx3 = None
-        if call.extra is not None:
-            extra4, extra_idx3 = call.extra[1], call.extra[3].unsqueeze(1)
-        kv4 = call.kv4
+        extra_idx3 = c.extra.indices.unsqueeze(1) if c.extra is not None else None
         source = {"kind": "file", "package": "sglang", "path": SGLANG_FILES[self._forward_file], "stubs": "sglang"}
         out, lse = _peer.call_peer(
             source, self._forward_function, self._forward_callable(),
-            (q.unsqueeze(1), kv4, idx.unsqueeze(1), topk_length, attn_sink, 512, float(sm_scale),
-             extra4, extra_idx3, extra_topk_length), {},
+            (c.q.unsqueeze(1), call.kv4, c.main.indices.unsqueeze(1), c.main.topk_length, c.attn_sink, 512,
+             float(c.sm_scale), call.extra4, extra_idx3, c.extra_topk_length), {},
         )  # fmt: skip
         lse = _peer.lse_to_convention(
             lse[:, :, 0],
-            sink_included=self._lse_has_sink and attn_sink is not None,
-            attn_sink=attn_sink,
-            lse_convention=call.lse_convention,
-            lse_scale=call.lse_scale,
+            sink_included=self._lse_has_sink and c.attn_sink is not None,
+            attn_sink=c.attn_sink,
+            lse_convention=c.lse_convention,
+            lse_scale=c.lse_scale,
         )
         return _peer.PeerResult(out[:, 0], lse, None, f"sglang {self._forward_function}")
 
@@ -517,23 +514,23 @@ class SglangTorchImplementation(_SglangBase):
     _forward_function = "_sm120_sparse_decode_fwd"
     _lse_has_sink = False
 
-    def refuse_lanes(self, idx: Any, length: Any, num_slots: int, name: str, length_name: str) -> None:
+    def refuse_lanes(self, source: Candidates) -> None:
         """The torch path gathers every lane with torch indexing: on CUDA a valid lane past the
         cache is a device-side assert (measured on the H200), and a lane past ``topk_length`` is
         gathered too (only negatives are clamped)."""
+        idx, num_slots = source.indices, source.num_slots
         if idx.is_cuda:
             _peer.refuse_lanes_past_cache(
-                self.name, idx, length, num_slots, name,
+                self.name, source,
                 "SGLang's _sm120_sparse_decode_fwd gathers it with torch indexing, a device-side assert "
                 "(index out of bounds) that ends the process's CUDA context; on a CPU an IndexError",
             )  # fmt: skip
-        if length is None:
+        if source.topk_length is None:
             return
-        from pytest_sparse_mla.attention.call import valid_lanes
-
-        bad = ~valid_lanes(idx, length) & (idx >= num_slots)
+        bad = ~source.valid_lanes() & (idx >= num_slots)
         if bool(bad.any()):
             t, j = (int(v) for v in bad.nonzero()[0])
+            _, name, length_name = source.names
             raise _peer.UnsafeForPeer(
                 f"{self.name}: {name}[{t}, {j}]={int(idx[t, j])} lies past {length_name} but outside the "
                 f"cache ({num_slots} slots); SGLang's _sm120_sparse_decode_fwd gathers every lane "

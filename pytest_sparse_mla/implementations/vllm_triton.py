@@ -139,21 +139,16 @@ class VllmTritonImplementation(PeerAdapter):
         """
         import torch
 
-        from pytest_sparse_mla.attention.call import valid_lanes
-
         c = call.call
-        topk_length, extra_topk_length = c.main.topk_length, c.extra_topk_length
-        check_folded_lengths(c.q, topk_length, extra_topk_length, c.extra is not None)
-        kv, rows, length = virtual_table(call, c.main.cache, topk_length, extra_topk_length, row_multiple=ROW_MULTIPLE)
-        if length is not None:  # one prefix length per row: folded into the row
-            rows = torch.where(valid_lanes(rows, length), rows, torch.full_like(rows, -1))
-        d_qk = call.layout.fmt.d_qk
+        check_folded_lengths(c)
+        kv, rows, _ = virtual_table(c, row_multiple=ROW_MULTIPLE, fold_lengths=True)  # the kernel takes no lengths
+        d_qk = c.main.layout.fmt.d_qk
         out, _max_logits, lse = call_peer(
             SOURCE, "triton_bf16_mla_sparse_interface", vllm_module().triton_bf16_mla_sparse_interface,
             (c.q, kv, rows.unsqueeze(1), float(c.sm_scale)), {"d_v": 512, "block_dpe": d_qk - 512},
         )  # fmt: skip
         lse = torch.where(lse < EMPTY_LSE_BELOW, torch.full_like(lse, -math.inf), lse)
         lse = lse_to_convention(
-            lse, sink_included=False, attn_sink=None, lse_convention=call.lse_convention, lse_scale=call.lse_scale
+            lse, sink_included=False, attn_sink=None, lse_convention=c.lse_convention, lse_scale=c.lse_scale
         )
         return PeerResult(out, lse, None, "vllm.v1.attention.ops.xpu_mla_sparse.triton_bf16_mla_sparse_interface")
