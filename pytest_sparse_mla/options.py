@@ -30,8 +30,8 @@ from typing import Any
 
 import pytest
 
-from pytest_sparse_mla.errors import SparseMlaUsageError
 from pytest_sparse_mla.catalogue import NAMES
+from pytest_sparse_mla.errors import SparseMlaUsageError
 
 __all__ = [
     "DEVICES",

@@ -27,9 +27,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from pytest_sparse_mla import catalogue
 from pytest_sparse_mla.conformance import _matches, markdown, read_junit, read_xfail_file
 from pytest_sparse_mla.conformance import build as build_doc
-from pytest_sparse_mla import catalogue
 
 ROOT = Path(__file__).resolve().parents[1]
 XFAIL_DIR = ROOT / "pytest_sparse_mla" / "xfail"

@@ -15,9 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from pytest_sparse_mla import capabilities, options
+from pytest_sparse_mla import capabilities, catalogue, options
 from pytest_sparse_mla.envelope import Envelope
-from pytest_sparse_mla import catalogue
 
 # The public names are exported by the package (``pytest_sparse_mla.implementations.__all__``).
 
