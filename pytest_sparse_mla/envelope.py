@@ -28,10 +28,7 @@ This module imports neither torch nor pytest.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
-
-if TYPE_CHECKING:  # for annotations only: this module imports neither torch nor pytest
-    from pytest_sparse_mla.attention.call import SparseMlaCall
+from typing import Any, Literal
 
 from pytest_sparse_mla.formats import CALL_FORMATS
 
@@ -358,31 +355,6 @@ class Envelope:
             or (self.lengths_reason(fmt) if has_topk_length else None)
             or (self.sink_reason(fmt) if has_sink else None)
             or (None if lse_convention is None else self.lse_reason(lse_convention))
-        )
-
-    def read_call_reason(self, call: SparseMlaCall, *, page_sizes: bool = True, lse: bool = True) -> str | None:
-        """Why a read call (``attention.call.SparseMlaCall``) lies outside the envelope, or ``None``:
-        :meth:`call_reason` on its shapes (no values, no host synchronisation). The guard and the
-        peers' adapters judge every call with this.
-
-        Args:
-            call: the read call (queries of any rank: a missing ``num_heads`` dim reads as 0).
-            page_sizes: hold the caches' page sizes to the envelope's.
-            lse: hold the call's LSE convention to the envelope's.
-        """
-        shape = tuple(call.q.shape)
-        extra = call.extra
-        return self.call_reason(
-            fmt=call.fmt,
-            num_tokens=int(shape[0]) if shape else 0,
-            num_heads=int(shape[1]) if len(shape) > 1 else 0,
-            topk=call.main.topk,
-            extra_topk=extra.topk if extra is not None else None,
-            page_block_size=call.main.layout.page_block_size if page_sizes else None,
-            extra_page_block_size=extra.layout.page_block_size if extra is not None and page_sizes else None,
-            has_topk_length=call.main.topk_length is not None or call.extra_topk_length is not None,
-            has_sink=call.attn_sink is not None,
-            lse_convention=call.lse_convention if lse else None,
         )
 
     def as_dict(self) -> dict[str, Any]:

@@ -4,7 +4,7 @@ The ``sparse_mla_impl`` fixture hands the suites a :class:`GuardedImplementation
 selected implementation. Its ``sparse_mla_forward``:
 
 * reads each well-formed call once (:func:`read_call`) and checks it against the implementation's
-  envelope (:func:`envelope_of`, ``Envelope.read_call_reason``); a call outside a *declared*
+  envelope (:func:`envelope_of`, ``SparseMlaCall.envelope_reason``); a call outside a *declared*
   envelope is a bug of the suite's case fitting and fails as such (the kernel is never called). A
   built-in peer adapter is handed that read call (``implementations._peer.PeerAdapter.forward_call``)
   instead of reading and checking it again;
@@ -267,15 +267,15 @@ def read_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> SparseMlaCall | 
 
 
 def _reason(env: Envelope, call: SparseMlaCall, kwargs: dict[str, Any]) -> str | None:
-    """Why a read call with ``[T, H, d_qk]`` queries lies outside ``env`` (``Envelope.read_call_reason``,
+    """Why a read call with ``[T, H, d_qk]`` queries lies outside ``env`` (``SparseMlaCall.envelope_reason``,
     with its page sizes, and its LSE convention when the call names one), or ``None``."""
-    return env.read_call_reason(call, lse="lse_convention" in kwargs)
+    return call.envelope_reason(env, lse="lse_convention" in kwargs)
 
 
 def call_reason(env: Envelope, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
     """Why a well-formed call lies outside ``env``, or ``None`` (also for a malformed call, which
     the implementation under test is left to refuse): the call read once (:func:`read_call`) and
-    held to the envelope with its page sizes and its LSE convention (``Envelope.read_call_reason``).
+    held to the envelope with its page sizes and its LSE convention (``SparseMlaCall.envelope_reason``).
     """
     call = read_call(args, kwargs)
     if call is None or call.q.dim() != 3:

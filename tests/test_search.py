@@ -69,7 +69,7 @@ def test_every_drawn_call_lies_inside_its_envelope(envelope: Envelope) -> None:
     def drawn(call: search.DrawnCall) -> None:
         inputs = search.build(call)
         read = SparseMlaCall.read(inputs.q, inputs.kv_cache, inputs.indices, **inputs.kwargs, validate=True)
-        assert envelope.read_call_reason(read) is None, call.describe()
+        assert read.envelope_reason(envelope) is None, call.describe()
         if envelope.masked_indices == "minus_one":
             for name, lanes in (("indices", inputs.indices), ("extra_indices", inputs.kwargs.get("extra_indices"))):
                 if lanes is not None:

@@ -29,6 +29,7 @@ import torch
 
 from pytest_sparse_mla import formats
 from pytest_sparse_mla.attention.conventions import check_lse_convention, route_for
+from pytest_sparse_mla.envelope import Envelope
 
 __all__ = ["CALL_ARGUMENTS", "Candidates", "SparseMlaCall", "valid_lanes"]
 
@@ -238,6 +239,31 @@ class SparseMlaCall:
     def sources(self) -> tuple[Candidates, ...]:
         """The main and (when given) the extra :class:`Candidates`, in softmax order."""
         return (self.main,) if self.extra is None else (self.main, self.extra)
+
+    def envelope_reason(self, envelope: Envelope, *, page_sizes: bool = True, lse: bool = True) -> str | None:
+        """Why this call lies outside ``envelope``, or ``None``: ``Envelope.call_reason`` (where every
+        rule of the envelope lives) asked about this call's shapes (no values, no host
+        synchronisation). The guard and the peers' adapters judge every call with this.
+
+        Args:
+            envelope: a ``pytest_sparse_mla.Envelope``.
+            page_sizes: hold the caches' page sizes to the envelope's.
+            lse: hold the call's LSE convention to the envelope's.
+        """
+        shape = tuple(self.q.shape)
+        extra = self.extra
+        return envelope.call_reason(
+            fmt=self.fmt,
+            num_tokens=int(shape[0]) if shape else 0,
+            num_heads=int(shape[1]) if len(shape) > 1 else 0,
+            topk=self.main.topk,
+            extra_topk=extra.topk if extra is not None else None,
+            page_block_size=self.main.layout.page_block_size if page_sizes else None,
+            extra_page_block_size=extra.layout.page_block_size if extra is not None and page_sizes else None,
+            has_topk_length=self.main.topk_length is not None or self.extra_topk_length is not None,
+            has_sink=self.attn_sink is not None,
+            lse_convention=self.lse_convention if lse else None,
+        )
 
     def kwargs(self) -> dict[str, Any]:
         """The keyword arguments (after ``q, kv_cache, indices``) that make this call again."""

@@ -203,7 +203,7 @@ def shape_reason(
 ) -> str | None:
     """Why a peer cannot take a forward call, from its device, its envelope's verdict and its cache
     strides (no host sync): what the envelope does not say (the device, the token stride) is judged
-    here, the envelope's rules only by the envelope (``Envelope.read_call_reason`` /
+    here, the envelope's rules only by the envelope (``SparseMlaCall.envelope_reason`` /
     ``Envelope.call_reason``, whose reason the caller passes as ``outside``).
 
     Args:
@@ -336,9 +336,9 @@ class PeerAdapter:
 
     def call_reason(self, call: SparseMlaCall, *, envelope_checked: bool = False) -> str | None:
         """Why the peer cannot take a read call, or ``None``: its device, the envelope's verdict
-        (``Envelope.read_call_reason``; left out with ``envelope_checked``: the caller has judged
+        (``SparseMlaCall.envelope_reason``; left out with ``envelope_checked``: the caller has judged
         the call against this envelope) and the token stride (:func:`shape_reason`)."""
-        outside = None if envelope_checked else self.envelope.read_call_reason(call, page_sizes=False, lse=False)
+        outside = None if envelope_checked else call.envelope_reason(self.envelope, page_sizes=False, lse=False)
         return shape_reason(
             self.peer, self.devices, call.q, call.main.cache, call.fmt, outside,
             exact_token_stride=self.exact_token_stride,
