@@ -615,7 +615,7 @@ def test_a_strided_query_view_equals_its_contiguous_copy(
     ``d_qk + 64``), ``token-pitch`` takes every second token of a ``[2T, H, d_qk]`` tensor (token
     stride ``2 H d_qk``). The other elements hold NaN: a kernel that reads ``q`` as if it were
     contiguous reads them."""
-    case = _case("strided-q", fmt, 8, 16, 128, sink_kind="large", **_dual(fmt))
+    case = _case("strided-q", fmt, 8, 16, CacheCase(128), extra=_dual(fmt), sink_kind="large")
     inputs = sparse_mla_inputs(case)
     q = inputs.q
     t, h, d = q.shape
