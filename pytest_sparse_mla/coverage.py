@@ -36,7 +36,7 @@ _KEY = pytest.StashKey["Coverage"]()
 def _case_classes(item: pytest.Item) -> tuple[str, ...]:
     callspec = getattr(item, "callspec", None)
     case = callspec.params.get("case") if callspec is not None else None
-    if case is None or not hasattr(case, "requires") or not hasattr(case, "query"):
+    if case is None or not hasattr(case, "requires") or not hasattr(case, "values"):
         return ()
     from pytest_sparse_mla.attention.cases import case_classes
 

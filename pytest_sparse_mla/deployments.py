@@ -6,7 +6,7 @@ SM120 backend sees on one tensor-parallel rank, after SGLang's page split (256-t
 64-token pages for the main/SWA cache):
 
 ==========================  =======  =====  =====================  =================================
-layer (cache role)          heads    topk   page_block_size        extra cache (topk_extra @ page)
+layer (cache role)          heads    topk   page_block_size        extra cache (extra_topk @ page)
 ==========================  =======  =====  =====================  =================================
 SWA (window-only)           H / TP   128    64                     none
 C4 (SWA + C4 compressed)    H / TP   128    64                     512 @ 64   (256 / 4)
@@ -71,7 +71,7 @@ class Deployment:
         num_heads: query heads the kernel sees on one rank (after any padding).
         topk: main (SWA) index width, tokens.
         page_block_size: main-cache page size after the split, tokens.
-        topk_extra: extra (compressed) index width, 0 for single-cache layers.
+        extra_topk: extra (compressed) index width, 0 for single-cache layers.
         extra_page_block_size: extra-cache page size, tokens; 0 for single-cache layers.
         decode_num_tokens: rows of a decode call (1; DSpark verify: gamma + 1 = 6).
     """
@@ -82,7 +82,7 @@ class Deployment:
     num_heads: int
     topk: int
     page_block_size: int
-    topk_extra: int = 0
+    extra_topk: int = 0
     extra_page_block_size: int = 0
     decode_num_tokens: int = 1
 

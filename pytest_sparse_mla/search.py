@@ -283,10 +283,10 @@ class SearchInputs:
         q: ``[T, H, d_qk]`` BF16 (a strided view when ``call.strided_query``).
         kv_cache, indices: the main cache (a view inside a canaried allocation) and ``[T, topk]`` int32.
         kwargs: the other keyword arguments of ``sparse_mla_forward``.
-        valid: ``[T, topk_main + topk_extra]`` bool, the lanes that attend (both caches).
+        valid: ``[T, topk + extra_topk]`` bool, the lanes that attend (both caches).
         storages: every input's whole allocation, as flat uint8 tensors (compared after the call).
         before: CPU copies of ``storages`` taken before the call.
-        scores: ``[T, H, topk_main + topk_extra]`` float64 logits of the valid lanes (``-inf`` elsewhere).
+        scores: ``[T, H, topk + extra_topk]`` float64 logits of the valid lanes (``-inf`` elsewhere).
     """
 
     call: DrawnCall

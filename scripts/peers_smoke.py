@@ -37,18 +37,22 @@ from pytest_sparse_mla.attention.cases import (
     CONFORMANCE_CASES,
     FLASHINFER_CASES,
     AttentionCase,
+    CacheCase,
+    Conventions,
     deployment_cases,
     make_inputs,
 )
 from pytest_sparse_mla.implementations import BUILTINS, ReferenceImplementation
 
 HEADLINE = (
-    AttentionCase("hl-model1-h64-p256-e64x512", 64, 64, 128, page_block_size=256, num_pages=16, topk_extra=512,
-                  extra_page_block_size=64, extra_num_pages=64, masked_fraction=0.0, extra_masked_fraction=0.0),
-    AttentionCase("hl-model1-h128-p256-e2x1024", 64, 128, 128, page_block_size=256, num_pages=16, topk_extra=1024,
-                  extra_page_block_size=2, extra_num_pages=1024, masked_fraction=0.0, extra_masked_fraction=0.0),
-    AttentionCase("hl-v32-h64-k2048", 64, 64, 2048, fmt="dsv3_2", num_pages=64, masked_fraction=0.0),
-    AttentionCase("hl-v32-h128-k2048", 64, 128, 2048, fmt="dsv3_2", num_pages=64, masked_fraction=0.0),
+    AttentionCase("hl-model1-h64-p256-e64x512", 64, 64, CacheCase(128, page_block_size=256, num_pages=16,
+                  masked_fraction=0.0), extra=CacheCase(512, page_block_size=64, num_pages=64, masked_fraction=0.0)),
+    AttentionCase("hl-model1-h128-p256-e2x1024", 64, 128, CacheCase(128, page_block_size=256, num_pages=16,
+                  masked_fraction=0.0), extra=CacheCase(1024, page_block_size=2, num_pages=1024, masked_fraction=0.0)),
+    AttentionCase("hl-v32-h64-k2048", 64, 64, CacheCase(2048, num_pages=64, masked_fraction=0.0),
+                  conventions=Conventions("dsv3_2")),
+    AttentionCase("hl-v32-h128-k2048", 64, 128, CacheCase(2048, num_pages=64, masked_fraction=0.0),
+                  conventions=Conventions("dsv3_2")),
 )  # fmt: skip
 
 

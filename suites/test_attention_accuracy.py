@@ -40,6 +40,9 @@ from pytest_sparse_mla.attention.cases import (
     FLASHINFER_CASES,
     AttentionCase,
     AttentionInputs,
+    CacheCase,
+    Conventions,
+    Values,
     deployment_cases,
 )
 from pytest_sparse_mla.envelope import ALL_FORMATS
@@ -49,7 +52,7 @@ from pytest_sparse_mla.parametrize import case_params
 pytestmark = pytest.mark.sparse_mla_needs("sparse_mla_forward")
 
 LOG2E = 1.0 / math.log(2.0)
-DUAL_C4 = {"topk_extra": 128, "extra_page_block_size": 64, "extra_num_pages": 4}
+DUAL_C4 = CacheCase(128, page_block_size=64, num_pages=4)
 
 
 def _what(inputs: AttentionInputs) -> str:
@@ -61,7 +64,7 @@ def _matches_oracle(impl: object, inputs: AttentionInputs, tol: object, **overri
     res = inputs.run(impl.sparse_mla_forward, **overrides)
     expected = inputs.run(oracle_forward, **overrides)
     check_result_shapes(res, inputs.q.shape[0], inputs.q.shape[1])
-    tol.check_result(res, expected, fmt=inputs.case.fmt, what=_what(inputs))
+    tol.check_result(res, expected, fmt=inputs.case.conventions.fmt, what=_what(inputs))
     return res
 
 
@@ -85,9 +88,9 @@ def test_error_classes_are_visible(case, sparse_mla_impl, sparse_mla_tolerances,
 @pytest.mark.sparse_mla_error_class("decode-prefill-boundary")
 @pytest.mark.parametrize("num_tokens", [1, 63, 64, 65, 128])
 def test_decode_prefill_boundary(num_tokens, sparse_mla_impl, sparse_mla_tolerances, sparse_mla_inputs):
-    case = AttentionCase(f"boundary-T{num_tokens}", num_tokens, 16, 128, topk_extra=128, query="peaked",
-                         extra_page_block_size=2, extra_num_pages=256, sink_kind="large",
-                         requires=("tokens",))  # fmt: skip
+    case = AttentionCase(f"boundary-T{num_tokens}", num_tokens, 16, CacheCase(128),
+                         extra=CacheCase(128, page_block_size=2, num_pages=256),
+                         values=Values("peaked", sink_kind="large"), requires=("tokens",))  # fmt: skip
     inputs = sparse_mla_inputs(case)
     res = _matches_oracle(sparse_mla_impl, inputs, sparse_mla_tolerances)
     if res.route is not None:  # FlashInfer's _DECODE_MAX_TOKENS = 64
@@ -115,9 +118,9 @@ def test_lse_conventions(
     sparse_mla_envelope,
 ):  # fmt: skip
     _lse_or_not_applicable(sparse_mla_envelope, lse_convention)
-    dual = {} if fmt == "dsv3_2" else DUAL_C4
-    case = AttentionCase("lse-conventions", 8, 16, 128, with_sink=with_sink, sink_kind="large", query="peaked",
-                         fmt=fmt, requires=("sink", "format") if with_sink else ("format",), **dual)  # fmt: skip
+    case = AttentionCase("lse-conventions", 8, 16, CacheCase(128), extra=None if fmt == "dsv3_2" else DUAL_C4,
+                         values=Values("peaked", sink_kind="large"), conventions=Conventions(fmt, with_sink=with_sink),
+                         requires=("sink", "format") if with_sink else ("format",))  # fmt: skip
     inputs = sparse_mla_inputs(case)
     inputs.indices[0] = -1  # token 0: no main candidate ...
     if inputs.extra_indices is not None:
@@ -141,9 +144,10 @@ def test_empty_rows_give_zero_output_and_sentinel_lse(
                     f"(topk_length_formats={env.topk_length_formats})")  # fmt: skip
     if how == "negative-lengths" and env.topk_length_range != "clamped":
         pytest.skip("not applicable to this envelope: negative topk_length (topk_length_range='row')")
-    dual = {} if fmt == "dsv3_2" else {"topk_extra": 128, "extra_page_block_size": 2, "extra_num_pages": 128}
-    case = AttentionCase("empty", 4, 8, 128, with_sink=sink != "no-sink", fmt=fmt,
-                         requires=("sink", "format") if sink != "no-sink" else ("format",), **dual)  # fmt: skip
+    extra = None if fmt == "dsv3_2" else CacheCase(128, page_block_size=2, num_pages=128)
+    case = AttentionCase("empty", 4, 8, CacheCase(128), extra=extra,
+                         conventions=Conventions(fmt, with_sink=sink != "no-sink"),
+                         requires=("sink", "format") if sink != "no-sink" else ("format",))  # fmt: skip
     inputs = sparse_mla_inputs(case)
     num_tokens, width = inputs.indices.shape
     if sink == "minus-inf-sink":  # -inf on even heads, finite on odd heads
@@ -211,7 +215,8 @@ def test_empty_row_on_a_minus_inf_sink_head_is_zero_with_the_documented_lse(
     ``attn_sink = [-inf, 0.5, -inf, 0.5, ...]``: token 0's output is exactly 0 on every head; its
     LSE is ``-inf`` on the ``-inf`` heads (no mass at all) and ``0.5 * log2(e)`` on the others
     (FlashInfer convention), ``+inf`` on every head (FlashMLA convention)."""
-    case = AttentionCase("empty-inf-sink", 2, 2, 64, num_pages=1, masked_fraction=0.5, requires=("sink", "tokens"))
+    case = AttentionCase("empty-inf-sink", 2, 2, CacheCase(64, num_pages=1, masked_fraction=0.5),
+                         requires=("sink", "tokens"))  # fmt: skip
     inputs = sparse_mla_inputs(case)
     inputs.indices[0] = -1
     heads = inputs.q.shape[1]
@@ -234,7 +239,8 @@ def test_empty_row_on_a_minus_inf_sink_head_is_zero_with_the_documented_lse(
 def test_32_heads_read_their_own_token_row(fmt, sparse_mla_impl, sparse_mla_tolerances, sparse_mla_inputs):
     """T=2, H=32, topk 128 with 64 valid lanes: a kernel that runs 32 heads as two 16-head groups and
     lets the second group read the next token's index row is wrong on heads 16-31."""
-    case = AttentionCase("heads-32", 2, 32, 128, fmt=fmt, masked_fraction=0.5, num_pages=8, requires=("format",))
+    case = AttentionCase("heads-32", 2, 32, CacheCase(128, num_pages=8, masked_fraction=0.5),
+                         conventions=Conventions(fmt), requires=("format",))  # fmt: skip
     _matches_oracle(sparse_mla_impl, sparse_mla_inputs(case), sparse_mla_tolerances)
 
 
@@ -244,8 +250,8 @@ def test_per_layer_views_of_one_pool(layer, sparse_mla_impl, sparse_mla_toleranc
     """Four per-layer ``[P, 64, 1, 584]`` views of one pool: layer ``l`` starts ``l * 37,440`` bytes
     into each 149,760-byte page (DSV4 padded page of 64 tokens: ``ceil(64*584/576)*576 = 37,440``).
     A kernel that ignores ``storage_offset()`` reads layer 0 for every layer."""
-    case = AttentionCase(f"layer-{layer}", 8, 16, 128, layer=layer, num_layers=4, query="peaked", num_pages=4,
-                         requires=("page", "format"))  # fmt: skip
+    case = AttentionCase(f"layer-{layer}", 8, 16, CacheCase(128, num_pages=4, layer=layer, num_layers=4),
+                         values=Values("peaked"), requires=("page", "format"))  # fmt: skip
     inputs = sparse_mla_inputs(case)
     packed = inputs.cache.packed
     assert packed.storage_offset() == layer * 37_440 and packed.stride(0) == 149_760

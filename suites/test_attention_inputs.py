@@ -23,11 +23,11 @@ from typing import Any
 import pytest
 import torch
 
-from pytest_sparse_mla.attention.cases import AttentionCase, AttentionInputs
+from pytest_sparse_mla.attention.cases import AttentionCase, AttentionInputs, CacheCase, Conventions
 
 pytestmark = pytest.mark.sparse_mla_needs("sparse_mla_forward")
 
-CASE = AttentionCase("bad", 4, 8, 64, topk_extra=64, extra_page_block_size=2, extra_num_pages=64)
+CASE = AttentionCase("bad", 4, 8, CacheCase(64), extra=CacheCase(64, page_block_size=2, num_pages=64))
 
 
 def _other_device(device: torch.device) -> str:
@@ -100,7 +100,7 @@ def test_bad_input_raises_a_clear_error(name, sparse_mla_impl, sparse_mla_inputs
 
 @pytest.mark.sparse_mla_error_class("zero-tokens")
 def test_zero_tokens_is_a_no_op(sparse_mla_impl, sparse_mla_inputs):
-    inputs = sparse_mla_inputs(AttentionCase("empty", 0, 8, 64, requires=("tokens",)))
+    inputs = sparse_mla_inputs(AttentionCase("empty", 0, 8, CacheCase(64), requires=("tokens",)))
     res = inputs.run(sparse_mla_impl.sparse_mla_forward)
     heads = inputs.q.shape[1]
     assert tuple(res.output.shape) == (0, heads, 512)
@@ -110,7 +110,7 @@ def test_zero_tokens_is_a_no_op(sparse_mla_impl, sparse_mla_inputs):
 #: The two caches a lane may name: the test case, and the argument holding the lane's index row.
 _CACHES = {
     "main": (dict(), "indices"),
-    "extra": (dict(topk_extra=64, extra_page_block_size=64, extra_num_pages=2, requires=("extra",)), "extra_indices"),
+    "extra": (dict(extra=CacheCase(64, page_block_size=64, num_pages=2), requires=("extra",)), "extra_indices"),
 }
 
 
@@ -134,8 +134,8 @@ def test_a_valid_lane_past_the_cache_does_what_the_envelope_says(
     if behaviour == "undefined":
         pytest.skip("not applicable to this envelope: index_past_cache='undefined'")
     extra_case, argument = _CACHES[which]
-    inputs = sparse_mla_inputs(AttentionCase(f"past-cache-{which}", 4, 8, 64, num_pages=2, with_sink=False,
-                                             **extra_case))  # fmt: skip
+    inputs = sparse_mla_inputs(AttentionCase(f"past-cache-{which}", 4, 8, CacheCase(64, num_pages=2),
+                                             conventions=Conventions(with_sink=False), **extra_case))  # fmt: skip
     row, cache = getattr(inputs, argument), inputs.cache if which == "main" else inputs.extra
     past = row.clone()
     past[-1, 0] = cache.num_tokens  # one past the last slot
@@ -166,8 +166,8 @@ def test_every_negative_index_masks_its_lane_where_the_envelope_says_so(
     if sparse_mla_envelope.masked_indices != "negative":
         pytest.skip("not applicable to this envelope: masked_indices='minus_one' (only -1 masks a lane)")
     extra_case, argument = _CACHES[which]
-    inputs = sparse_mla_inputs(AttentionCase(f"negatives-{which}", 4, 8, 64, num_pages=2, masked_fraction=0.5,
-                                             extra_masked_fraction=0.5, **extra_case))  # fmt: skip
+    main = CacheCase(64, num_pages=2, masked_fraction=0.5)
+    inputs = sparse_mla_inputs(AttentionCase(f"negatives-{which}", 4, 8, main, **extra_case))
     others = getattr(inputs, argument).clone()
     lanes = others == -1
     fill = torch.tensor([-2, -7, -(2**31)], dtype=others.dtype, device=others.device)

@@ -41,6 +41,7 @@ them (``Envelope.bitwise_invariance``), within two roundings otherwise.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -48,14 +49,22 @@ import torch
 
 from pytest_sparse_mla import data, formats
 from pytest_sparse_mla.attention import oracle_forward
-from pytest_sparse_mla.attention.cases import AttentionCase, AttentionInputs, fit_case, make_inputs
+from pytest_sparse_mla.attention.cases import (
+    AttentionCase,
+    AttentionInputs,
+    CacheCase,
+    Conventions,
+    Values,
+    fit_case,
+    make_inputs,
+)
 from pytest_sparse_mla.envelope import ALL_FORMATS, Envelope, NotApplicable
 from pytest_sparse_mla.implementations import skip_reason_for
 
 pytestmark = pytest.mark.sparse_mla_needs("sparse_mla_forward")
 
-DUAL_C4 = {"topk_extra": 128, "extra_page_block_size": 64, "extra_num_pages": 8}
-DUAL_C128 = {"topk_extra": 128, "extra_page_block_size": 2, "extra_num_pages": 128}
+DUAL_C4 = CacheCase(128, page_block_size=64, num_pages=8)
+DUAL_C128 = CacheCase(128, page_block_size=2, num_pages=128)
 FORMATS = list(ALL_FORMATS)  # every call format an envelope may name (formats.CALL_FORMATS)
 
 
@@ -64,15 +73,17 @@ def _pad(indices: torch.Tensor, width: int, value: int = -1) -> torch.Tensor:
     return torch.cat([indices, pad], dim=1)
 
 
-def _dual(fmt: str, spec: dict[str, int] = DUAL_C4) -> dict[str, int]:
-    return {} if fmt == "dsv3_2" else spec  # DSV3.2 deployments have no extra cache
+def _dual(fmt: str, extra: CacheCase = DUAL_C4) -> CacheCase | None:
+    return None if fmt == "dsv3_2" else extra  # DSV3.2 deployments have no extra cache
 
 
-def _case(name: str, fmt: str, num_tokens: int, num_heads: int, topk: int, **kw: object) -> AttentionCase:
+def _case(
+    name: str, fmt: str, num_tokens: int, num_heads: int, main: CacheCase, *, extra: CacheCase | None = None,
+    sink_kind: str = "randn", with_sink: bool = True, requires: tuple[str, ...] = (),
+) -> AttentionCase:  # fmt: skip
     """A peaked case of format ``fmt``; the tests parametrised over both formats require theirs."""
-    kw.setdefault("query", "peaked")
-    kw["requires"] = (*kw.get("requires", ()), "format")  # type: ignore[misc]
-    return AttentionCase(name, num_tokens, num_heads, topk, fmt=fmt, **kw)  # type: ignore[arg-type]
+    return AttentionCase(name, num_tokens, num_heads, main, extra=extra, values=Values("peaked", sink_kind=sink_kind),
+                         conventions=Conventions(fmt, with_sink=with_sink), requires=(*requires, "format"))  # fmt: skip
 
 
 def _na(why: str) -> None:
@@ -100,7 +111,7 @@ def test_padding_with_minus_one_is_neutral(
         pytest.skip("DSV3.2 has no extra cache")
     heads = 64 if num_tokens <= 64 else 16  # 64: what head-specialised decode kernels take
     need = ("tokens", "extra") if which != "main" else ("tokens",)
-    case = _case("pad", fmt, num_tokens, heads, topk, topk_length=length, requires=need, **_dual(fmt))
+    case = _case("pad", fmt, num_tokens, heads, CacheCase(topk, topk_length=length), extra=_dual(fmt), requires=need)
     inputs = sparse_mla_inputs(case)
     base = inputs.run(sparse_mla_impl.sparse_mla_forward)
     over: dict[str, object] = {}
@@ -126,7 +137,7 @@ def test_padding_with_minus_one_is_neutral(
 
 @pytest.mark.sparse_mla_error_class("index-forms")
 def test_index_forms_are_equal(sparse_mla_impl, sparse_mla_tolerances, sparse_mla_inputs):
-    case = _case("forms", "dsv4", 16, 8, 128, **DUAL_C128)
+    case = _case("forms", "dsv4", 16, 8, CacheCase(128), extra=DUAL_C128)
     inputs = sparse_mla_inputs(case)
     base = inputs.run(sparse_mla_impl.sparse_mla_forward)
     oracle = inputs.run(oracle_forward)
@@ -163,8 +174,8 @@ def test_strided_sink_and_lengths_equal_contiguous_ones(
     neighbours 0), give the contiguous arguments' result, or are refused with an error naming the
     argument (FlashMLA: ``attn_sink must be contiguous``). A kernel that reads ``data_ptr()`` as if
     contiguous reads the neighbours."""
-    case = _case("strided-args", "dsv4", 8, 16, 128, sink_kind="large", topk_length=100, extra_topk_length=70,
-                 masked_fraction=0.0, **DUAL_C128)  # fmt: skip
+    case = _case("strided-args", "dsv4", 8, 16, CacheCase(128, topk_length=100, masked_fraction=0.0),
+                 extra=replace(DUAL_C128, topk_length=70), sink_kind="large")  # fmt: skip
     inputs = sparse_mla_inputs(case)
     rows: dict[str, torch.Tensor] = {}  # lanes past the lengths hold -1 here (stale padding is another test's)
     for key, length in (("indices", "topk_length"), ("extra_indices", "extra_topk_length")):
@@ -195,7 +206,7 @@ def test_strided_sink_and_lengths_equal_contiguous_ones(
 def test_candidate_permutation_invariance(
     fmt, sparse_mla_impl, sparse_mla_tolerances, sparse_mla_generator, sparse_mla_inputs
 ):
-    case = _case("perm", fmt, 16, 16, 128, masked_fraction=0.25, **_dual(fmt, DUAL_C128))
+    case = _case("perm", fmt, 16, 16, CacheCase(128, masked_fraction=0.25), extra=_dual(fmt, DUAL_C128))
     inputs = sparse_mla_inputs(case)
     base = inputs.run(sparse_mla_impl.sparse_mla_forward)
 
@@ -216,7 +227,7 @@ def test_candidate_permutation_invariance(
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_duplicated_candidate_weighs_double(fmt, sparse_mla_impl, sparse_mla_tolerances, sparse_mla_inputs):
     """Indices ``[a, a, b, -1, ...]``: weights ``2 e^{s_a}`` and ``e^{s_b}``, computed here."""
-    case = AttentionCase("dup", 4, 8, 64, with_sink=False, num_pages=2, fmt=fmt)
+    case = AttentionCase("dup", 4, 8, CacheCase(64, num_pages=2), conventions=Conventions(fmt, with_sink=False))
     inputs = sparse_mla_inputs(case)
     a, b = 5, 77
     inputs.indices.fill_(-1)
@@ -243,10 +254,10 @@ def test_duplicated_candidate_weighs_double(fmt, sparse_mla_impl, sparse_mla_tol
 def test_sink_minus_inf_equals_no_sink(
     fmt, sparse_mla_impl, sparse_mla_tolerances, sparse_mla_inputs, sparse_mla_envelope, sparse_mla_device
 ):
-    case = _case("sink-inf", fmt, 16, 16, 128, with_sink=False, **_dual(fmt))
+    case = _case("sink-inf", fmt, 16, 16, CacheCase(128), extra=_dual(fmt), with_sink=False)
     inputs = sparse_mla_inputs(case)
-    if not sparse_mla_envelope.takes_sink(inputs.case.fmt):
-        _na(f"attn_sink for {inputs.case.fmt!r} (attn_sink={sparse_mla_envelope.attn_sink}, "
+    if not sparse_mla_envelope.takes_sink(inputs.case.conventions.fmt):
+        _na(f"attn_sink for {inputs.case.conventions.fmt!r} (attn_sink={sparse_mla_envelope.attn_sink}, "
             f"sink_formats={sparse_mla_envelope.sink_formats})")  # fmt: skip
     base = inputs.run(sparse_mla_impl.sparse_mla_forward)
     sink = torch.full((inputs.q.shape[1],), -math.inf, dtype=torch.float32, device=sparse_mla_device)
@@ -259,7 +270,8 @@ def test_sink_minus_inf_equals_no_sink(
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_finite_sink_is_an_extra_logit_with_zero_value(fmt, sparse_mla_impl, sparse_mla_tolerances, sparse_mla_inputs):
     """``Z' = Z + e^sink`` and ``out' = out * Z / Z'``, from the implementation's no-sink run."""
-    case = _case("sink", fmt, 16, 16, 128, sink_kind="large", requires=("sink",), **_dual(fmt, DUAL_C128))
+    case = _case("sink", fmt, 16, 16, CacheCase(128), extra=_dual(fmt, DUAL_C128), sink_kind="large",
+                 requires=("sink",))  # fmt: skip
     inputs = sparse_mla_inputs(case)
     if inputs.lse_convention is None:
         _na("the claim is stated through the LSE (lse_conventions=())")
@@ -288,10 +300,11 @@ def test_zero_sink_equals_a_zero_row_candidate(
     if not env.attn_sink:
         _na("attn_sink (attn_sink=False)")
     try:
-        fitted = fit_case(AttentionCase("zero-sink", 16, 16, 128, num_pages=4, requires=("page", "format")), env)
+        zero_sink = AttentionCase("zero-sink", 16, 16, CacheCase(128, num_pages=4), requires=("page", "format"))
+        fitted = fit_case(zero_sink, env)
     except NotApplicable as exc:
         pytest.skip(str(exc))
-    num_pages, ps, heads, width = 4, 64, fitted.num_heads, fitted.index_width or fitted.topk
+    num_pages, ps, heads, width = 4, 64, fitted.num_heads, fitted.main.index_width or fitted.main.topk
     source = data.latent((num_pages, ps, 512), sparse_mla_generator)
     source[-1, -1] = 0  # the last slot holds an all-zero row (E4M3 0 at the 2**-13 floor scale)
     cache = data.pack_to_device(source, device=sparse_mla_device)
@@ -355,7 +368,8 @@ def test_poisoned_rows_never_reach_the_output(
     garbage; index draws are sparse (32 valid lanes over 512 or more rows) so most rows are
     unreferenced; lanes past ``topk_length`` point at poisoned slots; -1 lanes elsewhere."""
     heads = 64 if num_tokens <= 64 else 16  # 64: what head-specialised decode kernels take
-    case = _case("poison", fmt, num_tokens, heads, 192, masked_fraction=0.75, num_pages=8, **_dual(fmt, DUAL_C128))
+    case = _case("poison", fmt, num_tokens, heads, CacheCase(192, num_pages=8, masked_fraction=0.75),
+                 extra=_dual(fmt, DUAL_C128))  # fmt: skip
     inputs = sparse_mla_inputs(case)
     num_tokens, width = inputs.indices.shape
     _avoid_ends(inputs.indices, inputs.cache.num_tokens)
@@ -408,8 +422,8 @@ def test_dual_cache_equals_one_cache_over_the_concatenated_table(
     """Main + extra in one softmax == one cache holding main's then extra's rows (page 64),
     indexed by ``[main | extra + main_tokens]`` (FlashInfer's dual-cache test reference)."""
     extra_pages = 512 // extra_ps
-    case = AttentionCase("dual", 16, 16, 128, topk_extra=256, extra_page_block_size=extra_ps,
-                         extra_num_pages=extra_pages, query="peaked",
+    case = AttentionCase("dual", 16, 16, CacheCase(128),
+                         extra=CacheCase(256, page_block_size=extra_ps, num_pages=extra_pages), values=Values("peaked"),
                          requires=("extra", "extra_page", "page", "format"))  # fmt: skip
     inputs = sparse_mla_inputs(case)
     dual = inputs.run(sparse_mla_impl.sparse_mla_forward)
@@ -445,7 +459,7 @@ def test_moving_candidates_between_the_caches_changes_nothing(
     env = sparse_mla_envelope
     if not env.takes_extra("dsv4") or Envelope.page_for(64, env.extra_page_block_sizes) != 64:
         _na("an extra cache of 64-token pages for 'dsv4'")
-    case = AttentionCase("sym", 16, 16, 128, query="peaked", num_pages=4, masked_fraction=0.25,
+    case = AttentionCase("sym", 16, 16, CacheCase(128, num_pages=4, masked_fraction=0.25), values=Values("peaked"),
                          requires=("page", "format"))  # fmt: skip
     inputs = sparse_mla_inputs(case)
     width = inputs.indices.shape[1]
@@ -486,7 +500,8 @@ def test_a_heads_result_does_not_depend_on_the_other_heads(
     whose other heads hold other queries and sinks."""
     if total == 128 and num_tokens == 80 and sparse_mla_device.type == "cpu":
         pytest.skip("128 heads x 80 tokens: CUDA only, to keep the CPU suite small")
-    case = _case("heads", fmt, num_tokens, total, 128, sink_kind="mixed-inf", requires=("tokens",), **_dual(fmt))
+    case = _case("heads", fmt, num_tokens, total, CacheCase(128), extra=_dual(fmt), sink_kind="mixed-inf",
+                 requires=("tokens",))  # fmt: skip
     inputs: AttentionInputs = sparse_mla_inputs(case)
     heads = inputs.q.shape[1]
     if lo >= heads:
@@ -528,7 +543,7 @@ def test_a_tokens_result_does_not_depend_on_the_other_tokens(
     (decode) over the same rows (for a kernel that takes no 64-token call: its smallest call), and
     the other tokens equal a call over them alone (where the envelope takes that many tokens): a
     prefill kernel that reads token ``t % 128``'s rows past token 127 fails the second."""
-    case = _case("batch", fmt, num_tokens, 64, 128, requires=("tokens",), **_dual(fmt, DUAL_C128))
+    case = _case("batch", fmt, num_tokens, 64, CacheCase(128), extra=_dual(fmt, DUAL_C128), requires=("tokens",))
     inputs = sparse_mla_inputs(case)
     part = sparse_mla_envelope.tokens_for(64)
     if part >= num_tokens:
@@ -554,10 +569,10 @@ def test_a_tokens_result_does_not_depend_on_the_other_tokens(
 @pytest.mark.parametrize(
     ("layout", "spec"),
     [
-        ("main-layer2of3", {"layer": 2, "num_layers": 3}),
-        ("main-tight", {"page_stride": "tight"}),
-        ("extra-layer1of2-tight", {"extra_layer": 1, "extra_num_layers": 2, "extra_page_stride": "tight"}),
-        ("both-layers", {"layer": 1, "num_layers": 2, "extra_layer": 1, "extra_num_layers": 3}),
+        ("main-layer2of3", {"main": {"layer": 2, "num_layers": 3}}),
+        ("main-tight", {"main": {"page_stride": "tight"}}),
+        ("extra-layer1of2-tight", {"extra": {"layer": 1, "num_layers": 2, "page_stride": "tight"}}),
+        ("both-layers", {"main": {"layer": 1, "num_layers": 2}, "extra": {"layer": 1, "num_layers": 3}}),
     ],
 )
 def test_layout_does_not_change_the_result(
@@ -568,17 +583,17 @@ def test_layout_does_not_change_the_result(
     same result (the generator state is replayed, so the rows are identical)."""
     if fmt == "dsv3_2" and layout.startswith(("extra", "both")):
         pytest.skip("DSV3.2 has no extra cache")
-    if fmt == "dsv3_2" and spec.get("page_stride") == "tight":
-        spec = {"layer": 1, "num_layers": 2, "page_stride": "tight"}
+    if fmt == "dsv3_2" and spec.get("main", {}).get("page_stride") == "tight":
+        spec = {"main": {"layer": 1, "num_layers": 2, "page_stride": "tight"}}
     need = ("extra",) if layout.startswith(("extra", "both")) else ()
-    base_case = _case("layout", fmt, 8, 64, 128, requires=need, **_dual(fmt, DUAL_C128))
+    base_case = _case("layout", fmt, 8, 64, CacheCase(128), extra=_dual(fmt, DUAL_C128), requires=need)
     base_case = _fitted(base_case, sparse_mla_envelope)
     state = sparse_mla_generator.get_state()
     plain = make_inputs(base_case, sparse_mla_generator, device=sparse_mla_device)
     sparse_mla_generator.set_state(state)
-    from dataclasses import replace
-
-    other_case = _fitted(replace(base_case, **spec), sparse_mla_envelope)  # a tight page must stay packable
+    extra = None if base_case.extra is None else replace(base_case.extra, **spec.get("extra", {}))
+    relaid = replace(base_case, main=replace(base_case.main, **spec.get("main", {})), extra=extra)
+    other_case = _fitted(relaid, sparse_mla_envelope)  # a tight page must stay packable
     other = make_inputs(other_case, sparse_mla_generator, device=sparse_mla_device)
     assert torch.equal(plain.cache.dequantized, other.cache.dequantized) and torch.equal(plain.q, other.q)
     convention = sparse_mla_envelope.lse_convention
@@ -600,7 +615,7 @@ def test_a_strided_query_view_equals_its_contiguous_copy(
     ``d_qk + 64``), ``token-pitch`` takes every second token of a ``[2T, H, d_qk]`` tensor (token
     stride ``2 H d_qk``). The other elements hold NaN: a kernel that reads ``q`` as if it were
     contiguous reads them."""
-    case = _case("strided-q", fmt, 8, 16, 128, sink_kind="large", **_dual(fmt))
+    case = _case("strided-q", fmt, 8, 16, CacheCase(128), extra=_dual(fmt), sink_kind="large")
     inputs = sparse_mla_inputs(case)
     q = inputs.q
     t, h, d = q.shape
@@ -637,7 +652,7 @@ def test_bf16_output_is_rounded_to_nearest(sparse_mla_impl, sparse_mla_tolerance
             f"profile {sparse_mla_tolerances.profile!r}: probabilities rounded with u_p = "
             f"{sparse_mla_tolerances.model.p_unit_roundoff:g} > 2**-8 hide the BF16 output rounding"
         )
-    case = AttentionCase("rounding", 64, 16, 128, topk_extra=64, extra_page_block_size=64, extra_num_pages=4)
+    case = AttentionCase("rounding", 64, 16, CacheCase(128), extra=CacheCase(64, page_block_size=64, num_pages=4))
     inputs = sparse_mla_inputs(case)
     res = inputs.run(sparse_mla_impl.sparse_mla_forward)
     e = inputs.run(oracle_forward).output
@@ -668,9 +683,9 @@ def test_split_cache_equals_native_64_token_cache(
     split = page_split_module.page_split  # the bundled torch split, unless the impl has its own
     if skip_reason_for(sparse_mla_impl, ("page_split",), sparse_mla_device.type) is None:
         split = sparse_mla_impl.page_split
-    split_case = AttentionCase("split", num_tokens, 16, 128, requires=("page", "tokens", "format"))
+    split_case = AttentionCase("split", num_tokens, 16, CacheCase(128), requires=("page", "tokens", "format"))
     fitted = _fitted(split_case, sparse_mla_envelope)
-    heads, width = fitted.num_heads, fitted.index_width or fitted.topk
+    heads, width = fitted.num_heads, fitted.main.index_width or fitted.main.topk
     pool_pages = 4
     source = data.latent((pool_pages, 256, 512), sparse_mla_generator)
     pool = data.pack_to_device(source, device=sparse_mla_device)  # SGLang pool: 149,760 B pages
@@ -682,7 +697,7 @@ def test_split_cache_equals_native_64_token_cache(
     split_cache = split(pool, touched_indices=indices if touched else None, registry=split_buffer_registry)
     assert tuple(split_cache.shape) == (pool_pages * 4, 64, 1, 584)
     kw = {"sm_scale": 512**-0.5}
-    if fitted.with_sink:
+    if fitted.conventions.with_sink:
         kw["attn_sink"] = data.attn_sink(heads, sparse_mla_generator).to(sparse_mla_device)
     a = sparse_mla_impl.sparse_mla_forward(q, split_cache, indices, **kw)
     b = sparse_mla_impl.sparse_mla_forward(q, native, indices, **kw)

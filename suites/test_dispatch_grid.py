@@ -55,7 +55,7 @@ class GridShape:
     num_heads: int
     topk: int
     page_block_size: int = 64
-    topk_extra: int = 0
+    extra_topk: int = 0
     extra_page_block_size: int = 0
 
     def config(self, release: str) -> SparseMlaConfig:
@@ -68,14 +68,14 @@ class GridShape:
                 pytest.skip(str(exc))
         return SparseMlaConfig(
             model, self.num_tokens, self.num_heads, self.topk, self.page_block_size,
-            self.topk_extra, self.extra_page_block_size,
+            topk_extra=self.extra_topk, extra_page_block_size=self.extra_page_block_size,
         )  # fmt: skip
 
 
 SHAPES = [
     # V4-Flash TP8 prefill, 8 local heads: no NH=8 prefill kernel before 0.6.18 (PR #4380).
     GridShape("flash-tp8-prefill-h8", "DSV4", 65, 8, 128),
-    GridShape("flash-tp8-prefill-h8-c128", "DSV4", 65, 8, 128, topk_extra=512, extra_page_block_size=2),
+    GridShape("flash-tp8-prefill-h8-c128", "DSV4", 65, 8, 128, extra_topk=512, extra_page_block_size=2),
     # DSpark draft: topk 192 in decode (sglang #33985) and prefill (sglang #33134).
     GridShape("dspark-decode-topk192", "DSV4", 5, 32, 192),
     GridShape("dspark-prefill-topk192", "DSV4", 65, 64, 192),
@@ -84,8 +84,8 @@ SHAPES = [
     GridShape("prefill-topk256", "DSV4", 65, 32, 256),
     # C4 layer with an extra cache of 128-token pages: dual prefill rejects it until 0.7.1,
     # decode takes the extra page size at run time in every release.
-    GridShape("c4-extra-page128-prefill", "DSV4", 65, 16, 128, topk_extra=512, extra_page_block_size=128),
-    GridShape("c4-extra-page128-decode", "DSV4", 1, 16, 128, topk_extra=512, extra_page_block_size=128),
+    GridShape("c4-extra-page128-prefill", "DSV4", 65, 16, 128, extra_topk=512, extra_page_block_size=128),
+    GridShape("c4-extra-page128-decode", "DSV4", 1, 16, 128, extra_topk=512, extra_page_block_size=128),
     # Head envelope: 24 heads has no prefill kernel; 256 heads exceeds every release's limit.
     GridShape("prefill-h24", "DSV4", 65, 24, 128),
     GridShape("decode-h256", "DSV4", 1, 256, 128),
@@ -98,12 +98,12 @@ SHAPES = [
     # Served by every release.
     GridShape("dsv32-decode-h16-topk128", "DSV3_2", 2, 16, 128),
     GridShape("decode-h8-topk128", "DSV4", 2, 8, 128),
-    GridShape("c4-prefill-h16-extra-page64", "DSV4", 65, 16, 128, topk_extra=512, extra_page_block_size=64),
+    GridShape("c4-prefill-h16-extra-page64", "DSV4", 65, 16, 128, extra_topk=512, extra_page_block_size=64),
     # DeepSeek-V4.1 (from 0.7.1): decode at the indexer's topk 512 with an FP4 extra cache; prefill has
     # single-group kernels for 8-64 heads only, so 128 heads is rejected in prefill and served in decode.
-    GridShape("v41-decode-h128-topk512-fp4-extra", "DSV4_1", 4, 128, 512, topk_extra=512, extra_page_block_size=64),
+    GridShape("v41-decode-h128-topk512-fp4-extra", "DSV4_1", 4, 128, 512, extra_topk=512, extra_page_block_size=64),
     GridShape("v41-prefill-h128", "DSV4_1", 65, 128, 512),
-    GridShape("v41-prefill-h16-fp4-extra", "DSV4_1", 65, 16, 128, topk_extra=512, extra_page_block_size=2),
+    GridShape("v41-prefill-h16-fp4-extra", "DSV4_1", 65, 16, 128, extra_topk=512, extra_page_block_size=2),
     GridShape("v41-prefill-topk100", "DSV4_1", 65, 16, 100),
 ]  # fmt: skip
 
@@ -139,14 +139,14 @@ def _inputs(shape: GridShape, generator: torch.Generator, device: torch.device) 
         "sm_scale": SM_SCALE,
         "fmt": fmt,
     }
-    if shape.topk_extra:
-        extra_pages = -(-shape.topk_extra // shape.extra_page_block_size) + 1
+    if shape.extra_topk:
+        extra_pages = -(-shape.extra_topk // shape.extra_page_block_size) + 1
         extra = data.make_packed_cache(
             generator, fmt=extra_fmt, num_pages=extra_pages, page_block_size=shape.extra_page_block_size, device=device
         )
         kwargs["extra_kv_cache"] = extra.packed
         kwargs["extra_indices"] = data.sparse_indices(
-            shape.num_tokens, shape.topk_extra, extra.num_tokens, generator, device=device
+            shape.num_tokens, shape.extra_topk, extra.num_tokens, generator, device=device
         )
     return kwargs
 
@@ -196,6 +196,6 @@ def test_declared_release_serves_an_empty_batch(
     """FlashInfer's entry returns before dispatching when ``q.shape[0] == 0``, so no release
     rejects an empty batch (an idle data-parallel rank), even with 8 heads and a 512-wide extra
     cache: the result is a ``[0, H, 512]`` output and a ``[0, H]`` LSE."""
-    shape = GridShape("empty", "DSV4", 0, 8, 128, topk_extra=512, extra_page_block_size=2)
+    shape = GridShape("empty", "DSV4", 0, 8, 128, extra_topk=512, extra_page_block_size=2)
     res = sparse_mla_impl.sparse_mla_forward(**_inputs(shape, sparse_mla_generator, sparse_mla_device))
     assert tuple(res.output.shape) == (0, 8, 512) and tuple(res.lse.shape) == (0, 8), declared_release

@@ -106,10 +106,10 @@ def test_oracle_results_do_not_depend_on_how_tokens_are_blocked(monkeypatch) -> 
     results to float64 rounding (the padding lanes of a wide block add exact zeros), valid counts
     that differ from token to token and empty tokens included."""
     from pytest_sparse_mla.attention import oracle
-    from pytest_sparse_mla.attention.cases import AttentionCase, make_inputs
+    from pytest_sparse_mla.attention.cases import AttentionCase, CacheCase, make_inputs
 
-    case = AttentionCase("blocks", 24, 4, 128, topk_extra=64, extra_page_block_size=2, extra_num_pages=64,
-                         topk_length=100, extra_topk_length=40, masked_fraction=0.3)  # fmt: skip
+    case = AttentionCase("blocks", 24, 4, CacheCase(128, masked_fraction=0.3, topk_length=100),
+                         extra=CacheCase(64, page_block_size=2, num_pages=64, topk_length=40))  # fmt: skip
     g = torch.Generator().manual_seed(11)
     inputs = make_inputs(case, g)
     lengths = torch.randint(0, 101, (24,), generator=g, dtype=torch.int32)  # within the case's 100 (stale past it)

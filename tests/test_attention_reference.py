@@ -21,22 +21,20 @@ import torch
 
 from pytest_sparse_mla import formats
 from pytest_sparse_mla.attention import oracle_forward, sparse_mla_forward
-from pytest_sparse_mla.attention.cases import AttentionCase
+from pytest_sparse_mla.attention.cases import AttentionCase, CacheCase, Conventions
 from pytest_sparse_mla.parametrize import case_params, inputs_on
 
 _FP32_CASES = (
-    AttentionCase("Flash-C4-TP1-T65", 65, 64, 128, masked_fraction=0.0, topk_extra=512,
-                  extra_page_block_size=64, extra_num_pages=16, extra_masked_fraction=0.25),
-    AttentionCase("Pro-C128-TP1-T2", 2, 128, 128, masked_fraction=0.0, topk_extra=512,
-                  extra_page_block_size=2, extra_num_pages=512, extra_masked_fraction=0.25),
-    AttentionCase("Flash-DSpark-TP2-T6", 6, 32, 192, masked_fraction=0.0, topk_length=133),
-    AttentionCase("dsv32-h16-k256-T8", 8, 16, 256, fmt="dsv3_2"),
-    AttentionCase("Flash-C4-TP1-T4096", 4096, 64, 128, num_pages=64, masked_fraction=0.0,
-                  topk_extra=512, extra_page_block_size=64, extra_num_pages=64,
-                  extra_masked_fraction=0.25, large=True),
-    AttentionCase("Pro-C4-TP1-T1024", 1024, 128, 128, num_pages=64, masked_fraction=0.0,
-                  topk_extra=512, extra_page_block_size=64, extra_num_pages=64,
-                  extra_masked_fraction=0.25, large=True),
+    AttentionCase("Flash-C4-TP1-T65", 65, 64, CacheCase(128, masked_fraction=0.0),
+                  extra=CacheCase(512, page_block_size=64, num_pages=16, masked_fraction=0.25)),
+    AttentionCase("Pro-C128-TP1-T2", 2, 128, CacheCase(128, masked_fraction=0.0),
+                  extra=CacheCase(512, page_block_size=2, num_pages=512, masked_fraction=0.25)),
+    AttentionCase("Flash-DSpark-TP2-T6", 6, 32, CacheCase(192, masked_fraction=0.0, topk_length=133)),
+    AttentionCase("dsv32-h16-k256-T8", 8, 16, CacheCase(256), conventions=Conventions("dsv3_2")),
+    AttentionCase("Flash-C4-TP1-T4096", 4096, 64, CacheCase(128, num_pages=64, masked_fraction=0.0),
+                  extra=CacheCase(512, page_block_size=64, num_pages=64, masked_fraction=0.25), large=True),
+    AttentionCase("Pro-C4-TP1-T1024", 1024, 128, CacheCase(128, num_pages=64, masked_fraction=0.0),
+                  extra=CacheCase(512, page_block_size=64, num_pages=64, masked_fraction=0.25), large=True),
 )  # fmt: skip
 
 
@@ -60,8 +58,8 @@ def test_fp32_within_1e5_of_oracle(
 
 @pytest.mark.parametrize("which", ["indices", "extra_indices"])
 def test_rejects_out_of_range_indices(which, sparse_mla_generator, sparse_mla_device):
-    case = AttentionCase("oob", 4, 8, 64, topk_extra=64, extra_page_block_size=2,
-                         extra_num_pages=64, topk_length=32, extra_topk_length=32)  # fmt: skip
+    case = AttentionCase("oob", 4, 8, CacheCase(64, topk_length=32),
+                         extra=CacheCase(64, page_block_size=2, num_pages=64, topk_length=32))  # fmt: skip
     inputs = inputs_on(case, sparse_mla_generator, sparse_mla_device)
     target = inputs.indices if which == "indices" else inputs.extra_indices
     limit = inputs.cache.num_tokens if which == "indices" else inputs.extra.num_tokens
@@ -76,8 +74,7 @@ def test_rejects_out_of_range_indices(which, sparse_mla_generator, sparse_mla_de
 def test_chunking_over_tokens_keeps_results(
     chunk_tokens, sparse_mla_tolerances, sparse_mla_generator, sparse_mla_device
 ):
-    case = AttentionCase("chunks", 20, 12, 128, topk_extra=64, extra_page_block_size=2,
-                         extra_num_pages=64)  # fmt: skip
+    case = AttentionCase("chunks", 20, 12, CacheCase(128), extra=CacheCase(64, page_block_size=2, num_pages=64))
     inputs = inputs_on(case, sparse_mla_generator, sparse_mla_device)
     res = inputs.run(sparse_mla_forward, chunk_tokens=chunk_tokens)
     expected = inputs.run(oracle_forward)
@@ -85,7 +82,7 @@ def test_chunking_over_tokens_keeps_results(
 
 
 def test_zero_tokens_returns_empty(sparse_mla_device):
-    case = AttentionCase("t0", 0, 8, 64)
+    case = AttentionCase("t0", 0, 8, CacheCase(64))
     inputs = inputs_on(case, torch.Generator().manual_seed(0), sparse_mla_device)
     res = inputs.run(sparse_mla_forward)
     assert tuple(res.output.shape) == (0, 8, 512) and tuple(res.lse.shape) == (0, 8)
@@ -108,7 +105,7 @@ def test_grid_release_raises_the_release_error(
 ):
     from pytest_sparse_mla.dispatch import SparseMlaGridError
 
-    case = AttentionCase("grid", num_tokens, num_heads, topk, num_pages=4)
+    case = AttentionCase("grid", num_tokens, num_heads, CacheCase(topk, num_pages=4))
     inputs = inputs_on(case, sparse_mla_generator, sparse_mla_device)
     with pytest.raises(SparseMlaGridError) as excinfo:
         inputs.run(sparse_mla_forward, grid_release="0.6.17")
@@ -117,8 +114,8 @@ def test_grid_release_raises_the_release_error(
 
 
 def test_grid_release_supported_shape_records_the_verdict(sparse_mla_generator, sparse_mla_device):
-    case = AttentionCase("grid-ok", 65, 16, 128, num_pages=4, topk_extra=128,
-                         extra_page_block_size=2, extra_num_pages=64)  # fmt: skip
+    case = AttentionCase("grid-ok", 65, 16, CacheCase(128, num_pages=4),
+                         extra=CacheCase(128, page_block_size=2, num_pages=64))  # fmt: skip
     inputs = inputs_on(case, sparse_mla_generator, sparse_mla_device)
     res = inputs.run(sparse_mla_forward, grid_release="flashinfer==0.6.17")
     plain = inputs.run(sparse_mla_forward)
@@ -130,9 +127,9 @@ def test_grid_release_supported_shape_records_the_verdict(sparse_mla_generator, 
 # --- backends: the Triton inner loop (CUDA; interpreted on the CPU) against the oracle ----------
 
 _TRITON_CASES = (
-    AttentionCase("dual-C128-len", 3, 20, 100, topk_length=70, topk_extra=64, extra_page_block_size=2,
-                  extra_num_pages=64, extra_masked_fraction=0.25),
-    AttentionCase("dsv32-h8-k64", 2, 8, 64, fmt="dsv3_2"),
+    AttentionCase("dual-C128-len", 3, 20, CacheCase(100, topk_length=70),
+                  extra=CacheCase(64, page_block_size=2, num_pages=64, masked_fraction=0.25)),
+    AttentionCase("dsv32-h8-k64", 2, 8, CacheCase(64), conventions=Conventions("dsv3_2")),
 )  # fmt: skip
 
 
@@ -167,7 +164,7 @@ def test_triton_backend_dsv32_with_arbitrary_fp32_scales(
     by hand: DSV3.2 row ``t`` of a page holds its four little-endian fp32 scales at bytes
     ``[t*656 + 512, t*656 + 528)``."""
     _triton_or_skip(sparse_mla_device)
-    case = AttentionCase("dsv32-any-scale", 2, 8, 64, fmt="dsv3_2")
+    case = AttentionCase("dsv32-any-scale", 2, 8, CacheCase(64), conventions=Conventions("dsv3_2"))
     inputs = inputs_on(case, sparse_mla_generator, sparse_mla_device)
     packed = inputs.cache.packed
     ps, pages, stride = inputs.cache.page_block_size, inputs.cache.layout.num_pages, packed.stride(0)
@@ -188,7 +185,7 @@ def test_triton_backend_takes_a_query_view_with_a_strided_last_dim(sparse_mla_ge
     """A ``q`` view whose last dim is not contiguous (legal for the torch backend) gives the same
     bits on the Triton backend as its contiguous copy."""
     _triton_or_skip(sparse_mla_device)
-    inputs = inputs_on(AttentionCase("tri-view", 2, 8, 64), sparse_mla_generator, sparse_mla_device)
+    inputs = inputs_on(AttentionCase("tri-view", 2, 8, CacheCase(64)), sparse_mla_generator, sparse_mla_device)
     view = inputs.q.permute(2, 0, 1).contiguous().permute(1, 2, 0)
     assert view.stride(2) != 1 and torch.equal(view, inputs.q)
     base = inputs.run(sparse_mla_forward, backend="triton")
@@ -200,8 +197,8 @@ def test_triton_backend_padding_and_head_count_are_bitwise_neutral(sparse_mla_ge
     """-1 padding of both rows and 8 real heads inside a 24-head query: same bits (tiny shapes, so
     the interpreted kernel runs on the CPU too)."""
     _triton_or_skip(sparse_mla_device)
-    case = AttentionCase("tri-inv", 2, 24, 64, masked_fraction=0.25, topk_extra=64, extra_page_block_size=2,
-                         extra_num_pages=64)  # fmt: skip
+    case = AttentionCase("tri-inv", 2, 24, CacheCase(64, masked_fraction=0.25),
+                         extra=CacheCase(64, page_block_size=2, num_pages=64))  # fmt: skip
     inputs = inputs_on(case, sparse_mla_generator, sparse_mla_device)
     base = inputs.run(sparse_mla_forward, backend="triton")
     pad = torch.full((2, 64), -1, dtype=torch.int32, device=sparse_mla_device)
@@ -235,8 +232,9 @@ def test_triton_split_and_unsplit_launches_give_the_same_bits(
     if config is None and sparse_mla_device.type != "cuda":
         pytest.skip("the shipped configuration's compiled code: CUDA only (the interpreter runs it in NumPy)")
     module = triton_forward_module()
-    case = AttentionCase("tri-split", 3, 20, 192, masked_fraction=0.25, topk_extra=128, extra_page_block_size=2,
-                         extra_num_pages=64, topk_length=70, fmt=fmt)  # fmt: skip
+    case = AttentionCase("tri-split", 3, 20, CacheCase(192, masked_fraction=0.25, topk_length=70),
+                         extra=CacheCase(128, page_block_size=2, num_pages=64),
+                         conventions=Conventions(fmt))  # fmt: skip
     inputs = inputs_on(case, sparse_mla_generator, sparse_mla_device)
     launch = module.sparse_mla
     results = []
@@ -254,7 +252,7 @@ def test_triton_split_and_unsplit_launches_give_the_same_bits(
 def test_backend_argument(sparse_mla_generator, sparse_mla_device):
     from pytest_sparse_mla.attention.reference import resolve_backend, triton_unavailable_reason
 
-    case = AttentionCase("backend", 2, 8, 64, num_pages=2)
+    case = AttentionCase("backend", 2, 8, CacheCase(64, num_pages=2))
     inputs = inputs_on(case, sparse_mla_generator, sparse_mla_device)
     with pytest.raises(ValueError, match=r"backend='cuda': expected None or one of \('torch', 'triton'\)"):
         inputs.run(sparse_mla_forward, backend="cuda")

@@ -632,10 +632,10 @@ def test_deployment_shapes() -> None:
         assert by_key[f"DeepSeek-V4-Flash/DSpark draft/TP{tp}"].num_heads == flash
         assert by_key[f"DeepSeek-V4-Flash/DSpark draft (SGLang 64-head pad)/TP{tp}"].num_heads == 64
     c4, c128 = by_key["DeepSeek-V4-Pro/C4/TP2"], by_key["DeepSeek-V4-Pro/C128/TP2"]
-    assert (c4.topk, c4.page_block_size, c4.topk_extra, c4.extra_page_block_size) == (128, 64, 512, 64)
+    assert (c4.topk, c4.page_block_size, c4.extra_topk, c4.extra_page_block_size) == (128, 64, 512, 64)
     assert (c128.topk, c128.page_block_size, c128.extra_page_block_size) == (128, 64, 2)
     draft = by_key["DeepSeek-V4-Flash/DSpark draft/TP2"]
-    assert (draft.topk, draft.topk_extra, draft.decode_num_tokens) == (192, 0, 6)
+    assert (draft.topk, draft.extra_topk, draft.decode_num_tokens) == (192, 0, 6)
     assert report_module.deployment_config(draft, "prefill") == SparseMlaConfig("DSV4", 65, 32, 192, 64)
     with pytest.raises(ValueError, match="phase='verify'"):
         report_module.deployment_config(draft, "verify")

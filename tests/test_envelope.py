@@ -23,7 +23,15 @@ import pytest
 import torch
 
 from pytest_sparse_mla import Envelope, Widths
-from pytest_sparse_mla.attention.cases import AttentionCase, case_classes, fit_case, make_inputs
+from pytest_sparse_mla.attention.cases import (
+    AttentionCase,
+    CacheCase,
+    Conventions,
+    Values,
+    case_classes,
+    fit_case,
+    make_inputs,
+)
 from pytest_sparse_mla.envelope import UNIVERSAL, NotApplicable
 from pytest_sparse_mla.implementations.flashmla import ENVELOPE as FLASHMLA
 
@@ -86,24 +94,27 @@ def test_the_package_exports_the_envelope_without_importing_torch() -> None:
 
 
 def test_fit_moves_heads_and_pads_widths_and_keeps_the_name() -> None:
-    case = AttentionCase("fi-decode-h12-k500", 16, 12, 500, topk_extra=100, extra_page_block_size=2, extra_num_pages=64)
+    extra = CacheCase(100, page_block_size=2, num_pages=64)
+    case = AttentionCase("fi-decode-h12-k500", 16, 12, CacheCase(500), extra=extra)
     fitted = fit_case(case, FLASHMLA)
-    assert (fitted.name, fitted.num_heads, fitted.topk, fitted.index_width) == ("fi-decode-h12-k500", 64, 500, 512)
-    assert (fitted.topk_extra, fitted.extra_index_width) == (100, 128)
+    assert fitted.extra is not None
+    assert (fitted.name, fitted.num_heads) == ("fi-decode-h12-k500", 64)
+    assert (fitted.main.topk, fitted.main.index_width) == (500, 512)
+    assert (fitted.extra.topk, fitted.extra.index_width) == (100, 128)
     assert fitted.fitted == (
         "num_heads 12->64",
         "topk 500->500 drawn in rows of 512",
-        "topk_extra 100->100 drawn in rows of 128",
+        "extra_topk 100->100 drawn in rows of 128",
     )
-    assert fit_case(AttentionCase("h80", 4, 80, 64), FLASHMLA).num_heads == 128
-    assert fit_case(AttentionCase("h200", 4, 200, 64), FLASHMLA).num_heads == 128
+    assert fit_case(AttentionCase("h80", 4, 80, CacheCase(64)), FLASHMLA).num_heads == 128
+    assert fit_case(AttentionCase("h200", 4, 200, CacheCase(64)), FLASHMLA).num_heads == 128
     assert fit_case(case, UNIVERSAL) is case
 
 
 def test_padding_lanes_are_minus_one_after_the_drawn_lanes() -> None:
     """topk 100 with half the lanes masked (``data.sparse_indices``: lanes 50..99 are -1), in rows of
     128: lanes 0..49 hold cache slots, 50..127 are -1; the cache is drawn as for the unfitted case."""
-    case = AttentionCase("pad", 4, 12, 100, num_pages=4)
+    case = AttentionCase("pad", 4, 12, CacheCase(100, num_pages=4))
     plain = make_inputs(case, torch.Generator().manual_seed(3))
     padded = make_inputs(fit_case(case, FLASHMLA), torch.Generator().manual_seed(3))
     assert tuple(padded.indices.shape) == (4, 128)
@@ -114,18 +125,19 @@ def test_padding_lanes_are_minus_one_after_the_drawn_lanes() -> None:
 
 def test_an_unknown_requirement_is_refused() -> None:
     with pytest.raises(ValueError, match=r"requires=\('head',\): expected names from"):
-        fit_case(AttentionCase("typo", 4, 64, 64, requires=("head",)), FLASHMLA)
+        fit_case(AttentionCase("typo", 4, 64, CacheCase(64), requires=("head",)), FLASHMLA)
 
 
 @pytest.mark.parametrize(
     ("case", "message"),
     [
-        (AttentionCase("heads-5", 4, 5, 128, requires=("heads",)), "num_heads=5 is not in num_heads=(64, 128)"),
-        (AttentionCase("k500", 4, 64, 500, requires=("width",)), "topk=500 is not a multiple of 64"),
-        (AttentionCase("T0", 0, 64, 64, requires=("tokens",)), "num_tokens=0 is outside [1, None]"),
-        (AttentionCase("dsv32-dual", 4, 64, 64, fmt="dsv3_2", topk_extra=64, extra_page_block_size=64,
-                       extra_num_pages=2, requires=("extra",)), "an extra cache for 'dsv3_2'"),
-        (AttentionCase("beyond", 4, 64, 64, topk_length=100, requires=("topk_length",)),
+        (AttentionCase("heads-5", 4, 5, CacheCase(128), requires=("heads",)),
+         "num_heads=5 is not in num_heads=(64, 128)"),
+        (AttentionCase("k500", 4, 64, CacheCase(500), requires=("width",)), "topk=500 is not a multiple of 64"),
+        (AttentionCase("T0", 0, 64, CacheCase(64), requires=("tokens",)), "num_tokens=0 is outside [1, None]"),
+        (AttentionCase("dsv32-dual", 4, 64, CacheCase(64), extra=CacheCase(64, page_block_size=64, num_pages=2),
+                       conventions=Conventions("dsv3_2"), requires=("extra",)), "an extra cache for 'dsv3_2'"),
+        (AttentionCase("beyond", 4, 64, CacheCase(64, topk_length=100), requires=("topk_length",)),
          "topk_length=100 outside [0, 64]"),
     ],
 )  # fmt: skip
@@ -136,21 +148,23 @@ def test_what_a_case_requires_is_never_changed(case: AttentionCase, message: str
 
 
 def test_what_a_case_does_not_require_is_dropped_or_clamped() -> None:
-    case = AttentionCase("incidental", 4, 64, 64, fmt="dsv3_2", topk_extra=64, extra_page_block_size=64,
-                         extra_num_pages=2, topk_length=100)  # fmt: skip
+    case = AttentionCase("incidental", 4, 64, CacheCase(64, topk_length=100),
+                         extra=CacheCase(64, page_block_size=64, num_pages=2),
+                         conventions=Conventions("dsv3_2"))  # fmt: skip
     fitted = fit_case(case, FLASHMLA)
-    assert (fitted.topk_extra, fitted.topk_length) == (0, None)
+    assert (fitted.extra, fitted.main.topk_length) == (None, None)
     assert fitted.fitted == ("extra cache dropped", "topk_length dropped")
-    clamped = fit_case(AttentionCase("len", 4, 64, 64, topk_length=-3), FLASHMLA)
-    assert clamped.topk_length == 0
-    pages = fit_case(AttentionCase("p", 4, 64, 64, page_block_size=64, num_pages=4), Envelope(page_block_sizes=(256,)))
-    assert (pages.page_block_size, pages.num_pages) == (256, 1)  # 256 tokens either way
+    clamped = fit_case(AttentionCase("len", 4, 64, CacheCase(64, topk_length=-3)), FLASHMLA)
+    assert clamped.main.topk_length == 0
+    p64 = AttentionCase("p", 4, 64, CacheCase(64, page_block_size=64, num_pages=4))
+    pages = fit_case(p64, Envelope(page_block_sizes=(256,)))
+    assert (pages.main.page_block_size, pages.main.num_pages) == (256, 1)  # 256 tokens either way
 
 
 def test_case_classes_follow_the_construction() -> None:
-    case = AttentionCase("x", 65, 64, 128, query="peaked", sink_kind="mixed-inf", topk_extra=64,
-                         extra_page_block_size=2, extra_num_pages=64, extra_topk_length=0,
-                         layer=1, num_layers=2)  # fmt: skip
+    case = AttentionCase("x", 65, 64, CacheCase(128, layer=1, num_layers=2),
+                         extra=CacheCase(64, page_block_size=2, num_pages=64, topk_length=0),
+                         values=Values("peaked", sink_kind="mixed-inf"))  # fmt: skip
     assert case_classes(case) == (
         "prefill", "T-64-65", "peaked-main", "peaked-extra", "minus-inf-sink", "extra-page-2", "extra-length-0",
         "per-layer-views",

@@ -15,7 +15,14 @@ import torch
 
 from pytest_sparse_mla import tolerances
 from pytest_sparse_mla.attention import oracle_forward, sparse_mla_forward
-from pytest_sparse_mla.attention.cases import FLASHINFER_CASES, AttentionCase, make_inputs
+from pytest_sparse_mla.attention.cases import (
+    FLASHINFER_CASES,
+    AttentionCase,
+    CacheCase,
+    Conventions,
+    Values,
+    make_inputs,
+)
 from pytest_sparse_mla.fixtures import seed_id
 
 KERNEL = tolerances.DEFAULT_PROFILES["kernel"]
@@ -249,8 +256,8 @@ def test_wide_scales_case_passes_tight_on_many_seeds(seed: int) -> None:
 def test_peaked_queries_put_the_chosen_logit_near_peak() -> None:
     """Head 0 picks the main cache's first valid lane, head 1 the extra cache's: their logits are
     ``peak`` plus the random query's own small score (here under 1.5)."""
-    case = AttentionCase("p", 2, 2, 64, query="peaked", peak=8.0, topk_extra=64, extra_page_block_size=64,
-                         extra_num_pages=2, with_sink=False)  # fmt: skip
+    case = AttentionCase("p", 2, 2, CacheCase(64), extra=CacheCase(64, page_block_size=64, num_pages=2),
+                         values=Values("peaked", peak=8.0), conventions=Conventions(with_sink=False))  # fmt: skip
     inputs = make_inputs(case, torch.Generator().manual_seed(3))
     q = inputs.q.double()
     k_main = inputs.cache.flat_dequantized().double()[int(inputs.indices[0, 0])]
@@ -261,5 +268,6 @@ def test_peaked_queries_put_the_chosen_logit_near_peak() -> None:
 
 def test_layer_views_sit_at_the_hand_computed_offsets() -> None:
     """Layer 3 of 4 DSV4 page-64 caches: offset ``3 * 37,440`` bytes, page stride ``4 * 37,440``."""
-    inputs = make_inputs(AttentionCase("l", 1, 1, 64, layer=3, num_layers=4), torch.Generator().manual_seed(0))
+    case = AttentionCase("l", 1, 1, CacheCase(64, layer=3, num_layers=4))
+    inputs = make_inputs(case, torch.Generator().manual_seed(0))
     assert inputs.cache.packed.storage_offset() == 112_320 and inputs.cache.packed.stride(0) == 149_760

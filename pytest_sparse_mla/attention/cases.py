@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -37,10 +37,13 @@ from pytest_sparse_mla.envelope import Envelope, NotApplicable, route_of
 __all__ = [
     "AttentionCase",
     "AttentionInputs",
+    "CacheCase",
     "CONFORMANCE_CASES",
     "FLASHINFER_CASES",
     "STALE_INDEX",
     "REQUIREMENTS",
+    "Conventions",
+    "Values",
     "case_classes",
     "fit_case",
     "deployment_cases",
@@ -53,20 +56,44 @@ STALE_INDEX = 1 << 30
 
 
 @dataclass(frozen=True)
-class AttentionCase:
-    """One sparse-MLA call shape and how to fill it.
+class CacheCase:
+    """One cache of a case and the index rows into it: the main cache, or the extra cache.
 
     Attributes:
-        name: stable id used as the pytest parameter id.
-        num_tokens, num_heads, topk: ``T``, ``H`` and the main index width.
-        page_block_size, num_pages: main cache geometry (tokens per page, pages).
-        topk_extra, extra_page_block_size, extra_num_pages: the extra cache (0 = none).
-        with_sink: draw an ``attn_sink``.
-        masked_fraction, extra_masked_fraction: trailing fraction of each index row set to ``-1``.
-        topk_length, extra_topk_length: one valid length for every token (``None`` = no length
-            tensor); lanes past it are overwritten with :data:`STALE_INDEX`.
-        fmt, page_stride, form, distribution: cache format and layout (see ``formats``, ``data``).
-        large: too big for CPU in a suite; run only on CUDA.
+        topk: index lanes drawn per token (``topk`` of the main cache, ``extra_topk`` of the extra one).
+        page_block_size, num_pages: the cache's geometry (tokens per page, pages).
+        masked_fraction: trailing fraction of each index row set to ``-1``.
+        topk_length: one valid length for every token (``topk_length`` / ``extra_topk_length``;
+            ``None`` = no length tensor); lanes past it are overwritten with :data:`STALE_INDEX`.
+        page_stride: ``formats.StrideSpec`` (``"padded"``, ``"tight"`` or bytes); ``None`` = the
+            main cache's (for the main cache: ``"padded"``).
+        layer, num_layers: the cache is layer ``layer`` of a pool of ``num_layers`` per-layer
+            caches sharing each page (a ``[P, ps, ...]`` view with storage offset
+            ``layer * page_stride`` bytes and page stride ``num_layers * page_stride``; the other
+            layers hold other valid data), as serving engines lay out per-layer pools.
+        index_width: the index-row width passed to the kernel when wider than ``topk`` (the lanes
+            past it are ``-1``: masked padding up to an envelope's width multiple); ``None`` = ``topk``.
+        value_scale: a power of two multiplying the cache's source rows (mixed magnitudes across
+            the caches).
+    """
+
+    topk: int
+    page_block_size: int = 64
+    num_pages: int = 16
+    masked_fraction: float = 0.5
+    topk_length: int | None = None
+    page_stride: formats.StrideSpec | None = None
+    layer: int = 0
+    num_layers: int = 1
+    index_width: int | None = None
+    value_scale: float = 1.0
+
+
+@dataclass(frozen=True)
+class Values:
+    """What the drawn tensors hold.
+
+    Attributes:
         query: ``"random"`` (the distribution's queries: logits around 0.01, a nearly uniform
             softmax), ``"peaked"`` (each (token, head) query aligned with one chosen valid
             candidate, alternating between the main and the extra cache by head, so that candidate
@@ -74,21 +101,47 @@ class AttentionCase:
             ``"flat"`` (queries scaled by ``2**-10``: every logit within about ``1e-4`` of 0).
         peak: the chosen candidate's logit for ``query="peaked"`` (8: about 95% of the weight over
             128 candidates; 30: one dominant key).
-        sink_kind: with ``with_sink``: ``"randn"`` (``randn(H) * 2``, FlashInfer's draw),
-            ``"large"`` (per head, the median over tokens of the row's natural-log LSE plus a
-            uniform offset in ``[-1, 1]``: the sink carries about as much mass as the candidates)
-            or ``"mixed-inf"`` (``"large"`` on odd heads, ``-inf`` on even heads).
-        extra_value_scale: a power of two multiplying the extra cache's source rows (mixed
-            magnitudes across the caches).
-        layer, num_layers: the main cache is layer ``layer`` of a pool of ``num_layers`` per-layer
-            caches sharing each page (a ``[P, ps, ...]`` view with storage offset
-            ``layer * page_stride`` bytes and page stride ``num_layers * page_stride``; the other
-            layers hold other valid data), as serving engines lay out per-layer pools.
-        extra_layer, extra_num_layers, extra_page_stride: the same for the extra cache
-            (``extra_page_stride`` ``None`` = ``page_stride``).
-        index_width, extra_index_width: the index-row width passed to the kernel when wider than
-            ``topk`` / ``topk_extra`` (the lanes past those are ``-1``: masked padding up to an
-            envelope's width multiple); ``None`` = the drawn width.
+        sink_kind: the ``attn_sink`` drawn (when the case passes one): ``"randn"`` (``randn(H) * 2``,
+            FlashInfer's draw), ``"large"`` (per head, the median over tokens of the row's
+            natural-log LSE plus a uniform offset in ``[-1, 1]``: the sink carries about as much
+            mass as the candidates) or ``"mixed-inf"`` (``"large"`` on odd heads, ``-inf`` on even
+            heads).
+        distribution: the latent rows' and queries' distribution (``data.latent``).
+    """
+
+    query: str = "random"
+    peak: float = 8.0
+    sink_kind: str = "randn"
+    distribution: str = "flashinfer"
+
+
+@dataclass(frozen=True)
+class Conventions:
+    """How the call is spelled.
+
+    Attributes:
+        fmt: the call format (``formats.CALL_FORMATS``: ``"dsv4"``, ``"dsv3_2"``, ``"dsv4_1"``, ...).
+        with_sink: pass an ``attn_sink``.
+        form: the caches' tensor form (``formats.as_form``: ``"nhd"``, ``"hnd"``, ``"3d"``, ``"2d"``).
+    """
+
+    fmt: str = "dsv4"
+    with_sink: bool = True
+    form: str = "nhd"
+
+
+@dataclass(frozen=True)
+class AttentionCase:
+    """One sparse-MLA call shape and how to fill it.
+
+    Attributes:
+        name: stable id used as the pytest parameter id.
+        num_tokens, num_heads: ``T`` and ``H``.
+        main: the main cache and its index rows.
+        extra: the extra cache and its index rows (``None`` = no extra cache).
+        values: what the tensors hold (queries, sink, distribution).
+        conventions: the call format, the sink argument and the caches' form.
+        large: too big for CPU in a suite; run only on CUDA.
         requires: what the case exists to exercise, so that :func:`fit_case` declares it not
             applicable instead of changing it (:data:`REQUIREMENTS`).
         fitted: what :func:`fit_case` changed to bring the case inside an envelope, in words.
@@ -97,40 +150,13 @@ class AttentionCase:
     name: str
     num_tokens: int
     num_heads: int
-    topk: int
-    page_block_size: int = 64
-    num_pages: int = 16
-    topk_extra: int = 0
-    extra_page_block_size: int = 0
-    extra_num_pages: int = 0
-    with_sink: bool = True
-    masked_fraction: float = 0.5
-    extra_masked_fraction: float = 0.5
-    topk_length: int | None = None
-    extra_topk_length: int | None = None
-    fmt: str = "dsv4"
-    page_stride: formats.StrideSpec = "padded"
-    form: str = "nhd"
-    distribution: str = "flashinfer"
+    main: CacheCase
+    extra: CacheCase | None = None
+    values: Values = Values()
+    conventions: Conventions = Conventions()
     large: bool = False
-    query: str = "random"
-    peak: float = 8.0
-    sink_kind: str = "randn"
-    extra_value_scale: float = 1.0
-    layer: int = 0
-    num_layers: int = 1
-    extra_layer: int = 0
-    extra_num_layers: int = 1
-    extra_page_stride: formats.StrideSpec | None = None
-    index_width: int | None = None
-    extra_index_width: int | None = None
     requires: tuple[str, ...] = ()
     fitted: tuple[str, ...] = ()
-
-    @property
-    def dual(self) -> bool:
-        """Whether the case has an extra cache."""
-        return self.topk_extra > 0
 
     def with_tokens(self, num_tokens: int) -> AttentionCase:
         """The same case with another ``num_tokens`` (name suffixed ``-T{num_tokens}``)."""
@@ -145,7 +171,7 @@ class AttentionInputs:
         case: the :class:`AttentionCase`.
         q: ``[T, H, d_qk]`` BF16.
         cache, extra: :class:`pytest_sparse_mla.data.PackedKVCache` (``extra`` may be ``None``).
-        indices, extra_indices: ``[T, topk]`` / ``[T, topk_extra]`` int32.
+        indices, extra_indices: ``[T, topk]`` / ``[T, extra_topk]`` int32.
         topk_length, extra_topk_length: ``[T]`` int32 or ``None``.
         attn_sink: ``[H]`` fp32 or ``None``.
         sm_scale: ``d_qk ** -0.5`` (``512 ** -0.5`` for DSV4, as FlashInfer's and FlashMLA's tests).
@@ -170,7 +196,7 @@ class AttentionInputs:
         updated with ``overrides``."""
         kw: dict[str, Any] = {
             "sm_scale": self.sm_scale,
-            "fmt": self.case.fmt,
+            "fmt": self.case.conventions.fmt,
             "topk_length": self.topk_length,
             "attn_sink": self.attn_sink,
             "extra_kv_cache": self.extra.packed if self.extra is not None else None,
@@ -307,48 +333,50 @@ def make_inputs(
         ValueError, TypeError: as ``data.make_packed_cache`` / ``data.sparse_indices``; an unknown
             ``query`` or ``sink_kind``.
     """
-    if case.query not in QUERIES:
-        raise ValueError(f"query={case.query!r}: expected one of {QUERIES}")
-    if case.sink_kind not in SINK_KINDS:
-        raise ValueError(f"sink_kind={case.sink_kind!r}: expected one of {SINK_KINDS}")
-    f, ef = formats.cache_formats(case.fmt)
+    main, values, conventions = case.main, case.values, case.conventions
+    if values.query not in QUERIES:
+        raise ValueError(f"query={values.query!r}: expected one of {QUERIES}")
+    if values.sink_kind not in SINK_KINDS:
+        raise ValueError(f"sink_kind={values.sink_kind!r}: expected one of {SINK_KINDS}")
+    f, ef = formats.cache_formats(conventions.fmt)
+    main_stride = main.page_stride if main.page_stride is not None else "padded"
     cache = _cache(
-        generator, f, num_pages=case.num_pages, page_block_size=case.page_block_size,
-        page_stride=case.page_stride, form=case.form, distribution=case.distribution, value_scale=1.0,
-        layer=case.layer, num_layers=case.num_layers, device=device,
+        generator, f, num_pages=main.num_pages, page_block_size=main.page_block_size,
+        page_stride=main_stride, form=conventions.form, distribution=values.distribution,
+        value_scale=main.value_scale, layer=main.layer, num_layers=main.num_layers, device=device,
     )  # fmt: skip
-    q = data.latent((case.num_tokens, case.num_heads, f.d_qk), generator, distribution=case.distribution)
+    q = data.latent((case.num_tokens, case.num_heads, f.d_qk), generator, distribution=values.distribution)
     indices = data.sparse_indices(
-        case.num_tokens, case.topk, cache.num_tokens, generator, masked_fraction=case.masked_fraction
+        case.num_tokens, main.topk, cache.num_tokens, generator, masked_fraction=main.masked_fraction
     )
-    indices, lengths = _lengths_and_stale(indices, case.topk_length)
-    indices = _pad_row(indices, case.index_width)
-    sink = data.attn_sink(case.num_heads, generator) if case.with_sink else None
+    indices, lengths = _lengths_and_stale(indices, main.topk_length)
+    indices = _pad_row(indices, main.index_width)
+    sink = data.attn_sink(case.num_heads, generator) if conventions.with_sink else None
     extra = extra_indices = extra_lengths = None
-    if case.dual:
+    if case.extra is not None:
+        ec = case.extra
         extra = _cache(
-            generator, ef, num_pages=case.extra_num_pages, page_block_size=case.extra_page_block_size,
-            page_stride=case.extra_page_stride if case.extra_page_stride is not None else case.page_stride,
-            form=case.form, distribution=case.distribution, value_scale=case.extra_value_scale,
-            layer=case.extra_layer, num_layers=case.extra_num_layers, device=device,
+            generator, ef, num_pages=ec.num_pages, page_block_size=ec.page_block_size,
+            page_stride=ec.page_stride if ec.page_stride is not None else main_stride,
+            form=conventions.form, distribution=values.distribution, value_scale=ec.value_scale,
+            layer=ec.layer, num_layers=ec.num_layers, device=device,
         )  # fmt: skip
         extra_indices = data.sparse_indices(
-            case.num_tokens, case.topk_extra, extra.num_tokens, generator,
-            masked_fraction=case.extra_masked_fraction,
+            case.num_tokens, ec.topk, extra.num_tokens, generator, masked_fraction=ec.masked_fraction,
         )  # fmt: skip
-        extra_indices, extra_lengths = _lengths_and_stale(extra_indices, case.extra_topk_length)
-        extra_indices = _pad_row(extra_indices, case.extra_index_width)
+        extra_indices, extra_lengths = _lengths_and_stale(extra_indices, ec.topk_length)
+        extra_indices = _pad_row(extra_indices, ec.index_width)
 
     def dev(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t.to(device)
 
     sm_scale = f.d_qk**-0.5
-    if case.query == "peaked":
+    if values.query == "peaked":
         sources = [(cache, indices, lengths)]
         if extra is not None and extra_indices is not None:
             sources.append((extra, extra_indices, extra_lengths))
-        q = _peaked_queries(q, sources, sm_scale, case.peak)
-    elif case.query == "flat":
+        q = _peaked_queries(q, sources, sm_scale, values.peak)
+    elif values.query == "flat":
         q = (q.float() * 2.0**-10).to(torch.bfloat16)
     inputs = AttentionInputs(
         case=case,
@@ -362,168 +390,183 @@ def make_inputs(
         extra_indices=dev(extra_indices),
         extra_topk_length=dev(extra_lengths),
     )
-    if case.with_sink and case.sink_kind != "randn":
-        inputs = replace(inputs, attn_sink=_large_sink(inputs, generator, case.sink_kind).to(device))
+    if conventions.with_sink and values.sink_kind != "randn":
+        inputs = replace(inputs, attn_sink=_large_sink(inputs, generator, values.sink_kind).to(device))
     return inputs
 
 
 def _named_format(kw: dict[str, Any]) -> dict[str, Any]:
     """A case written for a format other than the default DSV4 (DSV3.2, DeepSeek-V4.1) exists for that
     format: it requires it (``fit_case`` never moves it)."""
-    if kw.get("fmt", AttentionCase.fmt) != AttentionCase.fmt:
+    if kw.get("conventions", Conventions()).fmt != Conventions().fmt:
         kw["requires"] = (*kw.get("requires", ()), "format")
     return kw
 
 
-def _fi(name: str, num_tokens: int, num_heads: int, topk: int, **kw: Any) -> AttentionCase:
-    return AttentionCase(f"fi-{name}", num_tokens, num_heads, topk, **_named_format(kw))
+def _fi(name: str, num_tokens: int, num_heads: int, main: CacheCase, **kw: Any) -> AttentionCase:
+    return AttentionCase(f"fi-{name}", num_tokens, num_heads, main, **_named_format(kw))
 
+
+_NO_SINK = Conventions(with_sink=False)
+_DSV32 = Conventions("dsv3_2")
+_V41 = Conventions("dsv4_1")
+_PEAKED = Values("peaked")
+_LARGE_SINK = Values("peaked", sink_kind="large")
 
 #: FlashInfer SM120 test configurations (small token counts on CPU; ``large`` ones need CUDA).
 FLASHINFER_CASES: tuple[AttentionCase, ...] = (
     # decode, dedicated heads (T <= 64)
-    _fi("decode-h8-k128", 16, 8, 128),
-    _fi("decode-h8-k1024", 1, 8, 1024, with_sink=False),
-    _fi("decode-h16-k192", 16, 16, 192),
-    _fi("decode-h32-k512", 16, 32, 512, with_sink=False),
-    _fi("decode-h64-k256", 16, 64, 256),
-    _fi("decode-h128-k1024", 1, 128, 1024),
-    _fi("decode-h64-k1024", 64, 64, 1024, large=True),
+    _fi("decode-h8-k128", 16, 8, CacheCase(128)),
+    _fi("decode-h8-k1024", 1, 8, CacheCase(1024), conventions=_NO_SINK),
+    _fi("decode-h16-k192", 16, 16, CacheCase(192)),
+    _fi("decode-h32-k512", 16, 32, CacheCase(512), conventions=_NO_SINK),
+    _fi("decode-h64-k256", 16, 64, CacheCase(256)),
+    _fi("decode-h128-k1024", 1, 128, CacheCase(1024)),
+    _fi("decode-h64-k1024", 64, 64, CacheCase(1024), large=True),
     # decode, runtime heads / runtime topk (500 = partial final tile)
-    _fi("decode-h12-k512", 16, 12, 512),
-    _fi("decode-h24-k256", 16, 24, 256, with_sink=False),
-    _fi("decode-h80-k128", 16, 80, 128),
-    _fi("decode-h64-k384", 16, 64, 384),
-    _fi("decode-h64-k500", 16, 64, 500, requires=('width',)),
+    _fi("decode-h12-k512", 16, 12, CacheCase(512)),
+    _fi("decode-h24-k256", 16, 24, CacheCase(256), conventions=_NO_SINK),
+    _fi("decode-h80-k128", 16, 80, CacheCase(128)),
+    _fi("decode-h64-k384", 16, 64, CacheCase(384)),
+    _fi("decode-h64-k500", 16, 64, CacheCase(500), requires=('width',)),
     # topk_length truncation, stale padding past the length
-    _fi("trunc-h8-k192-len133", 16, 8, 192, topk_length=133, requires=('topk_length',)),
-    _fi("trunc-h32-k256-len133", 16, 32, 256, topk_length=133, requires=('topk_length',)),
-    _fi("trunc-h8-k512-len128", 16, 8, 512, topk_length=128, with_sink=False, requires=('topk_length',)),
-    _fi("trunc-h64-k1024-len992", 128, 64, 1024, topk_length=992, masked_fraction=0.0, large=True,
+    _fi("trunc-h8-k192-len133", 16, 8, CacheCase(192, topk_length=133), requires=('topk_length',)),
+    _fi("trunc-h32-k256-len133", 16, 32, CacheCase(256, topk_length=133), requires=('topk_length',)),
+    _fi("trunc-h8-k512-len128", 16, 8, CacheCase(512, topk_length=128), conventions=_NO_SINK,
+        requires=('topk_length',)),
+    _fi("trunc-h64-k1024-len992", 128, 64, CacheCase(1024, topk_length=992, masked_fraction=0.0), large=True,
         requires=('topk_length',)),
     # prefill (T > 64)
-    _fi("prefill-h8-k128", 65, 8, 128, requires=('tokens',)),
-    _fi("prefill-h16-k256", 128, 16, 256, with_sink=False, requires=('tokens',)),
-    _fi("prefill-h64-k1024", 128, 64, 1024, large=True, requires=('tokens',)),
-    _fi("prefill-h128-k2048", 256, 128, 2048, num_pages=64, large=True, requires=('tokens',)),
+    _fi("prefill-h8-k128", 65, 8, CacheCase(128), requires=('tokens',)),
+    _fi("prefill-h16-k256", 128, 16, CacheCase(256), conventions=_NO_SINK, requires=('tokens',)),
+    _fi("prefill-h64-k1024", 128, 64, CacheCase(1024), large=True, requires=('tokens',)),
+    _fi("prefill-h128-k2048", 256, 128, CacheCase(2048, num_pages=64), large=True, requires=('tokens',)),
     # dual cache (main topk 128 at page 64 + extra), one softmax over both
-    _fi("dual-h8-e128p64", 16, 8, 128, topk_extra=128, extra_page_block_size=64, extra_num_pages=16,
+    _fi("dual-h8-e128p64", 16, 8, CacheCase(128), extra=CacheCase(128, page_block_size=64, num_pages=16),
         requires=('extra', 'extra_page')),
-    _fi("dual-h16-e512p64", 16, 16, 128, topk_extra=512, extra_page_block_size=64, extra_num_pages=16,
+    _fi("dual-h16-e512p64", 16, 16, CacheCase(128), extra=CacheCase(512, page_block_size=64, num_pages=16),
         requires=('extra', 'extra_page')),
-    _fi("dual-h32-e512p2", 16, 32, 128, topk_extra=512, extra_page_block_size=2, extra_num_pages=512,
+    _fi("dual-h32-e512p2", 16, 32, CacheCase(128), extra=CacheCase(512, page_block_size=2, num_pages=512),
         requires=('extra', 'extra_page')),
-    _fi("dual-h16-e2176p2", 1, 16, 128, topk_extra=2176, extra_page_block_size=2, extra_num_pages=1024,
+    _fi("dual-h16-e2176p2", 1, 16, CacheCase(128), extra=CacheCase(2176, page_block_size=2, num_pages=1024),
         requires=('extra', 'extra_page')),
-    _fi("dual-h8-elen0", 16, 8, 128, topk_extra=512, extra_page_block_size=64, extra_num_pages=16,
-        extra_topk_length=0, requires=('extra', 'topk_length')),
-    _fi("dual-h8-elen768", 16, 8, 128, topk_extra=512, extra_page_block_size=64, extra_num_pages=16,
-        extra_topk_length=768, requires=('extra', 'topk_length')),
-    _fi("dual-h8-main-len0", 16, 8, 128, topk_extra=128, extra_page_block_size=2, extra_num_pages=128,
-        topk_length=0, masked_fraction=0.0, requires=('extra', 'topk_length')),
-    _fi("dual-prefill-h64-e512p64", 128, 64, 128, topk_extra=512, extra_page_block_size=64,
-        extra_num_pages=16, large=True, requires=('extra', 'extra_page')),
-    _fi("dual-prefill-h128-e512p2", 128, 128, 128, topk_extra=512, extra_page_block_size=2,
-        extra_num_pages=512, large=True, requires=('extra', 'extra_page')),
+    _fi("dual-h8-elen0", 16, 8, CacheCase(128),
+        extra=CacheCase(512, page_block_size=64, num_pages=16, topk_length=0), requires=('extra', 'topk_length')),
+    _fi("dual-h8-elen768", 16, 8, CacheCase(128),
+        extra=CacheCase(512, page_block_size=64, num_pages=16, topk_length=768), requires=('extra', 'topk_length')),
+    _fi("dual-h8-main-len0", 16, 8, CacheCase(128, topk_length=0, masked_fraction=0.0),
+        extra=CacheCase(128, page_block_size=2, num_pages=128), requires=('extra', 'topk_length')),
+    _fi("dual-prefill-h64-e512p64", 128, 64, CacheCase(128), extra=CacheCase(512, page_block_size=64, num_pages=16),
+        large=True, requires=('extra', 'extra_page')),
+    _fi("dual-prefill-h128-e512p2", 128, 128, CacheCase(128), extra=CacheCase(512, page_block_size=2, num_pages=512),
+        large=True, requires=('extra', 'extra_page')),
     # cache forms and page strides (FlashInfer accepts all of them)
-    _fi("form-hnd-tight", 8, 8, 128, form="hnd", page_stride="tight"),
-    _fi("form-3d-padded", 8, 8, 128, form="3d"),
-    _fi("form-2d-tight", 8, 8, 128, form="2d", page_stride="tight"),
-    _fi("wide-scales", 8, 16, 256, distribution="wide"),
+    _fi("form-hnd-tight", 8, 8, CacheCase(128, page_stride="tight"), conventions=Conventions(form="hnd")),
+    _fi("form-3d-padded", 8, 8, CacheCase(128), conventions=Conventions(form="3d")),
+    _fi("form-2d-tight", 8, 8, CacheCase(128, page_stride="tight"), conventions=Conventions(form="2d")),
+    _fi("wide-scales", 8, 16, CacheCase(256), values=Values(distribution="wide")),
     # DSV3.2 (d_qk 576, inline scales, V = first 512 dims)
-    _fi("dsv32-h16-k128", 4, 16, 128, fmt="dsv3_2"),
-    _fi("dsv32-h64-k2048", 64, 64, 2048, fmt="dsv3_2", num_pages=64, large=True),
+    _fi("dsv32-h16-k128", 4, 16, CacheCase(128), conventions=_DSV32),
+    _fi("dsv32-h64-k2048", 64, 64, CacheCase(2048, num_pages=64), conventions=_DSV32, large=True),
 )  # fmt: skip
 
 
-def _cf(name: str, num_tokens: int, num_heads: int, topk: int, **kw: Any) -> AttentionCase:
-    return AttentionCase(f"cf-{name}", num_tokens, num_heads, topk, **_named_format(kw))
+def _cf(name: str, num_tokens: int, num_heads: int, main: CacheCase, **kw: Any) -> AttentionCase:
+    return AttentionCase(f"cf-{name}", num_tokens, num_heads, main, **_named_format(kw))
 
 
-_C4 = {"topk_extra": 128, "extra_page_block_size": 64, "extra_num_pages": 4}
-_C128 = {"topk_extra": 128, "extra_page_block_size": 2, "extra_num_pages": 128}
+_C4 = CacheCase(128, page_block_size=64, num_pages=4)
+_C128 = CacheCase(128, page_block_size=2, num_pages=128)
 
 #: Data that makes each error class visible (the FlashInfer distribution's logits are about 0.01,
 #: a nearly uniform softmax under which a wrong score scale, a dropped sink or a wrong row hides).
 CONFORMANCE_CASES: tuple[AttentionCase, ...] = (
     # queries aligned with chosen candidates in each cache: wrong scale / wrong row moves the softmax
-    _cf("peaked-dual-c4", 8, 16, 128, query="peaked", **_C4),
+    _cf("peaked-dual-c4", 8, 16, CacheCase(128), extra=_C4, values=_PEAKED),
     # DeepSeek-V4.1: SWA records (E4M3, UE8M0 per 32) in the main cache, indexed FP4 records (E2M1,
     # E4M3 per 16) in the extra cache, as flashinfer-python 0.7.2.post1's reference pairs them
     # (early in the list: the wrong-kernel gate runs cases round-robin and stops at the first failure)
-    _cf("v41-peaked-dual-c4", 8, 16, 128, query="peaked", fmt="dsv4_1", **_C4),
-    _cf("peaked-dual-c128-large-sink", 8, 16, 128, query="peaked", sink_kind="large", **_C128, requires=('sink',)),
-    _cf("peaked-dsv32", 8, 16, 128, query="peaked", fmt="dsv3_2", sink_kind="large", requires=('sink',)),
-    _cf("dominant-key", 8, 16, 128, query="peaked", peak=30.0, **_C4),
-    _cf("dominant-key-dsv32", 8, 16, 128, query="peaked", peak=30.0, fmt="dsv3_2"),
-    _cf("near-uniform", 8, 16, 128, query="flat", sink_kind="large", **_C4),
+    _cf("v41-peaked-dual-c4", 8, 16, CacheCase(128), extra=_C4, values=_PEAKED, conventions=_V41),
+    _cf("peaked-dual-c128-large-sink", 8, 16, CacheCase(128), extra=_C128, values=_LARGE_SINK, requires=('sink',)),
+    _cf("peaked-dsv32", 8, 16, CacheCase(128), values=_LARGE_SINK, conventions=_DSV32, requires=('sink',)),
+    _cf("dominant-key", 8, 16, CacheCase(128), extra=_C4, values=Values("peaked", peak=30.0)),
+    _cf("dominant-key-dsv32", 8, 16, CacheCase(128), values=Values("peaked", peak=30.0), conventions=_DSV32),
+    _cf("near-uniform", 8, 16, CacheCase(128), extra=_C4, values=Values("flat", sink_kind="large")),
     # sinks
-    _cf("mixed-inf-sink", 8, 16, 128, query="peaked", sink_kind="mixed-inf", **_C4, requires=('sink',)),
-    _cf("mixed-inf-sink-dsv32", 8, 16, 128, query="peaked", sink_kind="mixed-inf", fmt="dsv3_2", requires=('sink',)),
-    # mixed magnitudes across the caches (powers of two: exact in BF16)
-    _cf("extra-x64", 8, 16, 128, query="peaked", extra_value_scale=64.0, sink_kind="large", **_C4, requires=('extra',)),
-    _cf("extra-x1/64", 8, 16, 128, query="peaked", extra_value_scale=2.0**-6, **_C128, requires=('extra',)),
-    # head counts: 1 and non-multiples of 16
-    _cf("heads-1", 8, 1, 128, query="peaked", **_C4, requires=('heads',)),
-    _cf("heads-5", 8, 5, 128, query="peaked", **_C128, requires=('heads',)),
-    _cf("heads-17", 4, 17, 128, query="peaked", fmt="dsv3_2", requires=('heads',)),
-    _cf("heads-33", 4, 33, 128, query="peaked", **_C4, requires=('heads',)),
-    # per-layer views (non-zero storage offsets) and page strides, chosen per cache
-    _cf("main-layer1of2-padded-extra-layer2of3-tight", 8, 16, 128, query="peaked", layer=1, num_layers=2,
-        extra_layer=2, extra_num_layers=3, extra_page_stride="tight", **_C4),
-    _cf("main-tight-extra-layer1of2-padded", 8, 16, 128, query="peaked", page_stride="tight",
-        extra_layer=1, extra_num_layers=2, extra_page_stride="padded", **_C128),
-    _cf("dsv32-layer1of3", 8, 16, 128, query="peaked", fmt="dsv3_2", layer=1, num_layers=3),
-    # topk_length truncation with stale padding, on peaked data
-    _cf("peaked-trunc-len100", 8, 16, 192, query="peaked", topk_length=100, extra_topk_length=50,
-        masked_fraction=0.0, **_C4, requires=('topk_length',)),
-    # both sides of the decode/prefill boundary
-    _cf("peaked-T64", 64, 8, 128, query="peaked", sink_kind="large", **_C128, requires=('tokens',)),
-    _cf("peaked-T65", 65, 8, 128, query="peaked", sink_kind="large", **_C128, requires=('tokens',)),
-    _cf("peaked-T65-dsv32", 65, 8, 128, query="peaked", fmt="dsv3_2", requires=('tokens',)),
-    # 64 heads (what head-specialised kernels such as FlashMLA's SM90 sparse decode take)
-    _cf("h64-peaked-dual-c4-large-sink", 4, 64, 128, query="peaked", sink_kind="large", masked_fraction=0.25, **_C4,
+    _cf("mixed-inf-sink", 8, 16, CacheCase(128), extra=_C4, values=Values("peaked", sink_kind="mixed-inf"),
         requires=('sink',)),
-    _cf("h64-mixed-inf-sink-c128", 4, 64, 128, query="peaked", sink_kind="mixed-inf", **_C128, requires=('sink',)),
-    _cf("h64-dominant-key-dsv32", 4, 64, 128, query="peaked", peak=30.0, fmt="dsv3_2"),
-    _cf("h64-peaked-dsv32-large-sink", 4, 64, 192, query="peaked", fmt="dsv3_2", sink_kind="large"),
-    _cf("h64-near-uniform", 4, 64, 128, query="flat", sink_kind="large", **_C4),
-    _cf("h64-extra-x64-layers", 4, 64, 128, query="peaked", extra_value_scale=64.0, layer=1, num_layers=2,
-        extra_layer=2, extra_num_layers=3, extra_page_stride="tight", **_C4, requires=('extra',)),
-    _cf("h64-trunc", 4, 64, 192, query="peaked", topk_length=100, extra_topk_length=50, masked_fraction=0.0, **_C4,
-        requires=('topk_length',)),
-    _cf("h64-peaked-T65", 65, 64, 128, query="peaked", sink_kind="large", **_C4, requires=('tokens',)),
+    _cf("mixed-inf-sink-dsv32", 8, 16, CacheCase(128), values=Values("peaked", sink_kind="mixed-inf"),
+        conventions=_DSV32, requires=('sink',)),
+    # mixed magnitudes across the caches (powers of two: exact in BF16)
+    _cf("extra-x64", 8, 16, CacheCase(128), extra=replace(_C4, value_scale=64.0), values=_LARGE_SINK,
+        requires=('extra',)),
+    _cf("extra-x1/64", 8, 16, CacheCase(128), extra=replace(_C128, value_scale=2.0**-6), values=_PEAKED,
+        requires=('extra',)),
+    # head counts: 1 and non-multiples of 16
+    _cf("heads-1", 8, 1, CacheCase(128), extra=_C4, values=_PEAKED, requires=('heads',)),
+    _cf("heads-5", 8, 5, CacheCase(128), extra=_C128, values=_PEAKED, requires=('heads',)),
+    _cf("heads-17", 4, 17, CacheCase(128), values=_PEAKED, conventions=_DSV32, requires=('heads',)),
+    _cf("heads-33", 4, 33, CacheCase(128), extra=_C4, values=_PEAKED, requires=('heads',)),
+    # per-layer views (non-zero storage offsets) and page strides, chosen per cache
+    _cf("main-layer1of2-padded-extra-layer2of3-tight", 8, 16, CacheCase(128, layer=1, num_layers=2),
+        extra=replace(_C4, layer=2, num_layers=3, page_stride="tight"), values=_PEAKED),
+    _cf("main-tight-extra-layer1of2-padded", 8, 16, CacheCase(128, page_stride="tight"),
+        extra=replace(_C128, layer=1, num_layers=2, page_stride="padded"), values=_PEAKED),
+    _cf("dsv32-layer1of3", 8, 16, CacheCase(128, layer=1, num_layers=3), values=_PEAKED, conventions=_DSV32),
+    # topk_length truncation with stale padding, on peaked data
+    _cf("peaked-trunc-len100", 8, 16, CacheCase(192, topk_length=100, masked_fraction=0.0),
+        extra=replace(_C4, topk_length=50), values=_PEAKED, requires=('topk_length',)),
+    # both sides of the decode/prefill boundary
+    _cf("peaked-T64", 64, 8, CacheCase(128), extra=_C128, values=_LARGE_SINK, requires=('tokens',)),
+    _cf("peaked-T65", 65, 8, CacheCase(128), extra=_C128, values=_LARGE_SINK, requires=('tokens',)),
+    _cf("peaked-T65-dsv32", 65, 8, CacheCase(128), values=_PEAKED, conventions=_DSV32, requires=('tokens',)),
+    # 64 heads (what head-specialised kernels such as FlashMLA's SM90 sparse decode take)
+    _cf("h64-peaked-dual-c4-large-sink", 4, 64, CacheCase(128, masked_fraction=0.25), extra=_C4, values=_LARGE_SINK,
+        requires=('sink',)),
+    _cf("h64-mixed-inf-sink-c128", 4, 64, CacheCase(128), extra=_C128, values=Values("peaked", sink_kind="mixed-inf"),
+        requires=('sink',)),
+    _cf("h64-dominant-key-dsv32", 4, 64, CacheCase(128), values=Values("peaked", peak=30.0), conventions=_DSV32),
+    _cf("h64-peaked-dsv32-large-sink", 4, 64, CacheCase(192), values=_LARGE_SINK, conventions=_DSV32),
+    _cf("h64-near-uniform", 4, 64, CacheCase(128), extra=_C4, values=Values("flat", sink_kind="large")),
+    _cf("h64-extra-x64-layers", 4, 64, CacheCase(128, layer=1, num_layers=2),
+        extra=replace(_C4, value_scale=64.0, layer=2, num_layers=3, page_stride="tight"), values=_PEAKED,
+        requires=('extra',)),
+    _cf("h64-trunc", 4, 64, CacheCase(192, topk_length=100, masked_fraction=0.0), extra=replace(_C4, topk_length=50),
+        values=_PEAKED, requires=('topk_length',)),
+    _cf("h64-peaked-T65", 65, 64, CacheCase(128), extra=_C4, values=_LARGE_SINK, requires=('tokens',)),
     # 128 heads on both routes and both formats (FlashMLA's other head count)
-    _cf("h128-peaked-T65-c4", 65, 128, 128, query="peaked", sink_kind="large", **_C4),
-    _cf("h128-peaked-dsv32", 4, 128, 128, query="peaked", sink_kind="large", fmt="dsv3_2",
-        masked_fraction=0.25),  # 96 valid lanes: heads h and h + 64 peak on different candidates
+    _cf("h128-peaked-T65-c4", 65, 128, CacheCase(128), extra=_C4, values=_LARGE_SINK),
+    _cf("h128-peaked-dsv32", 4, 128, CacheCase(128, masked_fraction=0.25), values=_LARGE_SINK,
+        conventions=_DSV32),  # 96 valid lanes: heads h and h + 64 peak on different candidates
     # DSV3.2 with an extra cache (FlashInfer 0.6.14-0.6.18 silently dropped it)
-    _cf("peaked-dsv32-dual-c4", 8, 16, 128, query="peaked", fmt="dsv3_2", requires=("extra",), **_C4),
+    _cf("peaked-dsv32-dual-c4", 8, 16, CacheCase(128), extra=_C4, values=_PEAKED, conventions=_DSV32,
+        requires=("extra",)),
     # valid lanes past 512 in one row (DSV3.2 serves topk 2048; DSpark rows are 192 wide)
-    _cf("wide-row-k1024", 2, 16, 1024, query="peaked", masked_fraction=0.25, num_pages=32),
+    _cf("wide-row-k1024", 2, 16, CacheCase(1024, num_pages=32, masked_fraction=0.25), values=_PEAKED),
     # every lane valid up to DSV3.2's production width (a kernel whose lane buffer holds DSV4's 1024 drops the rest)
-    _cf("dsv32-k2048-all-valid", 2, 16, 2048, fmt="dsv3_2", masked_fraction=0.0, num_pages=64, requires=("width",)),
+    _cf("dsv32-k2048-all-valid", 2, 16, CacheCase(2048, num_pages=64, masked_fraction=0.0), conventions=_DSV32,
+        requires=("width",)),
     # rows whose last tile is partial and valid (a tile count of topk // 64 never reads lanes 192..199, 64..99)
-    _cf("tail-lanes-k200-e100", 4, 16, 200, masked_fraction=0.0, topk_extra=100, extra_page_block_size=64,
-        extra_num_pages=4, extra_masked_fraction=0.0, requires=("width",)),
+    _cf("tail-lanes-k200-e100", 4, 16, CacheCase(200, masked_fraction=0.0),
+        extra=CacheCase(100, page_block_size=64, num_pages=4, masked_fraction=0.0), requires=("width",)),
     # main caches of 256- and 128-token pages (DeepSeek-V4 serves 256; a kernel addressing idx >> 6 reads
     # another token)
-    _cf("main-page256-dual-c4", 8, 16, 128, query="peaked", page_block_size=256, num_pages=4, **_C4,
+    _cf("main-page256-dual-c4", 8, 16, CacheCase(128, page_block_size=256, num_pages=4), extra=_C4, values=_PEAKED,
         requires=("page",)),
-    _cf("dsv32-main-page128", 8, 16, 128, query="peaked", fmt="dsv3_2", page_block_size=128, num_pages=8,
-        requires=("page",)),
+    _cf("dsv32-main-page128", 8, 16, CacheCase(128, page_block_size=128, num_pages=8), values=_PEAKED,
+        conventions=_DSV32, requires=("page",)),
     # a main topk_length beyond its row (clamped to the row: lanes past it are the next token's row in memory)
-    _cf("peaked-main-len-beyond-row", 8, 16, 128, query="peaked", topk_length=200, masked_fraction=0.0, **_C4,
-        requires=("topk_length",)),
+    _cf("peaked-main-len-beyond-row", 8, 16, CacheCase(128, topk_length=200, masked_fraction=0.0), extra=_C4,
+        values=_PEAKED, requires=("topk_length",)),
     # more DeepSeek-V4.1 calls (records, sink, lengths, prefill)
-    _cf("v41-peaked-dual-c128-large-sink", 8, 16, 128, query="peaked", fmt="dsv4_1", sink_kind="large", **_C128,
+    _cf("v41-peaked-dual-c128-large-sink", 8, 16, CacheCase(128), extra=_C128, values=_LARGE_SINK, conventions=_V41,
         requires=("sink",)),
-    _cf("v41-swa-only", 8, 16, 128, query="peaked", fmt="dsv4_1"),
-    _cf("v41-extra-x64", 8, 16, 128, query="peaked", fmt="dsv4_1", extra_value_scale=64.0, **_C4,
+    _cf("v41-swa-only", 8, 16, CacheCase(128), values=_PEAKED, conventions=_V41),
+    _cf("v41-extra-x64", 8, 16, CacheCase(128), extra=replace(_C4, value_scale=64.0), values=_PEAKED, conventions=_V41,
         requires=("extra",)),
-    _cf("v41-trunc-len100", 8, 16, 192, query="peaked", fmt="dsv4_1", topk_length=100, extra_topk_length=50,
-        masked_fraction=0.0, **_C4, requires=("topk_length",)),
-    _cf("v41-h64-peaked-T65", 65, 64, 128, query="peaked", fmt="dsv4_1", sink_kind="large", **_C4,
+    _cf("v41-trunc-len100", 8, 16, CacheCase(192, topk_length=100, masked_fraction=0.0),
+        extra=replace(_C4, topk_length=50), values=_PEAKED, conventions=_V41, requires=("topk_length",)),
+    _cf("v41-h64-peaked-T65", 65, 64, CacheCase(128), extra=_C4, values=_LARGE_SINK, conventions=_V41,
         requires=("tokens",)),
 )  # fmt: skip
 
@@ -540,24 +583,22 @@ def deployment_cases() -> tuple[AttentionCase, ...]:
     for dep in deployments.DEPLOYMENTS:
         key = dep.key.replace("DeepSeek-V4-", "").replace(" ", "-").replace("/", "-")
         key = key.replace("(", "").replace(")", "").replace("-draft", "")
-        kw: dict[str, Any] = {"masked_fraction": 0.0, "page_block_size": dep.page_block_size}
-        if dep.topk_extra:
-            extra_tokens = max(1024, dep.topk_extra * 2)
-            kw.update(
-                topk_extra=dep.topk_extra,
-                extra_page_block_size=dep.extra_page_block_size,
-                extra_num_pages=extra_tokens // dep.extra_page_block_size,
-                extra_masked_fraction=0.25,
-            )
-        if dep.topk == deployments.DSPARK_TOPK:
-            kw["topk_length"] = 133
-        out.append(AttentionCase(f"{key}-decode", dep.decode_num_tokens, dep.num_heads, dep.topk, **kw))
-        out.append(AttentionCase(f"{key}-prefill", 512, dep.num_heads, dep.topk, large=True, **kw))
+        length = 133 if dep.topk == deployments.DSPARK_TOPK else None
+        main = CacheCase(dep.topk, page_block_size=dep.page_block_size, masked_fraction=0.0, topk_length=length)
+        extra = None
+        if dep.extra_topk:
+            extra_tokens = max(1024, dep.extra_topk * 2)
+            extra = CacheCase(
+                dep.extra_topk, page_block_size=dep.extra_page_block_size,
+                num_pages=extra_tokens // dep.extra_page_block_size, masked_fraction=0.25,
+            )  # fmt: skip
+        out.append(AttentionCase(f"{key}-decode", dep.decode_num_tokens, dep.num_heads, main, extra=extra))
+        out.append(AttentionCase(f"{key}-prefill", 512, dep.num_heads, main, extra=extra, large=True))
     out.append(
         AttentionCase(
-            "Flash-C4-TP1-prefill-4096", 4096, 64, deployments.SWA_TOPK, num_pages=64,
-            topk_extra=deployments.C4_TOPK, extra_page_block_size=64, extra_num_pages=64,
-            masked_fraction=0.0, extra_masked_fraction=0.25, large=True,
+            "Flash-C4-TP1-prefill-4096", 4096, 64,
+            CacheCase(deployments.SWA_TOPK, num_pages=64, masked_fraction=0.0),
+            extra=CacheCase(deployments.C4_TOPK, page_block_size=64, num_pages=64, masked_fraction=0.25), large=True,
         )
     )  # fmt: skip
     return tuple(out)
@@ -606,11 +647,11 @@ def fit_case(case: AttentionCase, envelope: Envelope) -> AttentionCase:
         change.update(changes)
         notes.append(note)
 
-    why = envelope.format_reason(case.fmt)
+    why = envelope.format_reason(case.conventions.fmt)
     if why is not None:
         first = envelope.formats[0]
-        adjust("format", why, f"fmt {case.fmt}->{first}", fmt=first)
-        case = replace(case, fmt=first)
+        adjust("format", why, f"fmt {case.conventions.fmt}->{first}", fmt=first)
+        case = _changed(case, {"fmt": first})
     tokens = envelope.tokens_for(case.num_tokens)
     if tokens != case.num_tokens:
         adjust("tokens", envelope.tokens_reason(case.num_tokens), f"num_tokens {case.num_tokens}->{tokens}",
@@ -619,32 +660,30 @@ def fit_case(case: AttentionCase, envelope: Envelope) -> AttentionCase:
     if heads != case.num_heads:
         adjust("heads", envelope.heads_reason(case.num_heads), f"num_heads {case.num_heads}->{heads}",
                num_heads=heads)  # fmt: skip
-    if case.with_sink and not envelope.takes_sink(case.fmt):
-        adjust("sink", envelope.sink_reason(case.fmt), "attn_sink dropped", with_sink=False)
-    dual = case.dual
-    if dual and not envelope.takes_extra(case.fmt):
-        adjust("extra", envelope.extra_reason(case.fmt),
-               "extra cache dropped", topk_extra=0, extra_page_block_size=0, extra_num_pages=0,
-               extra_topk_length=None)  # fmt: skip
+    if case.conventions.with_sink and not envelope.takes_sink(case.conventions.fmt):
+        adjust("sink", envelope.sink_reason(case.conventions.fmt), "attn_sink dropped", with_sink=False)
+    dual = case.extra is not None
+    if dual and not envelope.takes_extra(case.conventions.fmt):
+        adjust("extra", envelope.extra_reason(case.conventions.fmt), "extra cache dropped", extra=None)
         dual = False
-    lengths = [("topk_length", case.topk_length, case.topk)]
-    if dual:
-        lengths.append(("extra_topk_length", case.extra_topk_length, case.topk_extra))
-    if any(value is not None for _, value, _ in lengths) and not envelope.takes_lengths(case.fmt):
-        adjust("topk_length", envelope.lengths_reason(case.fmt),
+    lengths = [("topk_length", case.main.topk_length, case.main.topk)]
+    if dual and case.extra is not None:
+        lengths.append(("extra_topk_length", case.extra.topk_length, case.extra.topk))
+    if any(value is not None for _, value, _ in lengths) and not envelope.takes_lengths(case.conventions.fmt):
+        adjust("topk_length", envelope.lengths_reason(case.conventions.fmt),
                "topk_length dropped", topk_length=None, extra_topk_length=None)  # fmt: skip
         lengths = []
     for key, width_key, widths in (("topk", "index_width", envelope.topk),
-                                   ("topk_extra", "extra_index_width", envelope.extra_topk)):  # fmt: skip
-        width = getattr(case, key)
-        if key == "topk_extra" and not dual:
+                                   ("extra_topk", "extra_index_width", envelope.extra_topk)):  # fmt: skip
+        if key == "extra_topk" and not dual:
             continue
+        width = _field(case, key)
         drawn, row = widths.fit(width)
         if (drawn, row) != (width, width):
             adjust("width", widths.reason(key, width) or f"{key}={width}",
                    f"{key} {width}->{drawn} drawn in rows of {row}", **{key: drawn, width_key: row})  # fmt: skip
     for name, value, width in lengths:
-        drawn = change.get("topk" if name == "topk_length" else "topk_extra", width)
+        drawn = change.get("topk" if name == "topk_length" else "extra_topk", width)
         why = None if value is None else envelope.length_value_reason(name, value, drawn)
         if value is not None and why is not None:
             clamped = min(max(value, 0), drawn)
@@ -653,22 +692,58 @@ def fit_case(case: AttentionCase, envelope: Envelope) -> AttentionCase:
         ("page_block_size", "num_pages", envelope.page_block_sizes, "page"),
         ("extra_page_block_size", "extra_num_pages", envelope.extra_page_block_sizes, "extra_page"),
     ):
-        ps = getattr(case, ps_key)
         if ps_key.startswith("extra") and not dual:
             continue
+        ps = _field(case, ps_key)
         fitted = Envelope.page_for(ps, taken)
         if fitted != ps:
             adjust(need, envelope.page_reason(ps_key, ps), f"{ps_key} {ps}->{fitted}",
-                   **{ps_key: fitted, pages_key: -(-getattr(case, pages_key) * ps // fitted)})  # fmt: skip
-    bpt = formats.get_format(case.fmt).bytes_per_token
+                   **{ps_key: fitted, pages_key: -(-_field(case, pages_key) * ps // fitted)})  # fmt: skip
+    bpt = formats.get_format(case.conventions.fmt).bytes_per_token
     for stride_key, ps_key in (("page_stride", "page_block_size"), ("extra_page_stride", "extra_page_block_size")):
-        ps = change.get(ps_key, getattr(case, ps_key))
-        if getattr(case, stride_key) == "tight" and ps and (ps * bpt) % 16:
+        if stride_key.startswith("extra") and not dual:
+            continue
+        ps = change.get(ps_key, _field(case, ps_key))
+        if _field(case, stride_key) == "tight" and ps and (ps * bpt) % 16:
             change[stride_key] = "padded"  # a tight page of ps * bpt bytes must be a multiple of 16
             notes.append(f"{stride_key} tight->padded")
     if not change:
         return case
-    return replace(case, fitted=case.fitted + tuple(notes), **change)
+    return _changed(replace(case, fitted=case.fitted + tuple(notes)), change)
+
+
+def _field(case: AttentionCase, key: str) -> Any:
+    """A cache field of ``case`` by its field term: ``topk``, ``page_block_size``, ... (the main
+    cache) or ``extra_topk``, ``extra_page_block_size``, ... (the extra cache, which must exist)."""
+    if key.startswith("extra_"):
+        if case.extra is None:
+            raise ValueError(f"{case.name}: {key}: the case has no extra cache")
+        return getattr(case.extra, key.removeprefix("extra_"))
+    return getattr(case.main, key)
+
+
+def _changed(case: AttentionCase, change: dict[str, Any]) -> AttentionCase:
+    """``case`` with ``change`` applied; its keys are field terms: ``num_tokens``, ``num_heads``,
+    ``extra`` (``None``: drop the extra cache), the :class:`Conventions` fields, the main cache's
+    :class:`CacheCase` fields (``topk``, ``page_block_size``, ...) and the extra cache's prefixed
+    ``extra_`` (``extra_topk``, ``extra_page_block_size``, ...; dropped with the extra cache)."""
+    groups: dict[str, dict[str, Any]] = {"case": {}, "main": {}, "extra": {}, "conventions": {}}
+    cache_fields = {f.name for f in fields(CacheCase)}
+    for key, value in change.items():
+        if key in ("num_tokens", "num_heads", "extra"):
+            groups["case"][key] = value
+        elif key in {f.name for f in fields(Conventions)}:
+            groups["conventions"][key] = value
+        elif key in cache_fields:
+            groups["main"][key] = value
+        elif key.startswith("extra_") and key.removeprefix("extra_") in cache_fields:
+            groups["extra"][key.removeprefix("extra_")] = value
+        else:
+            raise ValueError(f"{case.name}: cannot change {key}={value!r}: not a case field")
+    case = replace(case, **groups["case"])
+    extra = case.extra if case.extra is None else replace(case.extra, **groups["extra"])
+    return replace(case, main=replace(case.main, **groups["main"]), extra=extra,
+                   conventions=replace(case.conventions, **groups["conventions"]))  # fmt: skip
 
 
 def _length_classes(value: int | None, width: int, prefix: str) -> list[str]:
@@ -689,28 +764,29 @@ def case_classes(case: AttentionCase) -> tuple[str, ...]:
     the decode/prefill cutoff), ``decode`` / ``prefill``, ``per-layer-views``, ``mixed-magnitudes``,
     ``padded-width``."""
     out: list[str] = [route_of(case.num_tokens)]
+    main, extra, values, fmt = case.main, case.extra, case.values, case.conventions.fmt
     if case.num_tokens in (64, 65):
         out.append("T-64-65")
-    if case.query == "peaked":
+    if values.query == "peaked":
         out.append("peaked-main")
-        if case.dual:
+        if extra is not None:
             out.append("peaked-extra")
-        if case.peak >= 30:
+        if values.peak >= 30:
             out.append("dominant-key")
-    elif case.query == "flat":
+    elif values.query == "flat":
         out.append("near-uniform")
-    if case.with_sink:
-        out.append({"randn": "sink", "large": "large-sink", "mixed-inf": "minus-inf-sink"}[case.sink_kind])
-    if case.fmt == "dsv3_2":
+    if case.conventions.with_sink:
+        out.append({"randn": "sink", "large": "large-sink", "mixed-inf": "minus-inf-sink"}[values.sink_kind])
+    if fmt == "dsv3_2":
         out.append("dsv3_2")
-    if case.dual:
-        out.append(f"extra-page-{case.extra_page_block_size}")
-        out += _length_classes(case.extra_topk_length, case.topk_extra, "extra-")
-    out += _length_classes(case.topk_length, case.topk, "")
-    if case.layer or case.extra_layer:
+    if extra is not None:
+        out.append(f"extra-page-{extra.page_block_size}")
+        out += _length_classes(extra.topk_length, extra.topk, "extra-")
+    out += _length_classes(main.topk_length, main.topk, "")
+    if main.layer or (extra is not None and extra.layer):
         out.append("per-layer-views")
-    if case.extra_value_scale != 1.0:
+    if extra is not None and extra.value_scale != main.value_scale:
         out.append("mixed-magnitudes")
-    if (case.index_width or 0) > case.topk or (case.extra_index_width or 0) > case.topk_extra:
+    if (main.index_width or 0) > main.topk or (extra is not None and (extra.index_width or 0) > extra.topk):
         out.append("padded-width")
     return tuple(out)

@@ -61,7 +61,7 @@ def deployment_config(deployment: Deployment, phase: str) -> grid.SparseMlaConfi
         num_heads=deployment.num_heads,
         topk=deployment.topk,
         page_block_size=deployment.page_block_size,
-        topk_extra=deployment.topk_extra,
+        topk_extra=deployment.extra_topk,  # FlashInfer's config spells it topk_extra
         extra_page_block_size=deployment.extra_page_block_size,
     )
 
@@ -123,7 +123,7 @@ def render_text(rows: Sequence[Row], releases: Sequence[str], *, gaps_only: bool
         if gaps_only and not failed:
             continue
         d = row.deployment
-        extra = f"{d.topk_extra}@{d.extra_page_block_size}" if d.topk_extra else "-"
+        extra = f"{d.extra_topk}@{d.extra_page_block_size}" if d.extra_topk else "-"
         table.append(
             [f"{d.model} {d.layer}", str(d.tp), str(d.num_heads), str(d.topk), extra,
              f"{row.phase} T={row.config.num_tokens}", *cells]
