@@ -257,8 +257,7 @@ def test_sink_minus_inf_equals_no_sink(
     case = _case("sink-inf", fmt, 16, 16, CacheCase(128), extra=_dual(fmt), with_sink=False)
     inputs = sparse_mla_inputs(case)
     if not sparse_mla_envelope.takes_sink(inputs.case.conventions.fmt):
-        _na(f"attn_sink for {inputs.case.conventions.fmt!r} (attn_sink={sparse_mla_envelope.attn_sink}, "
-            f"sink_formats={sparse_mla_envelope.sink_formats})")  # fmt: skip
+        _na(sparse_mla_envelope.sink_reason(inputs.case.conventions.fmt))
     base = inputs.run(sparse_mla_impl.sparse_mla_forward)
     sink = torch.full((inputs.q.shape[1],), -math.inf, dtype=torch.float32, device=sparse_mla_device)
     res = inputs.run(sparse_mla_impl.sparse_mla_forward, attn_sink=sink)
