@@ -339,10 +339,15 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """A search test (one that uses the ``sparse_mla_search`` fixture) runs once per shard
-    (``--sparse-mla-search-shards``), ids ``shard0`` ...: xdist spreads the shards, each with its seed."""
+    (``--sparse-mla-search-shards``), ids ``shard0`` ...: xdist spreads the shards, each with its seed.
+    With ``--sparse-mla-search-shard-group I/N``, the session's share of a CI matrix's global shards
+    (``shards.session_shards``)."""
     if "sparse_mla_search" in metafunc.fixturenames and options.is_active(metafunc.config):
-        shards = options.get_options(metafunc.config).search_shards
-        metafunc.parametrize("sparse_mla_search_shard", range(shards), ids=[f"shard{k}" for k in range(shards)],
+        from pytest_sparse_mla import shards
+
+        opts = options.get_options(metafunc.config)
+        indices = shards.session_shards(opts.search_shards, opts.search_shard_group)
+        metafunc.parametrize("sparse_mla_search_shard", list(indices), ids=[shards.shard_id(k) for k in indices],
                              indirect=True)  # fmt: skip
 
 
