@@ -158,8 +158,9 @@ def _is_count(value: Any) -> bool:
 
 
 def _merge_list(values: Iterable[list[Any]]) -> list[Any]:
-    """Concatenated; a dict with a ``"key"`` that an earlier dict has is folded into it (its
-    ``"count"`` added, when either has one)."""
+    """Concatenated; a dict with a ``"key"`` string that an earlier dict has is folded into it (the
+    earlier one's other fields kept; when either has a ``"count"``, the counts added, a dict without
+    one counting 1)."""
     out: list[Any] = []
     keyed: dict[Any, dict[str, Any]] = {}
     for value in values:
@@ -187,7 +188,8 @@ def merge_summaries(summaries: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
         1), ``calls`` and ``failed`` summed, ``dims`` merged per dimension (:func:`merge_slot`),
         ``seed`` and every key the merge does not know by its shape: a list is concatenated (its
         dicts with a ``"key"`` string deduplicated by that key, their ``"count"`` summed: a
-        discrepancy found by several shards is listed once); a dict of integers is summed per key
+        discrepancy found by several shards is listed once, its first ``region`` kept; a dict without
+        a ``"count"`` counts 1 where the other has one); a dict of integers is summed per key
         (counts); anything else is kept when every summary that has it agrees, else ``None`` (a
         count meant to be summed belongs in a dict of counts).
     """
