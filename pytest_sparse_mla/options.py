@@ -300,7 +300,8 @@ def add_options(parser: pytest.Parser) -> None:
         "--sparse-mla-search-shards",
         default=None,
         metavar="K",
-        help="Split each search test into K shards with distinct seeds (spread over xdist workers; default 1)",
+        help="Split each search test into K shards with distinct seeds (spread over xdist workers; default 1); "
+        "with --sparse-mla-search-shard-group, K shards on each machine of a CI matrix",
     )
     group.addoption(
         "--sparse-mla-search-shard-group",

@@ -236,11 +236,11 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 def pytest_report_header(config: pytest.Config) -> list[str] | None:
-    """What ran where: versions, device, compute capability, seed, implementation, grid, id files,
-    goldens, and why the plugin is active."""
+    """What ran where: versions, device, compute capability, seed, implementation, grid, the
+    machine's search shard group, id files, goldens, and why the plugin is active."""
     if not options.is_active(config):
         return None
-    from pytest_sparse_mla import selection
+    from pytest_sparse_mla import selection, shards
     from pytest_sparse_mla.snapshot import session as snapshot_session
 
     opts = options.get_options(config)
@@ -253,6 +253,7 @@ def pytest_report_header(config: pytest.Config) -> list[str] | None:
         f"(active: {opts.activated_by})"
     )
     lines += [f"sparse-mla: probe error: {err}" for err in caps.errors]
+    lines += shards.header_lines(opts.search_shards, opts.search_shard_group, opts.search_seed)
     lines += selection.header_lines(config)
     lines += snapshot_session.header_lines(config)
     return lines

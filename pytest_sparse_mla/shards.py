@@ -36,6 +36,7 @@ __all__ = [
     "INI",
     "OPTION",
     "ShardGroup",
+    "header_lines",
     "hypothesis_seed",
     "merge_slot",
     "merge_summaries",
@@ -107,6 +108,17 @@ def session_shards(per_machine: int, group: ShardGroup | None) -> range:
     if per_machine < 1:
         raise SparseMlaUsageError(f"--sparse-mla-search-shards={per_machine!r}: expected an integer >= 1")
     return range(per_machine) if group is None else group.shards(per_machine)
+
+
+def header_lines(per_machine: int, group: ShardGroup | None, seed: int | None) -> list[str]:
+    """The report header's line of a machine of a search matrix (none without a group): its group,
+    its global shards, the matrix's shards and the seed they draw from."""
+    if group is None:
+        return []
+    mine = group.shards(per_machine)
+    draws = "derandomized" if seed is None else f"seeds {seed + mine[0]}..{seed + mine[-1]}"
+    every = group.count * per_machine - 1
+    return [f"sparse-mla: search shard group {group}: global shards {mine[0]}..{mine[-1]} of 0..{every} ({draws})"]
 
 
 def shard_id(shard: int) -> str:

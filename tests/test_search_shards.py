@@ -176,6 +176,13 @@ def test_a_groups_shards() -> None:
     assert list(shards.session_shards(3, None)) == [0, 1, 2]
     assert list(shards.session_shards(3, shards.ShardGroup(2, 4))) == [6, 7, 8]
     assert list(shards.session_shards(1, shards.ShardGroup(3, 4))) == [3]
+    assert shards.header_lines(4, shards.ShardGroup(1, 3), 100) == [
+        "sparse-mla: search shard group 1/3: global shards 4..7 of 0..11 (seeds 104..107)"
+    ]
+    assert shards.header_lines(2, shards.ShardGroup(0, 2), None) == [
+        "sparse-mla: search shard group 0/2: global shards 0..1 of 0..3 (derandomized)"
+    ]
+    assert shards.header_lines(4, None, 100) == []
 
 
 @pytest.mark.parametrize(
