@@ -383,7 +383,8 @@ def sparse_mla_tolerances(request: pytest.FixtureRequest, sparse_mla_envelope: E
 
 @pytest.fixture
 def sparse_mla_search_shard(request: pytest.FixtureRequest) -> int:
-    """This search test's shard index (``--sparse-mla-search-shards``; 0 when not sharded)."""
+    """This search test's global shard index (``--sparse-mla-search-shards``; 0 when not sharded;
+    with ``--sparse-mla-search-shard-group I/N``, from ``I*K`` on: ``pytest_sparse_mla.shards``)."""
     return int(getattr(request, "param", 0))
 
 
@@ -397,7 +398,8 @@ def sparse_mla_search(
     that calls ``sparse_mla_search.note(call, inputs)``, then ``sparse_mla_search.run(inner)``.
     Budget from ``--sparse-mla-search-examples`` (default 8 calls; 0 skips the test),
     ``--sparse-mla-search-seed`` (default: derandomized, no example database) and the shard
-    (``--sparse-mla-search-shards``: shard ``k`` draws from ``seed + k``). What the run drew goes to
+    (``--sparse-mla-search-shards``, ``--sparse-mla-search-shard-group``: global shard ``k`` draws
+    from ``seed + k``; derandomized, each shard draws its own calls). What the run drew goes to
     the test's ``user_properties`` (terminal summary "sparse-mla search", ``--sparse-mla-report-json``
     ``"search"``). A test expected to fail (an ``xfail`` mark whose condition holds, e.g. from
     ``--sparse-mla-xfail-file``; not under ``--runxfail``) is not shrunk (``SearchRun``'s ``shrink``).

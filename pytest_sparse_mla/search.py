@@ -756,8 +756,12 @@ class SearchRun:
         import hypothesis
 
         test = self.settings()(test)
-        if self.seed is not None:
-            test = hypothesis.seed(self.seed + self.shard)(test)
+        # The shard's seed (seed + shard; derandomized: a distinct one per shard): shards.hypothesis_seed.
+        from pytest_sparse_mla.shards import hypothesis_seed
+
+        shard_seed = hypothesis_seed(self.seed, self.shard, test)
+        if shard_seed is not None:
+            test = hypothesis.seed(shard_seed)(test)
         try:
             test()
         except BaseException:
