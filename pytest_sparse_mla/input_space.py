@@ -245,6 +245,14 @@ DIMENSIONS: tuple[Dimension, ...] = (
         "contiguous, or a view with padded head and token strides",
     ),
     Dimension(
+        "scale_bytes",
+        "UE8M0 bytes 0..254, E4M3 scales 2**-9..448, positive finite fp32 scales (`formats.check_scales`)",
+        "OCP MX spec (E8M0); `formats.check_scales`",
+        "what the packer writes",
+        "what the packer writes, or every stored record's scales at the format's smallest or largest encodable "
+        "scale (`search.SCALE_ENDS`; with the largest, E4M3 codes of at most `3 * 2**-9` and at most 256 lanes)",
+    ),
+    Dimension(
         "pool_bytes",
         "page offsets past `2**31` bytes (pools larger than 2 GiB)",
         "an 80-141 GB GPU serving long contexts",

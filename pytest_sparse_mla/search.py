@@ -29,18 +29,21 @@ Imports torch and hypothesis (a ``test`` extra): only the search suite imports i
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import struct
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from hypothesis import strategies as st
 
-from pytest_sparse_mla import coverage, formats, input_space
+from pytest_sparse_mla import formats, input_space
 from pytest_sparse_mla.envelope import Envelope
 
 __all__ = [
-    "DrawnCache", "DrawnCall", "SearchInputs", "SearchRun", "build", "calls", "diagnose", "record", "unshrunk_phases",
+    "DrawnCache", "DrawnCall", "LARGEST_SCALE_LANES", "SCALE_ENDS", "SearchInputs", "build", "calls", "diagnose",
+    "next_step", "record", "rewritten_in_place", "unshrunk_phases",
 ]  # fmt: skip
 
 INT32_MIN = -(2**31)
@@ -48,6 +51,20 @@ INT32_MIN = -(2**31)
 #: that poison never-read cache bytes (E4M3 NaN ``0x7f`` / ``0xff``; as a UE8M0 scale ``0xff`` is NaN).
 POISON_BYTES: tuple[int, ...] = (0x7F, 0xFF)
 _STALE = 1 << 30
+#: The smallest and largest scale each scale encoding holds, as the bytes the builder writes
+#: (``DrawnCache.scale_end``): UE8M0 byte 0 (``2**-127``, a subnormal in fp32) and 254
+#: (``2**127``; 255 is NaN, OCP MX spec); fp32 ``2**-126`` (the smallest normal) and ``2**127``;
+#: E4M3 byte ``0x01`` (``2**-9``, its smallest subnormal) and ``0x7E`` (448, its largest finite).
+#: The most lanes (main + extra) a row may have when a cache holds the largest scales: with
+#: values up to ``1.5 * 2**119`` the unnormalised fp32 sum of 256 lanes stays below ``2**128``.
+LARGEST_SCALE_LANES = 256
+#: What the search draws for ``DrawnCache.scale_end`` (mostly the packer's own scales).
+_SCALE_DRAWS = ("none", "none", "none", "none", "smallest", "largest")
+SCALE_ENDS: dict[str, dict[str, bytes]] = {
+    "ue8m0": {"smallest": bytes([0]), "largest": bytes([254])},
+    "fp32": {"smallest": struct.pack("<f", 2.0**-126), "largest": struct.pack("<f", 2.0**127)},
+    "e4m3": {"smallest": bytes([0x01]), "largest": bytes([0x7E])},
+}
 
 
 @dataclass(frozen=True)
@@ -69,6 +86,10 @@ class DrawnCache:
         form, stride: tensor form; ``"tight"``, ``"padded"`` or extra bytes (an int) over padded.
         layer, num_layers: the cache is layer ``layer`` of a pool of ``num_layers`` (the others poison).
         canary: canary bytes before the cache in its allocation (the same count follows it).
+        scale_end: ``"none"`` (the scales the packer writes), or every scale of every stored record
+            rewritten to the format's ``"smallest"`` or ``"largest"`` encodable scale
+            (:data:`SCALE_ENDS`; with the largest, the codes are redrawn small enough that every
+            value stays below ``formats.NOPE_OVERFLOW``).
     """
 
     width: int
@@ -88,6 +109,7 @@ class DrawnCache:
     layer: int
     num_layers: int
     canary: int
+    scale_end: str = "none"
 
 
 @dataclass(frozen=True)
@@ -145,6 +167,7 @@ def _cache_words(name: str, c: DrawnCache) -> str:
         f"masked={c.masked_fraction:g}{'/scattered' if c.scattered else ''} ({c.mask_value}) {c.pattern} "
         f"stale={c.stale} 2**{c.value_exponent} rope 2**{c.rope_exponent}{' wide' if c.wide else ''} "
         f"{c.form}/{c.stride} layer {c.layer}/{c.num_layers} canary {c.canary}"
+        + ("" if c.scale_end == "none" else f" scales={c.scale_end}")
     )
 
 
@@ -206,6 +229,7 @@ def _cache(
         layer=draw(st.integers(0, num_layers - 1)),
         num_layers=num_layers,
         canary=draw(st.sampled_from([0, 256, 4096])),
+        scale_end=draw(st.sampled_from(_SCALE_DRAWS if width <= LARGEST_SCALE_LANES // 2 else _SCALE_DRAWS[:-1])),
     )
 
 
@@ -341,6 +365,31 @@ def _source(c: DrawnCache, f: formats.PackedFormat, g: torch.Generator, bias: to
     return x.to(torch.bfloat16)
 
 
+def _rewrite_scales(packed: torch.Tensor, f: formats.PackedFormat, c: DrawnCache, g: torch.Generator) -> None:
+    """Set every scale of every record of ``packed`` (the ``[P, stride]`` 2-D form, in place) to the
+    format's ``c.scale_end`` scale (:data:`SCALE_ENDS`). With ``"largest"`` and E4M3 codes, the codes
+    are redrawn among E4M3's three smallest subnormals (``1..3 * 2**-9``, either sign): a value is
+    then at most ``1.5 * 2**119``, so a row of at most :data:`LARGEST_SCALE_LANES` lanes sums to a
+    finite fp32 number before the softmax's normalisation, as every split-K kernel accumulates it."""
+    P, ps = c.num_pages, c.page_block_size
+    value = torch.tensor(list(SCALE_ENDS[f.scale_kind][c.scale_end]), dtype=torch.uint8)
+    width = value.numel()
+    pages = packed.as_strided((P, ps * f.bytes_per_token), (packed.stride(0), 1), packed.storage_offset())
+    if f.layout == "footer":
+        start = ps * f.data_bytes_per_token
+        records = pages[:, start : start + ps * f.scale_bytes_per_token].reshape(P, ps, f.scale_bytes_per_token)
+        scales = records[..., : f.num_scales * width]
+        codes = pages[:, :start].reshape(P, ps, f.data_bytes_per_token)[..., : f.code_bytes_per_token]
+    else:
+        rows = pages.reshape(P, ps, f.bytes_per_token)
+        scales = rows[..., f.code_bytes_per_token : f.code_bytes_per_token + f.num_scales * width]
+        codes = rows[..., : f.code_bytes_per_token]
+    scales.copy_(value.repeat(f.num_scales).expand_as(scales))
+    if c.scale_end == "largest" and f.code == "e4m3" and f.scale_kind != "e4m3":
+        drawn = torch.randint(0, 6, tuple(codes.shape), generator=g, dtype=torch.int32)
+        codes.copy_(((drawn % 2) * 0x80 | (drawn // 2 + 1)).to(torch.uint8))
+
+
 def _indices(
     c: DrawnCache, T: int, slots: int, g: torch.Generator, empty: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
@@ -444,6 +493,8 @@ def build(call: DrawnCall, device: torch.device | str = "cpu") -> SearchInputs:
             else formats.page_stride_bytes(f, c.page_block_size, "padded") + c.stride
         )  # fmt: skip
         packed = formats.quantize_pack(source, f, page_stride=stride_spec, form="2d")
+        if c.scale_end != "none":
+            _rewrite_scales(packed, f, c, g)
         table = (
             formats.unpack_dequantize(
                 formats.as_form(packed, f, c.page_block_size, "nhd"), f, page_block_size=c.page_block_size
@@ -501,6 +552,39 @@ def build(call: DrawnCall, device: torch.device | str = "cpu") -> SearchInputs:
     return SearchInputs(call, q_dev, main_cache, indices, kwargs, valid, storages, before, scores)
 
 
+def next_step(call: DrawnCall, step: int) -> DrawnCall:
+    """The call a serving engine makes ``step`` steps after ``call`` on the same buffers: the same
+    shapes, scalars and layout, new contents (queries, cache bytes, indices, lengths, sink), drawn
+    from another seed."""
+    return dataclasses.replace(call, seed=(call.seed + 7919 * step) % (2**31))
+
+
+def rewritten_in_place(target: SearchInputs, source: SearchInputs) -> SearchInputs:
+    """``target``'s buffers holding ``source``'s contents: every allocation of ``source`` (queries,
+    caches with their canaries and other layers, indices, lengths, sink) copied byte for byte into
+    ``target``'s, in place, as a serving engine rewrites its persistent buffers between two calls
+    (the next decode step, a CUDA-graph replay). Both must come from calls of the same shapes
+    (:func:`next_step`).
+
+    Returns:
+        The inputs of the next call: ``target``'s tensors, ``source``'s call, valid lanes, scores
+        and pre-call bytes.
+
+    Raises:
+        ValueError: an allocation of another size (the calls' shapes differ).
+    """
+    for name, storage in target.storages.items():
+        other = source.storages[name]
+        if other.numel() != storage.numel():
+            raise ValueError(f"{name}: {other.numel()} bytes cannot be written into {storage.numel()}")
+        storage.copy_(other)
+    kwargs = {k: (target.kwargs[k] if isinstance(v, torch.Tensor) else v) for k, v in source.kwargs.items()}
+    return dataclasses.replace(
+        source, q=target.q, kv_cache=target.kv_cache, indices=target.indices, kwargs=kwargs,
+        storages=target.storages, before={n: b.clone() for n, b in source.before.items()},
+    )  # fmt: skip
+
+
 def _queries(
     call: DrawnCall, keys: torch.Tensor, valid: torch.Tensor, g: torch.Generator, d: int,
     direction: torch.Tensor | None,
@@ -554,7 +638,7 @@ def _sink(call: DrawnCall, scores: torch.Tensor) -> torch.Tensor:
     without sink (natural log; 0 where every row of the head is empty)."""
     lse = torch.logsumexp(scores, dim=-1)  # [T, H]
     lse = torch.where(torch.isfinite(lse), lse, torch.nan)
-    median = lse.nanmedian(dim=0).values.nan_to_num(nan=0.0)
+    median = lse.nanmedian(dim=0).values.nan_to_num(nan=0.0) if lse.shape[0] else torch.zeros(call.num_heads)
     sink = call.sink or (0.0,)
     offsets = torch.tensor([sink[h % len(sink)] for h in range(call.num_heads)], dtype=torch.float64)
     return (median + offsets).to(torch.float32)
@@ -592,6 +676,7 @@ def record(call: DrawnCall, inputs: SearchInputs | None = None) -> dict[str, Any
         "page_stride": str(m.stride),
         "storage_offset": f"layer{m.layer}/{m.num_layers}",
         "query_layout": "strided" if call.strided_query else "contiguous",
+        "scale_bytes": m.scale_end if e is None else f"{m.scale_end}/{e.scale_end}",
         "pool_bytes": "small",
     }
     if inputs is not None:
@@ -712,61 +797,3 @@ def unshrunk_phases() -> list[Any]:
     from hypothesis import Phase
 
     return [p for p in Phase if p not in (Phase.shrink, Phase.explain)]
-
-
-class SearchRun:
-    """The Hypothesis run of one search test (the ``sparse_mla_search`` fixture).
-
-    Args:
-        examples: calls to draw (``max_examples``).
-        seed: ``None``: derandomized, no example database; else the seed of this shard's run
-            (``seed + shard``), with Hypothesis's default example database.
-        shard: this test's shard index.
-        keep: called as ``keep(coverage.SEARCH, summary)`` when the run ends (the test's
-            ``user_properties``), pass or fail.
-        shrink: ``False`` for a test expected to fail (an xfail mark, e.g. from an xfail file): the
-            first failing call is reported as drawn, without Hypothesis's shrink and explain
-            phases, which rerun the kernel tens of times for a verdict already known (a strict
-            XPASS still shows a fix). A failure the run did not expect is always shrunk.
-    """
-
-    def __init__(self, examples: int, seed: int | None, shard: int, keep: Any, shrink: bool = True) -> None:
-        self.examples, self.seed, self.shard, self.keep, self.shrink = examples, seed, shard, keep, shrink
-        self.drawn: list[dict[str, Any]] = []
-        self.failed = False
-
-    def note(self, call: DrawnCall, inputs: SearchInputs | None = None) -> None:
-        """Record one drawn call (every call built, shrinking included)."""
-        self.drawn.append(record(call, inputs))
-
-    def settings(self) -> Any:
-        """The Hypothesis ``settings`` of this run."""
-        from hypothesis import HealthCheck, settings
-
-        extra: dict[str, Any] = {"database": None} if self.seed is None else {}
-        if not self.shrink:
-            extra["phases"] = unshrunk_phases()
-        return settings(
-            max_examples=self.examples, derandomize=self.seed is None, deadline=None, print_blob=True,
-            suppress_health_check=list(HealthCheck), **extra,
-        )  # fmt: skip
-
-    def run(self, test: Any) -> None:
-        """Run the ``@given`` function ``test`` under :meth:`settings` (and this shard's seed)."""
-        import hypothesis
-
-        test = self.settings()(test)
-        if self.seed is not None:
-            test = hypothesis.seed(self.seed + self.shard)(test)
-        try:
-            test()
-        except BaseException:
-            self.failed = True
-            raise
-        finally:
-            self.keep(coverage.SEARCH, self.summary())
-
-    def summary(self) -> dict[str, Any]:
-        """``{"calls", "failed", "seed", "dims": {name: {"min", "max"} | {"values": {v: n}}}}``."""
-        return {"calls": len(self.drawn), "failed": int(self.failed), "seed": self.seed,
-                "dims": coverage.merge_dims(self.drawn)}  # fmt: skip
