@@ -7,7 +7,9 @@ One code path serves three uses:
   discrepancies the xfail file defines, the declared envelope), from the session's own reports;
 * ``sparse-mla-report RUN.json ... --md OUT.md [--json OUT.json]`` (the console script,
   :func:`main`): one report from several ``--sparse-mla-report-json`` files, one per CI job, GPU type
-  or implementation (each holds its tests' outcomes under ``"tests"``);
+  or implementation (each holds its tests' outcomes under ``"tests"``); the reports of the machines
+  of one search matrix (``--sparse-mla-search-shard-group I/N``) are first merged into one run
+  (:func:`merge_shard_groups`);
 * ``scripts/conformance_report.py`` in a checkout: this project's ``docs/conformance.md`` from the
   JUnit XML and JSON files of an H200 run of every built-in peer (:func:`read_junit`).
 
@@ -36,6 +38,7 @@ __all__ = [
     "markdown",
     "read_junit",
     "read_xfail_file",
+    "merge_shard_groups",
     "row_of",
     "summarize",
 ]
@@ -180,6 +183,9 @@ def summarize(
         "discrepancies": [
             {"key": k, **d, "xfailed_tests": by_key.get(k, 0)} for k, d in sorted(xfail["definitions"].items())
         ],
+        "search": run_report.get("search"),
+        "shard_groups": run_report.get("shard_groups", []),
+        "missing_shard_groups": run_report.get("missing_shard_groups", []),
     }
 
 
@@ -222,6 +228,41 @@ def _peers_line(m: dict[str, Any]) -> list[str]:
         value = m.get(source.key) or source.missing
         words.append(source.line.format("; ".join(value) if isinstance(value, list) else value))
     return ["Peers: " + "; ".join(words) + "."]
+
+
+def _search_lines(impls: dict[str, Any]) -> list[str]:
+    """The "Search" section: what each implementation's search drew (``search``: the merged summary,
+    ``shards.merge_summaries``), which machine ran which shards (``shard_groups``), the machines whose
+    report is missing and the discrepancies the search reports; nothing when no search ran."""
+    if not any(s.get("search") or s.get("shard_groups") for s in impls.values()):
+        return []
+    out = ["", "## Search (the property tests' drawn calls)", ""]
+    for name, s in impls.items():
+        search = s.get("search") or {}
+        if not search and not s.get("shard_groups"):
+            continue
+        seed = search.get("seed")
+        out.append(
+            f"* `{name}`: {search.get('tests', 0)} search test shards, {search.get('calls', 0)} calls drawn "
+            f"(shrinking included), {search.get('failed', 0)} failed; "
+            + ("derandomized." if seed is None else f"seed {seed}.")
+        )
+        for g in s.get("shard_groups", []):
+            shards = g.get("global_shards") or []
+            span = f"shards {shards[0]}..{shards[-1]}" if shards else "no shards"
+            drawn = g.get("search") or {}
+            out.append(
+                f"  * machine {g['group']} ({g['report']}): {span}, {g['tests']} tests, exit {_fmt(g.get('exit'))}, "
+                f"{drawn.get('calls', 0)} calls drawn, {drawn.get('failed', 0)} failed."
+            )
+        if s.get("missing_shard_groups"):
+            out.append(f"  * **missing machines** (no report): {', '.join(s['missing_shard_groups'])}.")
+        for d in search.get("discrepancies") or []:
+            if isinstance(d, dict) and "key" in d:
+                count = f" ({d['count']} x)" if "count" in d else ""
+                region = f": {_short(str(d['region']), 200)}" if d.get("region") is not None else ""
+                out.append(f"  * discrepancy `{d['key']}`{count}{region}")
+    return out
 
 
 def markdown(doc: dict[str, Any]) -> str:
@@ -342,6 +383,7 @@ def markdown(doc: dict[str, Any]) -> str:
             out += ["", "xfail lines without a holding script (a relation between calls, or not run here):", ""]
             for name, ids in missing.items():
                 out += [f"* `{name}`: " + ", ".join(f"`{i.split('::', 1)[-1]}`" for i in ids)]
+    out += _search_lines(impls)
     out += ["", "## Failures not listed in an xfail file", ""]
     any_fail = False
     for name, s in impls.items():
@@ -507,9 +549,148 @@ def build(
     }
 
 
+#: A test that ran on several machines of a search matrix (a test that is not a search shard) keeps
+#: the first of these outcomes it had: a failure anywhere is a failure.
+_WORST_FIRST = ("failed", "error", "xpassed", "xfailed", "passed", "skipped")
+
+
+def _matrix_of(name: str, doc: dict[str, Any]) -> tuple[tuple[Any, ...], int, int] | None:
+    """``(matrix key, machine index, machines)`` of a report made with a shard group, else ``None``.
+    Reports of one matrix share the implementation, the number of machines, the shards per machine,
+    the search seed and the budget.
+
+    Raises:
+        ValueError: the report's ``search_shard_group`` is not ``I/N``.
+    """
+    from pytest_sparse_mla.shards import parse_group
+
+    opts = doc.get("options", {})
+    text = opts.get("search_shard_group")
+    if not text:
+        return None
+    group = parse_group(str(text), f"{name}: options.search_shard_group")
+    key = (str(opts.get("impl", "?")), group.count, opts.get("search_shards"), opts.get("search_seed"),
+           opts.get("search_examples"))  # fmt: skip
+    return key, group.index, group.count
+
+
+def _merge_coverage(tables: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One coverage table (``coverage.Coverage.rows``) of several: counts summed per class, the
+    commonest reasons re-counted from each table's ``why_not`` (``"N x reason"``)."""
+    merged: dict[str, dict[str, Any]] = {}
+    reasons: dict[str, Counter] = {}
+    for rows in tables:
+        for r in rows:
+            row = merged.setdefault(r["class"], {"class": r["class"], "ran": 0, "passed": 0, "failed": 0, "not_run": 0})
+            for k in ("ran", "passed", "failed", "not_run"):
+                row[k] += int(r.get(k, 0))
+            for why in r.get("why_not", []):
+                match = re.match(r"^(\d+) x (.*)$", why, re.DOTALL)
+                reasons.setdefault(r["class"], Counter())[match[2] if match else why] += int(match[1]) if match else 1
+    return [
+        {**merged[name], "why_not": [f"{n} x {why}" for why, n in reasons.get(name, Counter()).most_common(3)]}
+        for name in sorted(merged)
+    ]
+
+
+def _merge_matrix(members: list[tuple[str, dict[str, Any], int]], machines: int) -> dict[str, Any]:
+    """One run report of the reports of one search matrix (:func:`merge_shard_groups`)."""
+    from pytest_sparse_mla.shards import merge_summaries
+
+    members = sorted(members, key=lambda m: m[2])
+    first = members[0][1]
+    rows: dict[str, dict[str, Any]] = {}
+    for _, doc, _ in members:
+        for row in doc.get("tests", []):
+            kept = rows.get(row["id"])
+            if kept is None or _WORST_FIRST.index(row["outcome"]) < _WORST_FIRST.index(kept["outcome"]):
+                rows[row["id"]] = dict(row)
+    groups: list[dict[str, Any]] = []
+    for name, doc, index in members:
+        search = doc.get("search") or {}
+        groups.append({
+            "group": f"{index}/{machines}", "report": name,
+            "global_shards": list(doc.get("options", {}).get("search_global_shards") or []),
+            "tests": len(doc.get("tests", [])), "exit": doc.get("exit"), "seconds": doc.get("seconds"),
+            "search": {k: search.get(k, 0) for k in ("tests", "calls", "failed")},
+        })  # fmt: skip
+    searches = [doc["search"] for _, doc, _ in members if doc.get("search")]
+    exits = [doc["exit"] for _, doc, _ in members if doc.get("exit") is not None]
+    seconds = [doc["seconds"] for _, doc, _ in members if doc.get("seconds") is not None]
+    ran = {index for _, _, index in members}
+    return {
+        **first,
+        "options": {
+            **first.get("options", {}),
+            "search_shard_group": ", ".join(g["group"] for g in groups),
+            "search_global_shards": sorted(k for g in groups for k in g["global_shards"]),
+        },
+        "workers": {
+            f"{g['group']} {k}": v
+            for g, (_, doc, _) in zip(groups, members, strict=True)
+            for k, v in (doc.get("workers") or {}).items()
+        },
+        "coverage": _merge_coverage([doc.get("coverage") or [] for _, doc, _ in members]),
+        "device_faults": [f for _, doc, _ in members for f in doc.get("device_faults") or []],
+        "search": merge_summaries(searches) if searches else None,
+        "tests": list(rows.values()),
+        "exit": max(exits) if exits else None,
+        "seconds": max(seconds) if seconds else None,
+        "shard_groups": groups,
+        "missing_shard_groups": [f"{i}/{machines}" for i in range(machines) if i not in ran],
+    }
+
+
+def merge_shard_groups(reports: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The run reports of several machines of one search matrix merged into one run report each.
+
+    Args:
+        reports: ``(name, --sparse-mla-report-json document)`` pairs, in the order given (the
+            name, usually the file, is recorded in ``shard_groups`` and named in errors).
+
+    Returns:
+        The documents in the order given, where the reports of one matrix (the same implementation,
+        number of machines ``N``, ``search_shards``, ``search_seed`` and ``search_examples``, each with
+        its own ``search_shard_group`` ``I/N``) are replaced, at the place of the first, by one:
+        ``tests`` (one row per test id: the search shards' ids are disjoint; a test that ran on several
+        machines keeps its worst outcome, :data:`_WORST_FIRST`), ``search``
+        (``shards.merge_summaries`` of the machines' summaries), ``coverage`` (counts summed per
+        class), ``device_faults`` (concatenated), ``workers`` (keyed ``"I/N gwK"``), ``exit`` (the
+        highest) and ``seconds`` (the slowest machine's), ``options`` (the first machine's, with
+        ``search_shard_group`` listing the groups and ``search_global_shards`` their union), and
+        ``shard_groups`` (per machine: ``group``, ``report``, ``global_shards``, ``tests``, ``exit``,
+        ``seconds`` and its ``search`` counts) and ``missing_shard_groups`` (the machines without a
+        report). The rest is the first machine's. A report without a shard group is kept as it is.
+
+    Raises:
+        ValueError: two reports of one matrix ran the same shard group; a shard group that is not
+            ``I/N``.
+    """
+    order: list[Any] = []
+    matrices: dict[tuple[Any, ...], tuple[int, list[tuple[str, dict[str, Any], int]]]] = {}
+    for name, doc in reports:
+        found = _matrix_of(name, doc)
+        if found is None:
+            order.append(doc)
+            continue
+        key, index, machines = found
+        if key not in matrices:
+            matrices[key] = (machines, [])
+            order.append(key)
+        for other, _, seen in matrices[key][1]:
+            if seen == index:
+                raise ValueError(
+                    f"{name}: shard group {index}/{machines} of {key[0]!r} is also in {other}; expected one report "
+                    "per machine of a search matrix (a job that ran twice?)"
+                )
+        matrices[key][1].append((name, doc, index))
+    return [_merge_matrix(matrices[x][1], matrices[x][0]) if isinstance(x, tuple) else x for x in order]
+
+
 def main(argv: list[str] | None = None) -> int:
     """``sparse-mla-report RUN.json [RUN.json ...] --md OUT.md [--json OUT.json]``: one report of
-    several ``--sparse-mla-report-json`` files (one per CI job, GPU type or implementation)."""
+    several ``--sparse-mla-report-json`` files (one per CI job, GPU type or implementation; the
+    machines of one search matrix merged first: :func:`merge_shard_groups`)."""
     parser = argparse.ArgumentParser(
         prog="sparse-mla-report",
         description="Merge --sparse-mla-report-json files into one Markdown (and JSON) conformance report.",
@@ -519,8 +700,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="also write the merged document as JSON")
     parser.add_argument("--title", default="", help="the report's title")
     args = parser.parse_args(argv)
-    runs: list[dict[str, Any]] = []
-    machine: dict[str, Any] = {}
+    loaded: list[tuple[str, dict[str, Any]]] = []
     for path in args.reports:
         try:
             data = json.loads(path.read_text())
@@ -528,8 +708,12 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"{path}: not a readable --sparse-mla-report-json file ({exc})")
         if "tests" not in data:
             parser.error(f"{path}: no per-test outcomes ('tests'): written by an older pytest-sparse-mla")
-        runs.append(row_of(data))
-        machine = machine or machine_of(data)
+        loaded.append((str(path), data))
+    try:
+        runs = [row_of(doc) for doc in merge_shard_groups(loaded)]
+    except ValueError as exc:
+        parser.error(str(exc))
+    machine = machine_of(loaded[0][1])
     doc = build(
         runs, machine=machine, command="sparse-mla-report " + " ".join(str(p) for p in args.reports),
         title=args.title, generated_by="sparse-mla-report",

@@ -18,6 +18,8 @@ from typing import Any
 
 import pytest
 
+from pytest_sparse_mla.shards import merge_slot, merge_summaries
+
 __all__ = [
     "MARKER", "INTENDED", "RAN", "FITTED", "SEARCH", "Coverage", "mark_intended", "get", "merge_dims",
     "merge_summaries",
@@ -28,7 +30,7 @@ MARKER = "sparse_mla_error_class"
 INTENDED = "sparse_mla_intended"
 RAN = "sparse_mla_ran"
 FITTED = "sparse_mla_fitted"
-#: ``user_properties`` key of a search test's summary (``search.SearchRun.summary``).
+#: ``user_properties`` key of a search test's summary (``search_run.SearchRun.summary``).
 SEARCH = "sparse_mla_search"
 _KEY = pytest.StashKey["Coverage"]()
 
@@ -170,17 +172,6 @@ def get(config: pytest.Config) -> Coverage:
     return cov
 
 
-def _merge_slot(target: dict[str, Any], slot: dict[str, Any]) -> None:
-    """Merge one dimension's summary ``slot`` (``{"min", "max"}`` or ``{"values": {v: n}}``) into
-    ``target``."""
-    if "min" in slot:
-        target["min"] = min(target.get("min", slot["min"]), slot["min"])
-        target["max"] = max(target.get("max", slot["max"]), slot["max"])
-    for value, count in slot.get("values", {}).items():
-        values = target.setdefault("values", {})
-        values[value] = values.get(value, 0) + count
-
-
 def merge_dims(drawn: list[dict[str, Any]]) -> dict[str, Any]:
     """Per dimension of the drawn calls' records: the range of the numbers drawn (``{"min", "max"}``)
     or the count of each category (``{"values": {value: count}}``)."""
@@ -189,15 +180,5 @@ def merge_dims(drawn: list[dict[str, Any]]) -> dict[str, Any]:
         for name, value in row.items():
             number = isinstance(value, (int, float)) and not isinstance(value, bool)
             slot = {"min": value, "max": value} if number else {"values": {str(value): 1}}
-            _merge_slot(out.setdefault(name, {}), slot)
+            merge_slot(out.setdefault(name, {}), slot)
     return out
-
-
-def merge_summaries(summaries: list[dict[str, Any]]) -> dict[str, Any]:
-    """One summary of several ``search.SearchRun.summary`` results (several tests, shards, workers)."""
-    dims: dict[str, Any] = {}
-    for s in summaries:
-        for name, slot in s["dims"].items():
-            _merge_slot(dims.setdefault(name, {}), slot)
-    return {"tests": len(summaries), "calls": sum(s["calls"] for s in summaries),
-            "failed": sum(s["failed"] for s in summaries), "dims": dims}  # fmt: skip

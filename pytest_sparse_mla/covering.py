@@ -3,7 +3,7 @@
 Random draws from a wide space almost never land on the ends of a range: a token count that is a
 large power of two on the prefill route, a ``topk_length`` of ``2**31 - 1``, a scale byte of 0. A
 kernel wrong only there passes any budget of random calls. Before its random draws, every search
-test (``pytest_sparse_mla.search.SearchRun``) therefore judges a short list of calls that together
+test (``pytest_sparse_mla.search_run.SearchRun``) therefore judges a short list of calls that together
 hit each **end** of each dimension of ``pytest_sparse_mla.input_space`` that the implementation's
 envelope admits:
 

@@ -41,7 +41,7 @@ class CapabilityMarkerError(SparseMlaUsageError):
 class Discrepancies(AssertionError):
     """A search test found discrepancies between the kernel and the oracle: the message lists each
     distinct one (its key, its region, its shrunk call, the failed check and the likely cause).
-    Raised as one of its two subclasses (``pytest_sparse_mla.search.SearchRun``)."""
+    Raised as one of its two subclasses (``pytest_sparse_mla.search_run.SearchRun``)."""
 
 
 class KnownDiscrepancy(Discrepancies):

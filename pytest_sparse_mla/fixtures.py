@@ -383,7 +383,8 @@ def sparse_mla_tolerances(request: pytest.FixtureRequest, sparse_mla_envelope: E
 
 @pytest.fixture
 def sparse_mla_search_shard(request: pytest.FixtureRequest) -> int:
-    """This search test's shard index (``--sparse-mla-search-shards``; 0 when not sharded)."""
+    """This search test's global shard index (``--sparse-mla-search-shards``; 0 when not sharded;
+    with ``--sparse-mla-search-shard-group I/N``, from ``I*K`` on: ``pytest_sparse_mla.shards``)."""
     return int(getattr(request, "param", 0))
 
 
@@ -399,8 +400,10 @@ def sparse_mla_search(
     this shard (every end of every dimension the envelope admits), then
     ``--sparse-mla-search-examples`` random draws (default 8; 0 skips the test) in rounds, each
     distinct discrepancy shrunk and reported with its region (``pytest_sparse_mla.search_run``).
-    ``--sparse-mla-search-seed`` (default: derandomized, no example database); shard ``k`` of
-    ``--sparse-mla-search-shards`` draws from ``seed + k`` and takes every ``k``-th covering call.
+    ``--sparse-mla-search-seed`` (default: derandomized, no example database); global shard ``k``
+    (``--sparse-mla-search-shards``, ``--sparse-mla-search-shard-group``) draws from ``seed + k``
+    (derandomized: a distinct seed per shard, ``shards.hypothesis_seed``) and takes every ``k``-th
+    covering call of all the matrix's shards.
     The known regions are the ``# [KEY] region: ...`` lines of ``--sparse-mla-xfail-file``
     (``pytest_sparse_mla.regions``). What the run drew goes to the test's ``user_properties``
     (terminal summary "sparse-mla search", ``--sparse-mla-report-json`` ``"search"``). A test
@@ -423,7 +426,8 @@ def sparse_mla_search(
     known = regions.read_regions(sparse_mla_options.xfail_file) if sparse_mla_options.xfail_file else []
     return search_run.SearchRun(
         sparse_mla_options.search_examples, sparse_mla_options.search_seed, sparse_mla_search_shard, keep,
-        shrink=not _expected_to_fail(request), shards=sparse_mla_options.search_shards, known=known,
+        shrink=not _expected_to_fail(request), known=known,
+        shards=sparse_mla_options.search_shards * (g.count if (g := sparse_mla_options.search_shard_group) else 1),
     )  # fmt: skip
 
 

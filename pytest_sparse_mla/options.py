@@ -15,6 +15,11 @@ given, or any ``sparse_mla_*`` ini key is set. ``-p no:sparse_mla`` keeps it fro
 Every option therefore defaults to ``None`` (or ``False``) on the command line, so "given" can be
 told from "default"; the defaults of the typed object are filled in here.
 
+One option also reads an environment variable: ``--sparse-mla-search-shard-group`` (a machine's
+share of the search in a CI matrix, where each machine's job sets ``SPARSE_MLA_SEARCH_SHARD_GROUP``;
+the command line wins, then the variable, then the ini key). The variable is read only in a session
+that uses the plugin: it activates nothing by itself.
+
 Nothing here imports torch.
 """
 
@@ -30,6 +35,7 @@ from typing import Any
 
 import pytest
 
+from pytest_sparse_mla import shards
 from pytest_sparse_mla.catalogue import NAMES
 from pytest_sparse_mla.errors import SparseMlaUsageError
 
@@ -93,6 +99,12 @@ INI_KEYS: dict[str, tuple[str, Any, Any]] = {
         "linelist",
         [],
     ),
+    shards.INI: (
+        "This machine's share of the search in a CI matrix, I/N (see --sparse-mla-search-shard-group; "
+        "the option and SPARSE_MLA_SEARCH_SHARD_GROUP take precedence)",
+        "string",
+        "",
+    ),
 }
 
 
@@ -130,8 +142,13 @@ class SparseMlaOptions:
         search_seed: ``None`` (derandomized: every run draws the same calls; no example database)
             or the seed of shard 0 (shard ``k`` uses ``seed + k``; failures are saved in
             Hypothesis's example database and replayed first on the next run).
-        search_shards: the search tests are parametrised over this many shards (``shard0`` ...),
-            which pytest-xdist spreads over workers and GPUs.
+        search_shards: the search tests are parametrised over this many shards per machine
+            (``shard0`` ...), which pytest-xdist spreads over workers and GPUs.
+        search_shard_group: ``--sparse-mla-search-shard-group I/N`` (else
+            ``SPARSE_MLA_SEARCH_SHARD_GROUP``, else ini ``sparse_mla_search_shard_group``): this
+            session is machine ``I`` of a CI matrix of ``N`` and runs the global shards
+            ``I*K .. I*K+K-1`` (``K``: ``search_shards``; ids ``shard{global}``, seeds
+            ``search_seed + global``; ``pytest_sparse_mla.shards``), or ``None``: shards ``0 .. K-1``.
     """
 
     device: str = "auto"
@@ -155,6 +172,7 @@ class SparseMlaOptions:
     search_examples: int = 8
     search_seed: int | None = None
     search_shards: int = 1
+    search_shard_group: shards.ShardGroup | None = None
 
 
 OPTIONS_KEY = pytest.StashKey[SparseMlaOptions]()
@@ -282,7 +300,18 @@ def add_options(parser: pytest.Parser) -> None:
         "--sparse-mla-search-shards",
         default=None,
         metavar="K",
-        help="Split each search test into K shards with distinct seeds (spread over xdist workers; default 1)",
+        help="Split each search test into K shards with distinct seeds (spread over xdist workers; default 1); "
+        "with --sparse-mla-search-shard-group, K shards on each machine of a CI matrix",
+    )
+    group.addoption(
+        "--sparse-mla-search-shard-group",
+        default=None,
+        metavar="I/N",
+        help="Machine I of a CI matrix of N machines (I counted from 0): run the global search shards "
+        "I*K .. I*K+K-1 (ids shard<global>, seeds S+global with --sparse-mla-search-seed S) of "
+        "K = --sparse-mla-search-shards, so the N machines together run the shards of one machine with "
+        f"--sparse-mla-search-shards N*K; also {shards.ENV}=I/N or ini {shards.INI} "
+        "(default: the whole search, shards 0 .. K-1)",
     )
     from pytest_sparse_mla import tolerances
 
@@ -327,6 +356,7 @@ _DESTS = (
     "sparse_mla_search_examples",
     "sparse_mla_search_seed",
     "sparse_mla_search_shards",
+    "sparse_mla_search_shard_group",
 )
 
 
@@ -570,6 +600,25 @@ def _int_option(config: pytest.Config, name: str, default: int | None, low: int)
     return value
 
 
+def _shard_group(config: pytest.Config) -> shards.ShardGroup | None:
+    """The session's shard group: ``--sparse-mla-search-shard-group``, else a non-empty
+    ``SPARSE_MLA_SEARCH_SHARD_GROUP``, else ini ``sparse_mla_search_shard_group``, else ``None``.
+
+    Raises:
+        pytest.UsageError: the first one set is not ``I/N`` with ``0 <= I < N`` (the message names it).
+    """
+    given = (
+        (shards.OPTION, config.getoption("sparse_mla_search_shard_group", None)),
+        (shards.ENV, os.environ.get(shards.ENV) or None),
+        (f"ini {shards.INI}", config.getini(shards.INI) or None),
+    )
+    for source, value in given:
+        if value is not None:
+            with usage_errors():
+                return shards.parse_group(str(value), source)
+    return None
+
+
 def _tolerances(config: pytest.Config) -> dict[str, dict[str, Any]]:
     from pytest_sparse_mla import tolerances
 
@@ -584,7 +633,8 @@ def from_config(config: pytest.Config, activated_by: str = "") -> SparseMlaOptio
     Raises:
         pytest.UsageError: a bad device, grid release or seed, a missing xfail/skip file, a
             report path in a missing directory, a golden directory that does not exist (unless
-            ``--snapshot-update`` will create it), or a malformed ``sparse_mla_tolerances`` line.
+            ``--snapshot-update`` will create it), a malformed ``sparse_mla_tolerances`` line, or a
+            search shard group that is not ``I/N`` with ``0 <= I < N``.
     """
     impl_option = config.getoption("sparse_mla_impl", None) or config.getini("sparse_mla_impl")
     return SparseMlaOptions(
@@ -613,6 +663,7 @@ def from_config(config: pytest.Config, activated_by: str = "") -> SparseMlaOptio
         search_examples=_int_option(config, "sparse-mla-search-examples", 8, 0) or 0,
         search_seed=_int_option(config, "sparse-mla-search-seed", None, 0),
         search_shards=_int_option(config, "sparse-mla-search-shards", 1, 1) or 1,
+        search_shard_group=_shard_group(config),
     )
 
 

@@ -236,11 +236,11 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 def pytest_report_header(config: pytest.Config) -> list[str] | None:
-    """What ran where: versions, device, compute capability, seed, implementation, grid, id files,
-    goldens, and why the plugin is active."""
+    """What ran where: versions, device, compute capability, seed, implementation, grid, the
+    machine's search shard group, id files, goldens, and why the plugin is active."""
     if not options.is_active(config):
         return None
-    from pytest_sparse_mla import selection
+    from pytest_sparse_mla import selection, shards
     from pytest_sparse_mla.snapshot import session as snapshot_session
 
     opts = options.get_options(config)
@@ -253,6 +253,7 @@ def pytest_report_header(config: pytest.Config) -> list[str] | None:
         f"(active: {opts.activated_by})"
     )
     lines += [f"sparse-mla: probe error: {err}" for err in caps.errors]
+    lines += shards.header_lines(opts.search_shards, opts.search_shard_group, opts.search_seed)
     lines += selection.header_lines(config)
     lines += snapshot_session.header_lines(config)
     return lines
@@ -339,10 +340,15 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """A search test (one that uses the ``sparse_mla_search`` fixture) runs once per shard
-    (``--sparse-mla-search-shards``), ids ``shard0`` ...: xdist spreads the shards, each with its seed."""
+    (``--sparse-mla-search-shards``), ids ``shard0`` ...: xdist spreads the shards, each with its seed.
+    With ``--sparse-mla-search-shard-group I/N``, the session's share of a CI matrix's global shards
+    (``shards.session_shards``)."""
     if "sparse_mla_search" in metafunc.fixturenames and options.is_active(metafunc.config):
-        shards = options.get_options(metafunc.config).search_shards
-        metafunc.parametrize("sparse_mla_search_shard", range(shards), ids=[f"shard{k}" for k in range(shards)],
+        from pytest_sparse_mla import shards
+
+        opts = options.get_options(metafunc.config)
+        indices = shards.session_shards(opts.search_shards, opts.search_shard_group)
+        metafunc.parametrize("sparse_mla_search_shard", list(indices), ids=[shards.shard_id(k) for k in indices],
                              indirect=True)  # fmt: skip
 
 

@@ -2,7 +2,7 @@
 
 A search that stops at a kernel's first bug re-finds that bug in every shard: a bug drawn in one
 call out of three is met in each shard's first calls, and the rest of the budget goes to shrinking
-it again. The search (``pytest_sparse_mla.search.SearchRun``) therefore runs in rounds: once a
+it again. The search (``pytest_sparse_mla.search_run.SearchRun``) therefore runs in rounds: once a
 failure is shrunk, it finds the **region** the failure needs and spends the rest of the budget
 outside it.
 

@@ -1,7 +1,9 @@
 """The run's reports: ``--sparse-mla-report-json PATH`` and ``--sparse-mla-report-md PATH`` (the
 logic behind the hooks in :mod:`pytest_sparse_mla.plugin`; controller side, or a run without xdist).
 
-The JSON document holds versions (``capabilities``), the options, the device of every xdist worker
+The JSON document holds versions (``capabilities``), the options (the search's budget among them:
+``search_examples``, ``search_seed``, ``search_shards``, the machine's ``search_shard_group`` ``"I/N"``
+or ``null`` and the ``search_global_shards`` it ran), the device of every xdist worker
 (``workers``, from ``xdist_gpu``), the declared ``envelope``, the error-class ``coverage``, the
 ``device_faults``, what the ``search`` drew, the session's ``exit`` status and wall ``seconds``,
 and every test's outcome under ``tests`` (one row per test: ``file``, ``id`` (checkout-style for the
@@ -22,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from pytest_sparse_mla import options
+from pytest_sparse_mla import options, shards
 
 __all__ = ["add", "document", "report_ids_wanted", "start", "wanted", "write"]
 
@@ -84,6 +86,10 @@ def document(config: pytest.Config, session: pytest.Session, workers: dict[str, 
         "options": {
             "device": opts.device, "seed": opts.seed, "impl": opts.impl, "grid": opts.grid,
             "xfail_file": str(opts.xfail_file) if opts.xfail_file else None,
+            "search_examples": opts.search_examples, "search_seed": opts.search_seed,
+            "search_shards": opts.search_shards,
+            "search_shard_group": str(opts.search_shard_group) if opts.search_shard_group else None,
+            "search_global_shards": list(shards.session_shards(opts.search_shards, opts.search_shard_group)),
         },  # fmt: skip
         "workers": workers,
         "envelope": {"declared": implementations.declared_envelope(impl) is not None, **envelope.as_dict()},

@@ -13,8 +13,9 @@ property (a function that judges one ``search.DrawnCall`` and raises on a discre
    is moved to its other classes, one at a time (:func:`moves`; the simplest class first, and a move
    under which the failure stays is kept, so this also simplifies a covering call, which Hypothesis
    did not draw and cannot shrink). A dimension whose move makes the failure go away is one the
-   failure needs: the region holds the classes under which it stayed. Calls drawn inside it later
-   are not made.
+   failure needs: the region leaves out the classes under which it went away (and keeps the
+   classes not tried: a bug is taken to reach as far as it was not shown to stop). Calls drawn
+   inside it later are not made.
 4. **Known regions** (``# [KEY] region: ...`` beside the xfail entries; ``regions.read_regions``):
    calls inside one are not made, except up to ``regions.CONFIRM_CALLS`` per test until one fails,
    which confirms the discrepancy under its key.
@@ -70,9 +71,13 @@ class Discrepancy:
     count: int = 1
 
     def as_dict(self) -> dict[str, Any]:
-        """JSON form (the run's summary)."""
+        """JSON form (the run's summary): ``key`` is the cause, the same in every test and shard that
+        finds it (a known region's key; ``new: <region>`` for one found in this run), ``name`` the
+        run's own name for it."""
         first = next((line for line in self.message.splitlines() if line.strip()), "")
-        return {**self.region.as_dict(), "check": first[:300], "call": self.call.describe(), "count": self.count}
+        cause = self.region.key if self.region.known else f"new: {self.region.text()}"
+        return {**self.region.as_dict(), "key": cause, "name": self.region.key, "check": first[:300],
+                "call": self.call.describe(), "count": self.count}  # fmt: skip
 
     def text(self) -> str:
         """The block of the failure message for this discrepancy."""
@@ -196,6 +201,16 @@ class SearchRun:
             **extra,
         )  # fmt: skip
 
+    def _seeded(self, test: Any) -> Any:
+        """``test`` under this shard's seed (``shards.hypothesis_seed``: ``seed + shard``;
+        derandomized, a distinct one per shard)."""
+        import hypothesis
+
+        from pytest_sparse_mla.shards import hypothesis_seed
+
+        shard_seed = hypothesis_seed(self.seed, self.shard, test)
+        return test if shard_seed is None else hypothesis.seed(shard_seed)(test)
+
     def _verdict_only(self) -> bool:
         """Stop at the first failure: an expected failure with no known region, or a profile
         without shrinking (a self-test that reads the verdict only)."""
@@ -206,11 +221,7 @@ class SearchRun:
     def run(self, test: Any) -> None:
         """Run a ``@given`` function ``test`` under this run's settings and seed, as one round (the
         interface of earlier releases: no covering calls, no regions)."""
-        import hypothesis
-
-        test = self.settings()(test)
-        if self.seed is not None:
-            test = hypothesis.seed(self.seed + self.shard)(test)
+        test = self._seeded(self.settings()(test))
         try:
             test()
         except BaseException:
@@ -310,7 +321,6 @@ class SearchRun:
     ) -> tuple[int, tuple[Any, Exception] | None]:  # fmt: skip
         """One Hypothesis run of at most ``budget`` calls outside every region. Returns the calls
         it made before its first failure, and the shrunk failing call with its failure (or ``None``)."""
-        import hypothesis
         from hypothesis import given, reject
         from hypothesis.errors import Unsatisfiable
 
@@ -332,9 +342,7 @@ class SearchRun:
                 state["last"] = (call, exc)
                 raise exc
 
-        test = self.settings(budget)(body)
-        if self.seed is not None:
-            test = hypothesis.seed(self.seed + self.shard)(test)
+        test = self._seeded(self.settings(budget)(body))
         try:
             test()
         except Unsatisfiable:  # every draw lay inside a region
@@ -356,15 +364,15 @@ class SearchRun:
         current = call
         for dim, alts in moves(call, envelope):
             fits = [a for a in alts if _fits(a, envelope, device)]
-            failing, passed = [], False
+            failing, passing = [], set()
             for alt in fits:
                 self.spent["region-search"] += 1
                 if self._judge(prop, alt) is None:
-                    passed = True
+                    passing.add(regions.features(alt)[dim] if dim is not None else "")
                 else:
                     failing.append(alt)
-            if dim is not None and passed:
-                conditions[dim] = {original[dim]} | {regions.features(a)[dim] for a in failing}
+            if dim is not None and passing:  # needed: the region leaves out the classes that passed
+                conditions[dim] = set(regions.FEATURES[dim]) - (passing - {original[dim]})
             simplest = fits[0] if fits and (dim != "query_layout" or call.strided_query) else None
             merged = _merge(current, simplest, call) if simplest is not None and simplest in failing else current
             if _fits(merged, envelope, device):
@@ -372,10 +380,15 @@ class SearchRun:
         final = self._judge(prop, current)
         if final is None:  # the moves' merge lost the failure: keep the call as found
             current, final = call, self._judge(prop, call) or exc
+        self._phase = "random"
+        for d in self.found:  # the same cause met again: one class both need alone (a narrow first region)
+            if not d.region.known and _same_cause(d.region.conditions, conditions):
+                d.region = regions.Region(d.region.key, _widened(d.region.conditions, conditions))
+                d.count += 1
+                return
         region = regions.Region(f"new-{sum(not d.region.known for d in self.found) + 1}",
                                 {k: frozenset(v) for k, v in conditions.items()})  # fmt: skip
         self.found.append(Discrepancy(region, current, _text(final), recording.recorded_calls()))
-        self._phase = "random"
 
     def _raise(self) -> None:
         if not self.found:
@@ -386,6 +399,17 @@ class SearchRun:
                 f"({len(new)} new, {len(self.found) - len(new)} in known regions) in {len(self.drawn)} calls:")  # fmt: skip
         text = "\n".join([head, *(d.text() for d in self.found)])
         raise (NewDiscrepancy if new else KnownDiscrepancy)(text)
+
+
+def _same_cause(a: Any, b: Any) -> bool:
+    """Two regions of one cause: some dimension is pinned to the same single class in both (the
+    dimension each failure needed alone, e.g. ``query_layout=strided``)."""
+    return any(len(a[k]) == 1 and set(a[k]) == set(b[k]) for k in set(a) & set(b))
+
+
+def _widened(a: Any, b: Any) -> dict[str, frozenset[str]]:
+    """The smallest region holding both: the dimensions both constrain, each with both's classes."""
+    return {k: frozenset(a[k]) | frozenset(b[k]) for k in set(a) & set(b)}
 
 
 def _merge(current: Any, alt: Any, base: Any) -> Any:

@@ -49,6 +49,7 @@ CORE = (
     "implementations.protocol",
     "page_split",
     "recording",
+    "shards",
     "shipped",
     "snapshot.file_format",
     "snapshot.location",

@@ -145,6 +145,8 @@ def test_the_same_project_with_the_plugin_loaded_is_pinned_and_capped(
         ((), "addopts = -p sparse_mla\n", "-p sparse_mla in the ini addopts"),
         ((), "sparse_mla_impl = reference\n", "ini sparse_mla_impl"),
         ((), "sparse_mla_tolerances =\n    tight.row_sigmas = 5\n", "ini sparse_mla_tolerances"),
+        ((), "sparse_mla_search_shard_group = 1/2\n", "ini sparse_mla_search_shard_group"),
+        (("--sparse-mla-search-shard-group", "0/2"), "", "--sparse-mla-search-shard-group"),
     ],
 )
 def test_activation_rule(pytester: pytest.Pytester, args: tuple[str, ...], ini: str, active: str | None) -> None:
