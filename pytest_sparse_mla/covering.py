@@ -39,10 +39,13 @@ from typing import Any
 from pytest_sparse_mla import formats, input_space
 from pytest_sparse_mla.envelope import Envelope
 
-__all__ = ["BIG_TOKENS", "WIDEST", "ends_of", "required_ends", "schedule"]
+__all__ = ["BIG_TOKENS", "PARTIAL_HEAD_TILE", "WIDEST", "ends_of", "required_ends", "schedule"]
 
 #: The largest power-of-two token count on the prefill route the schedule draws, per device.
 BIG_TOKENS: dict[str, int] = {"cpu": 512, "cuda": 4096}
+#: A head count one past a full tile of 16 heads (a partial head tile), drawn beside the ends where
+#: the envelope takes any head count: kernels tile heads by 16 or 64.
+PARTIAL_HEAD_TILE = 17
 #: The widest index row the schedule draws (DeepSeek-V3.2's ``topk`` 2048), capped by the envelope.
 WIDEST = 2048
 #: The most ``T * H * (topk + extra_topk)`` a covering call may have, per device.
@@ -84,7 +87,7 @@ def required_ends(envelope: Envelope, device: str = "cpu") -> dict[str, set[str]
     ends: dict[str, set[str]] = {
         "fmt": set(fmts),
         "num_tokens": {str(t) for t in _tokens(envelope, device)},
-        "num_heads": {str(min(heads)), str(max(heads))} if heads else {"1", "256"},
+        "num_heads": {str(min(heads)), str(max(heads))} if heads else {"1", str(PARTIAL_HEAD_TILE), "256"},
         "topk": {str(w_lo), str(w_hi)},
         "masked_lanes": {"all", "-1"} | ({str(_INT32_MIN)} if envelope.masked_indices == "negative" else set()),
         "index_pattern": {"ends", "few"},

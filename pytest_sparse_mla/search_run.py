@@ -12,10 +12,13 @@ property (a function that judges one ``search.DrawnCall`` and raises on a discre
 3. **The region of each failure** (``pytest_sparse_mla.regions``): each dimension of the failing call
    is moved to its other classes, one at a time (:func:`moves`; the simplest class first, and a move
    under which the failure stays is kept, so this also simplifies a covering call, which Hypothesis
-   did not draw and cannot shrink). A dimension whose move makes the failure go away is one the
-   failure needs: the region leaves out the classes under which it went away (and keeps the
-   classes not tried: a bug is taken to reach as far as it was not shown to stop). Calls drawn
-   inside it later are not made.
+   did not draw and cannot shrink). A dimension whose every move makes the failure go away is one
+   the failure needs alone (``query_layout=strided``, ``sm_scale=0``): the region is those
+   dimensions, each at its class. When no dimension is needed alone (the failure needs one of
+   several things), the region constrains each dimension some move of which made the failure go
+   away, leaving out the classes under which it went away. A failure met again whose region pins
+   a dimension to the same single class as an earlier one is the same cause: the earlier region
+   grows to hold both. Calls drawn inside a region later are not made.
 4. **Known regions** (``# [KEY] region: ...`` beside the xfail entries; ``regions.read_regions``):
    calls inside one are not made, except up to ``regions.CONFIRM_CALLS`` per test until one fails,
    which confirms the discrepancy under its key.
@@ -50,6 +53,8 @@ __all__ = ["Discrepancy", "MAX_DISCREPANCIES", "SearchRun", "moves"]
 
 #: A run stops looking once it holds this many distinct discrepancies.
 MAX_DISCREPANCIES = 8
+#: Seed offset between two rounds of one run (far above any shard index).
+ROUND_STRIDE = 1_000_003
 
 
 @dataclass
@@ -201,14 +206,17 @@ class SearchRun:
             **extra,
         )  # fmt: skip
 
-    def _seeded(self, test: Any) -> Any:
+    def _seeded(self, test: Any, round_: int = 0) -> Any:
         """``test`` under this shard's seed (``shards.hypothesis_seed``: ``seed + shard``;
-        derandomized, a distinct one per shard)."""
+        derandomized, a distinct one per shard); round ``r > 0`` of a run draws from that seed plus
+        ``r * ROUND_STRIDE`` (a fresh stream, not the first round's replayed with its region left out)."""
         import hypothesis
 
         from pytest_sparse_mla.shards import hypothesis_seed
 
         shard_seed = hypothesis_seed(self.seed, self.shard, test)
+        if round_:
+            shard_seed = (shard_seed or 0) + round_ * ROUND_STRIDE
         return test if shard_seed is None else hypothesis.seed(shard_seed)(test)
 
     def _verdict_only(self) -> bool:
@@ -258,12 +266,14 @@ class SearchRun:
         for i, call in enumerate(covering.schedule(envelope, device) if cover else []):
             if i % self.shards != self.shard or len(self.found) >= MAX_DISCREPANCIES:
                 continue
+            call = self._outside(call, envelope, device)
             exc = self._try(prop, call)
             if exc is not None:
                 if verdict_only:
                     raise exc
                 self._discover(prop, call, exc, envelope, device)
         self._phase = "random"
+        self._rounds = 0
         left = budget
         while left > 0 and len(self.found) < MAX_DISCREPANCIES:
             made, failure = self._round(prop, envelope, device, left)
@@ -275,6 +285,21 @@ class SearchRun:
                 raise exc
             self._discover(prop, call, exc, envelope, device)
         self._raise()
+
+    def _outside(self, call: Any, envelope: Envelope, device: str) -> Any:
+        """A covering call moved out of the regions found so far, when one move of a dimension the
+        region constrains does it (its other ends are still judged); else the call itself."""
+        from pytest_sparse_mla.covering import _fits
+
+        region = self._inside(call)
+        if region is None or region.known:
+            return call
+        for dim, alts in moves(call, envelope):
+            if dim in region.conditions:
+                for alt in alts:
+                    if self._inside(alt) is None and _fits(alt, envelope, device):
+                        return alt
+        return call
 
     def _inside(self, call: Any) -> regions.Region | None:
         feats = regions.features(call)
@@ -342,7 +367,8 @@ class SearchRun:
                 state["last"] = (call, exc)
                 raise exc
 
-        test = self._seeded(self.settings(budget)(body))
+        test = self._seeded(self.settings(budget)(body), self._rounds)
+        self._rounds += 1
         try:
             test()
         except Unsatisfiable:  # every draw lay inside a region
@@ -361,7 +387,9 @@ class SearchRun:
         self._phase = "region-search"
         original = regions.features(call)
         conditions: dict[str, set[str]] = {}
+        core: dict[str, set[str]] = {}
         current = call
+        phase = self._phase
         for dim, alts in moves(call, envelope):
             fits = [a for a in alts if _fits(a, envelope, device)]
             failing, passing = [], set()
@@ -373,6 +401,8 @@ class SearchRun:
                     failing.append(alt)
             if dim is not None and passing:  # needed: the region leaves out the classes that passed
                 conditions[dim] = set(regions.FEATURES[dim]) - (passing - {original[dim]})
+                if not failing:  # needed alone: every other class tried made the failure go away
+                    core[dim] = {original[dim]}
             simplest = fits[0] if fits and (dim != "query_layout" or call.strided_query) else None
             merged = _merge(current, simplest, call) if simplest is not None and simplest in failing else current
             if _fits(merged, envelope, device):
@@ -380,7 +410,8 @@ class SearchRun:
         final = self._judge(prop, current)
         if final is None:  # the moves' merge lost the failure: keep the call as found
             current, final = call, self._judge(prop, call) or exc
-        self._phase = "random"
+        self._phase = phase
+        conditions = core or conditions  # the dimensions the failure needs alone, when there are some
         for d in self.found:  # the same cause met again: one class both need alone (a narrow first region)
             if not d.region.known and _same_cause(d.region.conditions, conditions):
                 d.region = regions.Region(d.region.key, _widened(d.region.conditions, conditions))

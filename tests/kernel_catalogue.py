@@ -988,14 +988,15 @@ class cache_reused_by_address(_WrapsReference):
 
 @wrong(
     "two independent bugs: queries read as if contiguous (a strided query view reads its neighbours' "
-    "elements: frequent) and, for an odd head count above 16, the last head not written (heads in pairs: rare)",
+    "elements: frequent, and at the covering calls' ends) and, above 16 heads in a count that is not a "
+    "multiple of 16, the last head of the partial head tile not written (rarer, and at no end)",
     "the search's multi-bug demonstration: one run must report both",
 )
-class two_bugs_strided_q_and_odd_last_head(_WrapsReference):
+class two_bugs_strided_q_and_partial_head_tile(_WrapsReference):
     def sparse_mla_forward(self, q, kv_cache, indices, **kw):
         res = self._reference(_as_if_contiguous(q), kv_cache, indices, **kw)
         H = int(q.shape[1])
-        if H > 16 and H % 2:
+        if H > 16 and H % 16:
             out = res.output.clone()
             out[:, -1] = 0
             return _replace(res, output=out)

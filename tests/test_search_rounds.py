@@ -2,7 +2,7 @@
 ``pytest_sparse_mla.regions``, ``pytest_sparse_mla.covering``).
 
 * One default-budget run against a kernel with two independent bugs (one drawn far more often than
-  the other: ``kernel_catalogue.two_bugs_strided_q_and_odd_last_head``) reports both, each with a
+  the other: ``kernel_catalogue.two_bugs_strided_q_and_partial_head_tile``) reports both, each with a
   region that names its cause.
 * A default run's coverage record holds every end of every dimension the envelope admits.
 * A known region (an xfail file's ``# [KEY] region:`` line) is confirmed once and reported under its
@@ -39,7 +39,7 @@ def _run(args, tmp_path, monkeypatch, capsys):
 
 def test_one_default_run_reports_both_bugs_of_a_kernel_with_two(tmp_path, monkeypatch, capsys) -> None:
     report = tmp_path / "run.json"
-    code, output = _run(["-k", "matches", "--sparse-mla-impl", "kernel_catalogue:two_bugs_strided_q_and_odd_last_head",
+    code, output = _run(["-k", "matches", "--sparse-mla-impl", "kernel_catalogue:two_bugs_strided_q_and_partial_head_tile",
                          f"--sparse-mla-report-json={report}"], tmp_path, monkeypatch, capsys)  # fmt: skip
     assert code == 1, output[-3000:]
     found = json.loads(report.read_text())["search"]["discrepancies"]
@@ -73,7 +73,7 @@ def test_a_known_region_is_reported_under_its_key_and_a_new_bug_fails(tmp_path, 
     args = ["-k", "matches", "--sparse-mla-xfail-file", str(xfail), "-rxXf"]
     code, output = _run([*args, "--sparse-mla-impl", "test_search:StridedQueryBug"], tmp_path, monkeypatch, capsys)
     assert code == 0 and "1 xfailed" in output and "[strided-q] (known" in output, output[-3000:]
-    code, output = _run([*args, "--sparse-mla-impl", "kernel_catalogue:two_bugs_strided_q_and_odd_last_head"],
+    code, output = _run([*args, "--sparse-mla-impl", "kernel_catalogue:two_bugs_strided_q_and_partial_head_tile"],
                         tmp_path, monkeypatch, capsys)  # fmt: skip
     assert code == 1 and "1 failed" in output and "NewDiscrepancy" in output, output[-3000:]
     assert re.search(r"\[strided-q\] \(known", output) and re.search(r"\[new-1\] \(new", output), output[-3000:]
