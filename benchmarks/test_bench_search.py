@@ -53,7 +53,8 @@ def test_search_checked_calls_per_second(benchmark, bench_results, sparse_mla_de
     if name == "flashmla" and sparse_mla_device.type != "cuda":
         pytest.skip("flashmla: CUDA only")
     impl = _impl(name, sparse_mla_device.type, request.config)
-    calls = decode_calls(impl.envelope, sparse_mla_device.type, CALLS if sparse_mla_device.type == "cuda" else CPU_CALLS)
+    count = CALLS if sparse_mla_device.type == "cuda" else CPU_CALLS
+    calls = decode_calls(impl.envelope, sparse_mla_device.type, count)
     try:
         baseline = Judge(baseline_modules(), impl, device)
     except RuntimeError as exc:

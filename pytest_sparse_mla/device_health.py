@@ -463,7 +463,9 @@ def compiling_in(frames: list[Any]) -> str | None:
         return found
     inner = paths[at + 1 :]
     ptxas = any(path.endswith("subprocess.py") for path, _ in inner)
-    what = "Triton's autotuner compiling for a new shape" if tuner else "Triton's compiler compiling a kernel for a new shape"
+    what = "Triton's autotuner compiling for a new shape"
+    if not tuner:
+        what = "Triton's compiler compiling a kernel for a new shape"
     if found != "Triton's compiler":
         what += f" ({found.split('(', 1)[1]}" if "(" in found else ""
     return what + (", waiting for ptxas (a subprocess)" if ptxas else "")

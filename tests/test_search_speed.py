@@ -21,7 +21,8 @@ SITE = "/usr/lib/python3.12/site-packages"
 
 
 def _stack(*frames: tuple[str, str]) -> list[traceback.FrameSummary]:
-    test = [("/work/suites/test_attention_search.py", "drawn"), (f"{SITE}/pytest_sparse_mla/guard.py", "sparse_mla_forward")]
+    test = [("/work/suites/test_attention_search.py", "drawn"),
+            (f"{SITE}/pytest_sparse_mla/guard.py", "sparse_mla_forward")]  # fmt: skip
     return [traceback.FrameSummary(path, 1, name) for path, name in [*test, *frames]]
 
 
