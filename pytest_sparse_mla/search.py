@@ -402,7 +402,7 @@ def _rewrite_scales(packed: torch.Tensor, f: formats.PackedFormat, c: DrawnCache
     then at most ``1.5 * 2**119``, so a row of at most :data:`LARGEST_SCALE_LANES` lanes sums to a
     finite fp32 number before the softmax's normalisation, as every split-K kernel accumulates it."""
     P, ps = c.num_pages, c.page_block_size
-    value = torch.tensor(list(SCALE_ENDS[f.scale_kind][c.scale_end]), dtype=torch.uint8)
+    value = torch.tensor(list(SCALE_ENDS[f.scale_kind][c.scale_end]), dtype=torch.uint8, device=packed.device)
     width = value.numel()
     pages = packed.as_strided((P, ps * f.bytes_per_token), (packed.stride(0), 1), packed.storage_offset())
     if f.layout == "footer":
@@ -416,7 +416,7 @@ def _rewrite_scales(packed: torch.Tensor, f: formats.PackedFormat, c: DrawnCache
         codes = rows[..., : f.code_bytes_per_token]
     scales.copy_(value.repeat(f.num_scales).expand_as(scales))
     if c.scale_end == "largest" and f.code == "e4m3" and f.scale_kind != "e4m3":
-        drawn = torch.randint(0, 6, tuple(codes.shape), generator=g, dtype=torch.int32)
+        drawn = torch.randint(0, 6, tuple(codes.shape), generator=g, dtype=torch.int32, device=g.device)
         codes.copy_(((drawn % 2) * 0x80 | (drawn // 2 + 1)).to(torch.uint8))
 
 
@@ -683,7 +683,8 @@ def _sink(call: DrawnCall, scores: torch.Tensor) -> torch.Tensor:
     tokens of its LSE without sink (natural log; 0 where every row of the head is empty)."""
     lse = torch.logsumexp(scores, dim=-1)  # [T, H]
     lse = torch.where(torch.isfinite(lse), lse, torch.nan)
-    median = lse.nanmedian(dim=0).values.nan_to_num(nan=0.0) if lse.shape[0] else torch.zeros(call.num_heads)
+    median = (lse.nanmedian(dim=0).values.nan_to_num(nan=0.0) if lse.shape[0]
+              else torch.zeros(call.num_heads, dtype=torch.float64, device=scores.device))  # fmt: skip
     sink = call.sink or (0.0,)
     offsets = torch.tensor([sink[h % len(sink)] for h in range(call.num_heads)], dtype=torch.float64,
                            device=scores.device)  # fmt: skip
