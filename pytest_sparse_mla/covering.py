@@ -22,7 +22,8 @@ where any int32 is clamped, ``-2**31`` and ``2**31 - 1``; whole rows masked, ``-
 masks; the first and last slot, duplicates; every stale-lane filler; the smallest and largest page
 size of each cache; each record format's smallest and largest encodable scale
 (``search.SCALE_ENDS``); value exponents ``2**-40`` and ``2**100`` (NoPE and RoPE); score spreads 0
-and 40, offsets -3000 and 3000, a peak of 100; ``sm_scale`` 0, negative, ``2**-12`` and ``2**4``;
+and 40, offsets -3000 and 3000, a peak of 100; ``sm_scale`` 0, negative (with the widest spread
+where the call allows: the sign turns the largest ``q.k`` into the smallest score), ``2**-12`` and ``2**4``;
 sinks ``-inf`` and the row LSE -1000 / +1000; each LSE convention on both routes; every cache form,
 tight, padded and padded + 256 B page strides, the last layer of a 4-layer pool; strided queries.
 
@@ -131,12 +132,13 @@ def ends_of(call: Any) -> dict[str, set[str]]:
     if call.num_tokens == 0:  # nothing else of a call without tokens is exercised
         return {"fmt": {call.fmt}, "num_tokens": {"0"}}
     reads = {id(c): c is not None and _reads(call, c) for c in (m, e)}
+    sizes = any(reads.values())  # a size is exercised only where some lane is valid
     out: dict[str, set[str]] = {
         "fmt": {call.fmt},
-        "num_tokens": {str(call.num_tokens)},
-        "num_heads": {str(call.num_heads)},
-        "topk": {str(m.width)},
-        "query_layout": {"strided" if call.strided_query else "contiguous"},
+        "num_tokens": {str(call.num_tokens)} if sizes else set(),
+        "num_heads": {str(call.num_heads)} if sizes else set(),
+        "topk": {str(m.width)} if sizes else set(),
+        "query_layout": {"strided" if call.strided_query else "contiguous"} if sizes else set(),
         "extra_cache": {"none" if e is None else "present"},
         "masked_lanes": set(),
         "scale_bytes": set(),
@@ -348,6 +350,13 @@ def _setter(dim: str, label: str, envelope: Envelope) -> Callable[[Any], list[An
         return one(lambda c: dataclasses.replace(c, **{dim: float(label)}))
     if dim == "sm_scale":
         name = "-512**-0.5" if label == "negative" else ("0" if label == "0" else "log-uniform")
+        if label == "negative":  # a negative scale turns the largest q.k into the smallest score: with
+            # the widest spread, a max taken before the scale makes exp overflow
+            return lambda c: [
+                _with_main(dataclasses.replace(c, sm_scale=(name, _SM_SCALE_ENDS[label]), score_spread=40.0),
+                           width=max(c.main.width, 64)),
+                dataclasses.replace(c, sm_scale=(name, _SM_SCALE_ENDS[label])),
+            ]  # fmt: skip
         return one(lambda c: dataclasses.replace(c, sm_scale=(name, _SM_SCALE_ENDS[label])))
     if dim == "attn_sink":
         return one(lambda c: dataclasses.replace(c, sink=(_SINK_ENDS[label],)))

@@ -128,6 +128,7 @@ OUTSIDE_FLASHMLA: dict[str, str] = {
     "extra_only_minus_one_masked": "the envelope itself declares masked_indices='minus_one' (FlashMLA's decode)",
     "partial_tile_dropped": "the envelope takes widths that are multiples of 64 only: no row has a partial tile",
     "main_length_unclamped": "the envelope declares topk_length_range='row': no length lies beyond its row",
+    "length_near_int32_max_wraps": "the envelope declares topk_length_range='row': no length lies near the int32 limits",
 }
 #: Suffix of the module attribute that gives a catalogue kernel with FlashMLA's envelope.
 FLASHMLA_SUFFIX = "__flashmla"

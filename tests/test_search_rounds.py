@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import pytest
@@ -39,7 +38,7 @@ def _run(args, tmp_path, monkeypatch, capsys):
 
 def test_one_default_run_reports_both_bugs_of_a_kernel_with_two(tmp_path, monkeypatch, capsys) -> None:
     report = tmp_path / "run.json"
-    code, output = _run(["-k", "matches", "--sparse-mla-impl", "kernel_catalogue:two_bugs_strided_q_and_partial_head_tile",
+    code, output = _run(["-k", "matches_the", "--sparse-mla-impl", "kernel_catalogue:two_bugs_strided_q_and_partial_head_tile",
                          f"--sparse-mla-report-json={report}"], tmp_path, monkeypatch, capsys)  # fmt: skip
     assert code == 1, output[-3000:]
     found = json.loads(report.read_text())["search"]["discrepancies"]
@@ -52,7 +51,7 @@ def test_a_default_run_draws_every_end_of_every_dimension(tmp_path, monkeypatch,
     """The reference's default run (``-k matches``): the coverage record's ``ends`` hold every label
     of ``covering.required_ends`` for its envelope, listed by hand for the sizes."""
     report = tmp_path / "run.json"
-    code, output = _run(["-k", "matches", f"--sparse-mla-report-json={report}"], tmp_path, monkeypatch, capsys)
+    code, output = _run(["-k", "matches_the", f"--sparse-mla-report-json={report}"], tmp_path, monkeypatch, capsys)
     assert code == 0, output[-3000:]
     ends = json.loads(report.read_text())["search"]["ends"]
     required = covering.required_ends(ReferenceImplementation.envelope, "cpu")
@@ -70,13 +69,20 @@ def test_a_known_region_is_reported_under_its_key_and_a_new_bug_fails(tmp_path, 
         "# [strided-q] region: query_layout=strided\n"
         f"{ORACLE_TEST}  # strided-q\n"
     )
-    args = ["-k", "matches", "--sparse-mla-xfail-file", str(xfail), "-rxXf"]
+    report = tmp_path / "run.json"
+    args = ["-k", "matches_the", "--sparse-mla-xfail-file", str(xfail), f"--sparse-mla-report-json={report}"]
     code, output = _run([*args, "--sparse-mla-impl", "test_search:StridedQueryBug"], tmp_path, monkeypatch, capsys)
-    assert code == 0 and "1 xfailed" in output and "[strided-q] (known" in output, output[-3000:]
+    assert code == 0 and "1 xfailed" in output, output[-3000:]
+    found = json.loads(report.read_text())["search"]["discrepancies"]
+    assert [(d["key"], d["known"]) for d in found] == [("strided-q", True)], found
+    spent = json.loads(report.read_text())["search"]["spent"]
+    assert spent.get("confirming-known", 0) <= regions.CONFIRM_CALLS, spent
     code, output = _run([*args, "--sparse-mla-impl", "kernel_catalogue:two_bugs_strided_q_and_partial_head_tile"],
                         tmp_path, monkeypatch, capsys)  # fmt: skip
     assert code == 1 and "1 failed" in output and "NewDiscrepancy" in output, output[-3000:]
-    assert re.search(r"\[strided-q\] \(known", output) and re.search(r"\[new-1\] \(new", output), output[-3000:]
+    found = json.loads(report.read_text())["search"]["discrepancies"]
+    assert {d["known"] for d in found} == {True, False}, found
+    assert any(d["key"] == "strided-q" for d in found) and any("num_heads=" in d["region"] for d in found), found
 
 
 def test_a_region_line_names_its_file_line_and_the_classes_expected(tmp_path: Path) -> None:
