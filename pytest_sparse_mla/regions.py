@@ -50,6 +50,7 @@ FEATURES: dict[str, tuple[str, ...]] = {
     "topk": ("1-63", "64-512", "513+"),
     "topk_length": ("none", "in-row", "negative", "beyond", "int32-end"),
     "masked_lanes": ("none", "-1", "other-negative", "all"),
+    "mask_placement": ("none", "trailing", "scattered"),
     "empty_rows": ("none", "some", "all"),
     "index_pattern": ("uniform", "few", "ends", "one-page"),
     "stale_lanes": ("no-lengths", "1<<30", "poisoned-slot", "-1"),
@@ -65,7 +66,8 @@ FEATURES: dict[str, tuple[str, ...]] = {
     "lse_convention": ("none", "flashinfer", "flashmla"),
     "cache_form": ("2d", "3d", "hnd", "nhd"),
     "page_stride": ("tight", "padded", "padded+"),
-    "storage_offset": ("layer0", "layer1+"),
+    "storage_offset": ("alone", "layer0-of-pool", "layer1+"),
+    "extra_storage_offset": ("none", "alone", "layer0-of-pool", "layer1+"),
     "query_layout": ("contiguous", "strided"),
 }
 
@@ -98,6 +100,9 @@ def features(call: Any) -> dict[str, str]:
     (FlashInfer's decode cutoff, ``envelope.DECODE_MAX_TOKENS``). Score offsets: ``"near-zero"`` is
     ``|offset| <= 30``; spreads: ``"small"`` is ``<= 2``.
     """
+    def _offset(c: Any) -> str:
+        return "layer1+" if c.layer else ("alone" if c.num_layers == 1 else "layer0-of-pool")
+
     m = call.main
     T = call.num_tokens
     stride = m.stride if isinstance(m.stride, str) else "padded+"
@@ -113,6 +118,7 @@ def features(call: Any) -> dict[str, str]:
         "topk": _bucket(m.width, ((63, "1-63"), (512, "64-512")), "513+"),
         "topk_length": _lengths(m),
         "masked_lanes": masked,
+        "mask_placement": "none" if masked == "none" else ("scattered" if m.scattered else "trailing"),
         "empty_rows": "none" if call.empty_fraction <= 0 else ("all" if call.empty_fraction >= 1 else "some"),
         "index_pattern": m.pattern,
         "stale_lanes": m.stale if m.lengths is not None else "no-lengths",
@@ -134,7 +140,8 @@ def features(call: Any) -> dict[str, str]:
         "lse_convention": call.lse_convention or "none",
         "cache_form": m.form,
         "page_stride": stride,
-        "storage_offset": "layer0" if m.layer == 0 else "layer1+",
+        "storage_offset": _offset(m),
+        "extra_storage_offset": "none" if call.extra is None else _offset(call.extra),
         "query_layout": "strided" if call.strided_query else "contiguous",
     }
 

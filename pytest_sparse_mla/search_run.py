@@ -120,6 +120,7 @@ def moves(call: Any, envelope: Envelope) -> list[tuple[str | None, list[Any]]]:
     add("topk_length", [_replace_main(call, lengths=None)]
         + [_replace_main(call, lengths=(0, m.width))] * (m.lengths is not None))  # fmt: skip
     add("masked_lanes", [_replace_main(call, masked_fraction=0.0), _replace_main(call, masked_fraction=0.5, mask_value=-1)])
+    add("mask_placement", [_replace_main(call, scattered=not m.scattered)] * (0 < m.masked_fraction < 1))
     add("empty_rows", [rep(call, empty_fraction=0.0)])
     add("index_pattern", [_replace_main(call, pattern=p) for p in ("uniform", "few", "ends", "one-page")])
     add("stale_lanes", [_replace_main(call, stale=s) for s in ("-1", "1<<30", "poisoned-slot")])
@@ -137,7 +138,10 @@ def moves(call: Any, envelope: Envelope) -> list[tuple[str | None, list[Any]]]:
     add("lse_convention", [rep(call, lse_convention=c) for c in envelope.lse_conventions])
     add("cache_form", [_replace_main(call, form=f) for f in ("nhd", "2d", "3d", "hnd")])
     add("page_stride", [_replace_main(call, stride=s) for s in ("padded", "tight", 256)])
-    add("storage_offset", [_replace_main(call, layer=0, num_layers=1, canary=0)])
+    add("storage_offset", [_replace_main(call, layer=0, num_layers=1, canary=0), _replace_main(call, layer=0),
+                           _replace_main(call, layer=1, num_layers=max(2, m.num_layers))])  # fmt: skip
+    if call.extra is not None:
+        add("extra_storage_offset", [rep(call, extra=dataclasses.replace(call.extra, layer=0, num_layers=1, canary=0))])
     add("query_layout", [rep(call, strided_query=not call.strided_query)])
     add(None, [_replace_main(call, wide=False, rope_exponent=0), rep(call, seed=0)])
     return out
@@ -171,6 +175,7 @@ class SearchRun:
         self.failed = False
         self._confirm_left = {r.key: regions.CONFIRM_CALLS for r in self.known}
         self._phase = "random"
+        self._warm: set[tuple[Any, ...]] = set()
 
     # --- what the property reports ---------------------------------------------------------------
 
@@ -179,6 +184,23 @@ class SearchRun:
         self.drawn.append(search.record(call, inputs))
         for dim, labels in covering.ends_of(call).items():
             self.ends.setdefault(dim, Counter()).update(labels)
+
+    def warm(self, impl: Any, inputs: Any) -> None:
+        """On CUDA, run ``impl`` once on copies of ``inputs`` when this run meets their shape for the
+        first time (``search_speed.warm``): a Triton kernel's compile or autotune for a new shape then
+        happens outside the judged call (``spent["warm-up"]`` counts them). Nothing on the CPU."""
+        if inputs.q.device.type != "cuda":
+            return
+        from pytest_sparse_mla import search_speed
+
+        c = inputs.call
+        key = (c.fmt, c.num_tokens, c.num_heads, c.main.width, c.main.page_block_size, c.main.form, c.main.stride,
+               None if c.extra is None else (c.extra.width, c.extra.page_block_size, c.extra.form, c.extra.stride),
+               tuple(sorted(k for k, v in inputs.kwargs.items() if v is not None)), c.strided_query)  # fmt: skip
+        if key not in self._warm:
+            self._warm.add(key)
+            self.spent["warm-up"] += 1
+            search_speed.warm(impl, inputs)
 
     def summary(self) -> dict[str, Any]:
         """``{"calls", "failed", "seed", "dims", "ends", "spent", "discrepancies"}``."""
@@ -315,8 +337,12 @@ class SearchRun:
         recording.begin_test()  # the recording then holds this call only
         try:
             prop(call)
-        except Exception as exc:  # a failure of the kernel (pytest's outcomes are BaseExceptions)
+        except Exception as exc:  # a failure of the kernel
             return exc
+        except BaseException as exc:  # pytest's outcomes: a refusal of the guard (pytest.fail) is a failure
+            if _failed_call(exc):  # of this call; a skip, an exit or the time limit ends the run
+                return exc  # type: ignore[return-value]
+            raise
         return None
 
     def _try(self, prop: Callable[[Any], None], call: Any) -> Exception | None:
@@ -373,11 +399,11 @@ class SearchRun:
             test()
         except Unsatisfiable:  # every draw lay inside a region
             return state["made"], None
-        except Exception as exc:
-            if state["last"] is None:
+        except BaseException as exc:
+            if state["last"] is None or not (isinstance(exc, Exception) or _failed_call(exc)):
                 raise
             call, _ = state["last"]
-            return state["made"], (call, exc)
+            return state["made"], (call, exc)  # type: ignore[return-value]
         return state["made"], None
 
     def _discover(self, prop: Callable[[Any], None], call: Any, exc: Exception, envelope: Envelope, device: str) -> None:
@@ -412,6 +438,8 @@ class SearchRun:
             current, final = call, self._judge(prop, call) or exc
         self._phase = phase
         conditions = core or conditions  # the dimensions the failure needs alone, when there are some
+        if not conditions:  # no move made it go away: the region is the call's own classes, never everything
+            conditions = {k: {v} for k, v in regions.features(current).items()}
         for d in self.found:  # the same cause met again: one class both need alone (a narrow first region)
             if not d.region.known and _same_cause(d.region.conditions, conditions):
                 d.region = regions.Region(d.region.key, _widened(d.region.conditions, conditions))
@@ -430,6 +458,14 @@ class SearchRun:
                 f"({len(new)} new, {len(self.found) - len(new)} in known regions) in {len(self.drawn)} calls:")  # fmt: skip
         text = "\n".join([head, *(d.text() for d in self.found)])
         raise (NewDiscrepancy if new else KnownDiscrepancy)(text)
+
+
+def _failed_call(exc: BaseException) -> bool:
+    """Whether ``exc`` is ``pytest.fail`` about one call (the guard's refusal of an input the peer would
+    mishandle: a discrepancy of that call), not pytest-timeout's limit (which ends the test)."""
+    import pytest
+
+    return isinstance(exc, pytest.fail.Exception) and "from pytest-timeout" not in str(exc)
 
 
 def _same_cause(a: Any, b: Any) -> bool:

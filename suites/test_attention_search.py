@@ -49,9 +49,12 @@ from pytest_sparse_mla.guard import check_result_shapes  # noqa: E402
 pytestmark = [pytest.mark.sparse_mla_needs("sparse_mla_forward"), pytest.mark.sparse_mla_error_class("search")]
 
 
-def _judge(impl: object, inputs: search.SearchInputs, tol: object) -> None:
-    """One drawn call against the oracle, its inputs and its empty rows (module docstring)."""
+def _judge(impl: object, inputs: search.SearchInputs, tol: object, run: object = None) -> None:
+    """One drawn call against the oracle, its inputs and its empty rows (module docstring); ``run``
+    (the ``sparse_mla_search`` fixture) first warms the kernel on a shape it has not met (CUDA)."""
     call = inputs.call
+    if run is not None:
+        run.warm(impl, inputs)
     res = impl.sparse_mla_forward(inputs.q, inputs.kv_cache, inputs.indices, **inputs.kwargs)
     changed = inputs.changed_inputs()
     assert not changed, f"the call wrote into its inputs: {'; '.join(changed)}\ncall: {call.describe()}"
@@ -77,7 +80,7 @@ def test_a_drawn_call_matches_the_oracle(
     def drawn(call: search.DrawnCall) -> None:
         inputs = search.build(call, sparse_mla_device)
         sparse_mla_search.note(call, inputs)
-        _judge(sparse_mla_impl, inputs, sparse_mla_tolerances)
+        _judge(sparse_mla_impl, inputs, sparse_mla_tolerances, sparse_mla_search)
 
     sparse_mla_search.check(drawn, sparse_mla_envelope, sparse_mla_device.type)
 
@@ -114,7 +117,8 @@ def test_a_drawn_call_does_not_depend_on_lane_order_or_padding(
         moved = _padded(_reorder(inputs.indices, kw.get("topk_length"), g), env.topk)
         if "extra_indices" in kw:
             kw["extra_indices"] = _padded(_reorder(kw["extra_indices"], kw.get("extra_topk_length"), g), env.extra_topk)
-        _judge(sparse_mla_impl, dataclasses.replace(inputs, indices=moved, kwargs=kw), sparse_mla_tolerances)
+        moved_inputs = dataclasses.replace(inputs, indices=moved, kwargs=kw)
+        _judge(sparse_mla_impl, moved_inputs, sparse_mla_tolerances, sparse_mla_search)
 
     sparse_mla_search.check(drawn, env, sparse_mla_device.type, covering=False)
 
@@ -125,7 +129,7 @@ def test_a_call_sequence_on_the_same_buffers_matches_fresh_calls(
     def drawn(call: search.DrawnCall) -> None:
         buffers = search.build(call, sparse_mla_device)
         sparse_mla_search.note(call, buffers)
-        _judge(sparse_mla_impl, buffers, sparse_mla_tolerances)
+        _judge(sparse_mla_impl, buffers, sparse_mla_tolerances, sparse_mla_search)
         for step in (1, 2):
             fresh = search.build(search.next_step(call, step), sparse_mla_device)
             sparse_mla_search.note(fresh.call, fresh)
