@@ -25,7 +25,8 @@ size of each cache; each record format's smallest and largest encodable scale
 and 40, offsets -3000 and 3000, a peak of 100; ``sm_scale`` 0, negative (with the widest spread
 where the call allows: the sign turns the largest ``q.k`` into the smallest score), ``2**-12`` and ``2**4``;
 sinks ``-inf`` and the row LSE -1000 / +1000; each LSE convention on both routes; every cache form,
-tight, padded and padded + 256 B page strides, the last layer of a 4-layer pool; strided queries.
+tight, padded and padded + 256 B page strides, the last layer of a 4-layer pool; strided queries;
+on CUDA, a 60-layer pool whose last read page starts past ``2**31`` bytes (int32 page offsets).
 
 Imports torch only through ``pytest_sparse_mla.search`` (a ``test`` extra).
 """
@@ -119,6 +120,8 @@ def required_ends(envelope: Envelope, device: str = "cpu") -> dict[str, set[str]
         ends["stale_lanes"] = set(input_space.STALE_VALUES)
     if any(envelope.takes_sink(f) for f in fmts):
         ends["attn_sink"] = set(_SINK_ENDS)
+    if _device(device) == "cuda":  # a 2 GiB pool per call: on the GPU only
+        ends["pool_bytes"] = {"past-2**31"}
     routes = {"decode" if t <= 64 else "prefill" for t in _tokens(envelope, device) if t > 0}
     if envelope.returns_lse:
         ends["lse_convention"] = {f"{c}/{r}" for c in envelope.lse_conventions for r in routes}
@@ -183,6 +186,8 @@ def _reads(call: Any, c: Any) -> bool:
 
 def _read_ends(call: Any) -> dict[str, set[str]]:
     """The ends of a call that some valid lane of its main cache exercises."""
+    from pytest_sparse_mla import search
+
     m = call.main
     return {
         "index_pattern": {m.pattern},
@@ -194,6 +199,7 @@ def _read_ends(call: Any) -> dict[str, set[str]]:
         "page_stride": {m.stride if isinstance(m.stride, str) else f"padded+{m.stride}"},
         "storage_offset": {f"layer{m.layer}/{m.num_layers}"},
         "page_block_size": {f"main:{m.page_block_size}"},
+        "pool_bytes": {search.pool_class(call)},
     }
 
 
@@ -375,6 +381,12 @@ def _setter(dim: str, label: str, envelope: Envelope) -> Callable[[Any], list[An
         return one(lambda c: _with_main(c, stride=256 if label == "padded+256" else label))
     if dim == "storage_offset":
         return one(lambda c: _with_main(c, layer=3, num_layers=4, canary=256))
+    if dim == "pool_bytes":  # layer 59 of a 60-layer pool whose last page starts past 2**31 bytes:
+        def pool(c: Any) -> list[Any]:  # the first and last slot read
+            stride = formats.page_stride_bytes(formats.cache_formats(c.fmt)[0], c.main.page_block_size, "padded")
+            pages = 2 + 2**31 // (60 * stride)
+            return [_with_main(c, num_pages=pages, layer=59, num_layers=60, pattern="ends")]
+        return pool
     if dim == "query_layout":
         return one(lambda c: dataclasses.replace(c, strided_query=label == "strided"))
     raise ValueError(f"no setter for the end {dim}:{label}")

@@ -43,7 +43,7 @@ from pytest_sparse_mla.envelope import Envelope
 
 __all__ = [
     "DrawnCache", "DrawnCall", "LARGEST_SCALE_LANES", "SCALE_ENDS", "SearchInputs", "build", "calls", "diagnose",
-    "next_step", "record", "rewritten_in_place", "unshrunk_phases",
+    "next_step", "pool_class", "record", "rewritten_in_place", "unshrunk_phases",
 ]  # fmt: skip
 
 INT32_MIN = -(2**31)
@@ -724,13 +724,23 @@ def record(call: DrawnCall, inputs: SearchInputs | None = None) -> dict[str, Any
         "storage_offset": f"layer{m.layer}/{m.num_layers}",
         "query_layout": "strided" if call.strided_query else "contiguous",
         "scale_bytes": m.scale_end if e is None else f"{m.scale_end}/{e.scale_end}",
-        "pool_bytes": "small",
+        "pool_bytes": pool_class(call),
     }
     if inputs is not None:
         finite = inputs.scores[torch.isfinite(inputs.scores)]
         if finite.numel():
             out["realized_max_logit"] = float(finite.abs().max())
     return out
+
+
+def pool_class(call: DrawnCall) -> str:
+    """``"past-2**31"`` when a page of the main cache starts ``2**31`` bytes or more after the view's
+    first byte (a pool of many layers: page ``p`` lies ``p * num_layers * page_stride`` bytes in), else
+    ``"small"``: the offsets an int32 page address overflows on."""
+    m = call.main
+    f = formats.cache_formats(call.fmt)[0]
+    stride = formats.page_stride_bytes(f, m.page_block_size, "padded")
+    return "past-2**31" if (m.num_pages - 1) * m.num_layers * stride >= 2**31 else "small"
 
 
 def _relative(a: torch.Tensor, b: Any) -> float:
