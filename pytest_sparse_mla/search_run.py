@@ -220,7 +220,7 @@ class SearchRun:
         from hypothesis import HealthCheck, settings
 
         extra: dict[str, Any] = {"database": None} if self.seed is None else {}
-        if not self.shrink:
+        if not self.shrink and not self.known:  # with known regions, a failure that reaches Hypothesis is new
             extra["phases"] = search.unshrunk_phases()
         return settings(
             max_examples=self.examples if max_examples is None else max_examples, derandomize=self.seed is None,
@@ -309,13 +309,14 @@ class SearchRun:
         self._raise()
 
     def _outside(self, call: Any, envelope: Envelope, device: str) -> Any:
-        """A covering call moved out of the regions found so far, when one move of a dimension the
-        region constrains does it (its other ends are still judged); else the call itself."""
+        """A covering call moved out of the regions found so far (and of known ones already
+        confirmed), when one move of a dimension the region constrains does it (its other ends are
+        still judged); else the call itself."""
         from pytest_sparse_mla.covering import _fits
 
         region = self._inside(call)
-        if region is None or region.known:
-            return call
+        if region is None or (region.known and self._confirm_left.get(region.key, 0) > 0):
+            return call  # outside every region, or the confirmation of a known one
         for dim, alts in moves(call, envelope):
             if dim in region.conditions:
                 for alt in alts:
