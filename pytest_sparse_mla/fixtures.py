@@ -426,7 +426,7 @@ def sparse_mla_search(
     known = regions.read_regions(sparse_mla_options.xfail_file) if sparse_mla_options.xfail_file else []
     return search_run.SearchRun(
         sparse_mla_options.search_examples, sparse_mla_options.search_seed, sparse_mla_search_shard, keep,
-        shrink=not _expected_to_fail(request), known=known,
+        shrink=not _expected_to_fail(request), known=known, confirm=_expected_to_fail(request),
         shards=sparse_mla_options.search_shards * (g.count if (g := sparse_mla_options.search_shard_group) else 1),
     )  # fmt: skip
 

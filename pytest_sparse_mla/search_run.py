@@ -20,8 +20,9 @@ property (a function that judges one ``search.DrawnCall`` and raises on a discre
    a dimension to the same single class as an earlier one is the same cause: the earlier region
    grows to hold both. Calls drawn inside a region later are not made.
 4. **Known regions** (``# [KEY] region: ...`` beside the xfail entries; ``regions.read_regions``):
-   calls inside one are not made, except up to ``regions.CONFIRM_CALLS`` per test until one fails,
-   which confirms the discrepancy under its key.
+   calls inside one are not made, except, in a test the xfail file lists, up to
+   ``regions.CONFIRM_CALLS`` until one fails, which confirms the discrepancy under its key. The
+   region search never moves a call into a known region.
 
 At the end the run raises one :class:`~pytest_sparse_mla.errors.NewDiscrepancy` listing every
 distinct discrepancy (its key, region, check, likely cause, smallest call), or a
@@ -160,11 +161,14 @@ class SearchRun:
         keep: called as ``keep(coverage.SEARCH, summary)`` when the run ends, pass or fail.
         shrink: ``False`` for a test expected to fail: see the module docstring.
         known: the known regions (from the session's xfail file).
+        confirm: make up to ``regions.CONFIRM_CALLS`` calls inside each known region, to report it
+            under its key (a test the xfail file lists: it expects the discrepancy); ``False`` (a test
+            not listed): calls inside a known region are never made.
     """
 
     def __init__(
         self, examples: int, seed: int | None, shard: int, keep: Any, shrink: bool = True, shards: int = 1,
-        known: Sequence[regions.Region] = (),
+        known: Sequence[regions.Region] = (), confirm: bool = True,
     ) -> None:  # fmt: skip
         self.examples, self.seed, self.shard, self.shards = examples, seed, shard, max(1, shards)
         self.keep, self.shrink, self.known = keep, shrink, list(known)
@@ -173,7 +177,7 @@ class SearchRun:
         self.spent: Counter[str] = Counter()
         self.found: list[Discrepancy] = []
         self.failed = False
-        self._confirm_left = {r.key: regions.CONFIRM_CALLS for r in self.known}
+        self._confirm_left = {r.key: regions.CONFIRM_CALLS if confirm else 0 for r in self.known}
         self._phase = "random"
         self._warm: set[tuple[Any, ...]] = set()
 
@@ -432,7 +436,7 @@ class SearchRun:
                     core[dim] = {original[dim]}
             simplest = fits[0] if fits and (dim != "query_layout" or call.strided_query) else None
             merged = _merge(current, simplest, call) if simplest is not None and simplest in failing else current
-            if _fits(merged, envelope, device):
+            if _fits(merged, envelope, device) and self._inside(merged) is None:  # never into a known region
                 current = merged
         final = self._judge(prop, current)
         if final is None:  # the moves' merge lost the failure: keep the call as found
