@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pytest_sparse_mla.envelope import ALL_FORMATS
+
 __all__ = ["CONFIRM_CALLS", "FEATURES", "Region", "features", "parse_region", "read_regions"]
 
 #: Calls the search makes inside a known region per test to confirm the discrepancy still shows
@@ -44,7 +46,7 @@ CONFIRM_CALLS = 3
 
 #: The dimensions :func:`features` classifies, and their classes (a region names these).
 FEATURES: dict[str, tuple[str, ...]] = {
-    "fmt": ("dsv4", "dsv3_2", "dsv4_1"),
+    "fmt": ALL_FORMATS,
     "num_tokens": ("0", "1", "decode", "prefill", "prefill-large"),
     "num_heads": ("1", "2-63", "64-128", "129+"),
     "topk": ("1-63", "64-512", "513+"),
