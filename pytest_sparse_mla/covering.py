@@ -41,7 +41,9 @@ from typing import Any
 from pytest_sparse_mla import formats, input_space
 from pytest_sparse_mla.envelope import Envelope
 
-__all__ = ["BIG_TOKENS", "PARTIAL_HEAD_TILE", "WIDEST", "ends_of", "required_ends", "schedule"]
+__all__ = [
+    "BIG_TOKENS", "PARTIAL_HEAD_TILE", "WIDEST", "ends_of", "fits", "required_ends", "schedule", "with_main",
+]  # fmt: skip
 
 #: The largest power-of-two token count on the prefill route the schedule draws, per device.
 BIG_TOKENS: dict[str, int] = {"cpu": 512, "cuda": 4096}
@@ -162,9 +164,8 @@ def ends_of(call: Any) -> dict[str, set[str]]:
         out.setdefault("page_block_size", set()).add(f"extra:{e.page_block_size}")
     if m.lengths is not None:
         lo, hi = m.lengths
-        out["topk_length"] = {str(lo)} if lo == hi else set()
-        out["topk_length"] |= {"0"} if lo == hi == 0 else set()
-        out["topk_length"] |= {"topk"} if lo == hi == m.width else set()
+        out["topk_length"] = {str(lo)} if lo == hi and (lo <= 0 or reads[id(m)]) else set()  # a length
+        out["topk_length"] |= {"topk"} if lo == hi == m.width and reads[id(m)] else set()  # that admits lanes: some valid
         out["stale_lanes"] = {m.stale}
     name, scale = call.sm_scale
     for label, value in _SM_SCALE_ENDS.items():
@@ -178,8 +179,11 @@ def ends_of(call: Any) -> dict[str, set[str]]:
 
 
 def _reads(call: Any, c: Any) -> bool:
-    """Whether some lane of cache ``c`` of ``call`` is valid (so its bytes reach the output)."""
+    """Whether some lane of cache ``c`` of ``call`` is valid and its value reaches the output (not
+    when every head's sink lies 1000 above the scores: the output is then ``e**-1000`` of them)."""
     if call.empty_fraction >= 1.0 or c.masked_fraction >= 1.0:
+        return False
+    if call.sink is not None and min(call.sink) >= _SINK_ENDS["LSE+1000"]:
         return False
     return c.lengths is None or c.lengths[1] > 0
 
@@ -206,7 +210,7 @@ def _read_ends(call: Any) -> dict[str, set[str]]:
 # --- the schedule ----------------------------------------------------------------------------------
 
 
-def _fits(call: Any, envelope: Envelope, device: str) -> bool:
+def fits(call: Any, envelope: Envelope, device: str) -> bool:
     """Whether ``call`` lies inside ``envelope`` and its size bound (from its plain values)."""
     from pytest_sparse_mla.search import LARGEST_SCALE_LANES
 
@@ -279,7 +283,8 @@ def _base(envelope: Envelope, index: int) -> Any:
     )  # fmt: skip
 
 
-def _with_main(call: Any, **over: Any) -> Any:
+def with_main(call: Any, **over: Any) -> Any:
+    """``call`` with its main cache's fields ``over`` changed (and enough pages for its lanes)."""
     main = dataclasses.replace(call.main, **over)
     pages = max(main.num_pages, -(-min(main.width, 64) // main.page_block_size))
     return dataclasses.replace(call, main=dataclasses.replace(main, num_pages=pages))
@@ -311,34 +316,34 @@ def _setter(dim: str, label: str, envelope: Envelope) -> Callable[[Any], list[An
     if dim == "num_heads":
         return one(lambda c: dataclasses.replace(c, num_heads=int(label)))
     if dim == "topk":
-        return one(lambda c: _with_main(c, width=int(label)))
+        return one(lambda c: with_main(c, width=int(label)))
     if dim == "topk_length":
         def lengths(c: Any) -> list[Any]:
             v = c.main.width if label == "topk" else int(label)
-            return [_with_main(c, lengths=(v, v))]
+            return [with_main(c, lengths=(v, v))]
         return lengths
     if dim == "stale_lanes":
         def stale(c: Any) -> list[Any]:
             lengths = c.main.lengths if c.main.lengths is not None else (c.main.width // 2, c.main.width // 2)
-            return [_with_main(c, lengths=lengths, stale=label)]
+            return [with_main(c, lengths=lengths, stale=label)]
         return stale
     if dim == "masked_lanes":
         if label == "all":
-            return one(lambda c: _with_main(c, masked_fraction=1.0))
-        return one(lambda c: _with_main(c, masked_fraction=0.5, scattered=True, mask_value=int(label)))
+            return one(lambda c: with_main(c, masked_fraction=1.0))
+        return one(lambda c: with_main(c, masked_fraction=0.5, scattered=True, mask_value=int(label)))
     if dim == "index_pattern":
-        return one(lambda c: _with_main(c, pattern=label))
+        return one(lambda c: with_main(c, pattern=label))
     if dim == "page_block_size":
         which, size = label.split(":")
         if which == "main":
-            return one(lambda c: _with_main(c, page_block_size=int(size), num_pages=1))
+            return one(lambda c: with_main(c, page_block_size=int(size), num_pages=1))
         return one(lambda c: _with_extra(c, envelope, page_block_size=int(size), num_pages=1))
     if dim == "extra_cache":
         return one(lambda c: dataclasses.replace(c, extra=None) if label == "none" else _with_extra(c, envelope))
     if dim == "value_exponent":
         part, value = label.split(":")
         key = "value_exponent" if part == "nope" else "rope_exponent"
-        return one(lambda c: _with_main(c, **{key: int(value)}))
+        return one(lambda c: with_main(c, **{key: int(value)}))
     if dim == "scale_bytes":
         name, end = label.split(":")
 
@@ -347,7 +352,7 @@ def _setter(dim: str, label: str, envelope: Envelope) -> Callable[[Any], list[An
             for f in envelope.formats:
                 main_fmt, extra_fmt = formats.cache_formats(f)
                 if main_fmt is rec[name]:
-                    out.append(_with_main(dataclasses.replace(c, fmt=f), scale_end=end))
+                    out.append(with_main(dataclasses.replace(c, fmt=f), scale_end=end))
                 if extra_fmt is rec[name] and envelope.takes_extra(f):
                     out.append(_with_extra(dataclasses.replace(c, fmt=f), envelope, scale_end=end))
             return out
@@ -359,7 +364,7 @@ def _setter(dim: str, label: str, envelope: Envelope) -> Callable[[Any], list[An
         if label == "negative":  # a negative scale turns the largest q.k into the smallest score: with
             # the widest spread, a max taken before the scale makes exp overflow
             return lambda c: [
-                _with_main(dataclasses.replace(c, sm_scale=(name, _SM_SCALE_ENDS[label]), score_spread=40.0),
+                with_main(dataclasses.replace(c, sm_scale=(name, _SM_SCALE_ENDS[label]), score_spread=40.0),
                            width=max(c.main.width, 64)),
                 dataclasses.replace(c, sm_scale=(name, _SM_SCALE_ENDS[label])),
             ]  # fmt: skip
@@ -376,16 +381,16 @@ def _setter(dim: str, label: str, envelope: Envelope) -> Callable[[Any], list[An
             return [dataclasses.replace(changed, num_tokens=t) for t in ((8, 64) if route == "decode" else (65, 80))]
         return lse
     if dim == "cache_form":
-        return one(lambda c: _with_main(c, form=label))
+        return one(lambda c: with_main(c, form=label))
     if dim == "page_stride":
-        return one(lambda c: _with_main(c, stride=256 if label == "padded+256" else label))
+        return one(lambda c: with_main(c, stride=256 if label == "padded+256" else label))
     if dim == "storage_offset":
-        return one(lambda c: _with_main(c, layer=3, num_layers=4, canary=256))
+        return one(lambda c: with_main(c, layer=3, num_layers=4, canary=256))
     if dim == "pool_bytes":  # layer 59 of a 60-layer pool whose last page starts past 2**31 bytes:
         def pool(c: Any) -> list[Any]:  # the first and last slot read
             stride = formats.page_stride_bytes(formats.cache_formats(c.fmt)[0], c.main.page_block_size, "padded")
             pages = 2 + 2**31 // (60 * stride)
-            return [_with_main(c, num_pages=pages, layer=59, num_layers=60, pattern="ends")]
+            return [with_main(c, num_pages=pages, layer=59, num_layers=60, pattern="ends")]
         return pool
     if dim == "query_layout":
         return one(lambda c: dataclasses.replace(c, strided_query=label == "strided"))
@@ -429,7 +434,7 @@ def schedule(envelope: Envelope, device: str = "cpu") -> list[Any]:
                 for candidate in setter(call):
                     hits = ends_of(candidate)
                     if label in hits.get(dim, set()) and all(v in hits.get(d, set()) for d, v in pinned.items()) \
-                            and _fits(candidate, envelope, device) and not _masks(candidate):  # fmt: skip
+                            and fits(candidate, envelope, device) and not _masks(candidate):  # fmt: skip
                         rows[i] = (candidate, {**pinned, dim: label})
                         placed = True
                         break
@@ -437,7 +442,7 @@ def schedule(envelope: Envelope, device: str = "cpu") -> list[Any]:
                     break
             if not placed:
                 for candidate in setter(_base(envelope, len(rows))):
-                    if label in ends_of(candidate).get(dim, set()) and _fits(candidate, envelope, device):
+                    if label in ends_of(candidate).get(dim, set()) and fits(candidate, envelope, device):
                         rows.append((candidate, {dim: label}))
                         placed = True
                         break

@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pytest_sparse_mla import coverage, covering, recording, regions, search
+from pytest_sparse_mla.covering import with_main
 from pytest_sparse_mla.envelope import Envelope
 from pytest_sparse_mla.errors import KnownDiscrepancy, NewDiscrepancy
 
@@ -92,12 +93,6 @@ class Discrepancy:
                 + "\n".join("    " + line for line in self.message.strip().splitlines()))  # fmt: skip
 
 
-def _replace_main(call: Any, **over: Any) -> Any:
-    main = dataclasses.replace(call.main, **over)
-    pages = max(main.num_pages, -(-min(main.width, 64) // main.page_block_size))
-    return dataclasses.replace(call, main=dataclasses.replace(main, num_pages=pages))
-
-
 def moves(call: Any, envelope: Envelope) -> list[tuple[str | None, list[Any]]]:
     """Per dimension of ``regions.FEATURES`` (``None``: a simplification that no region names), the
     calls that differ from ``call`` in that dimension's class only, the simplest first (the region
@@ -117,19 +112,19 @@ def moves(call: Any, envelope: Envelope) -> list[tuple[str | None, list[Any]]]:
     add("num_tokens", [rep(call, num_tokens=t) for t in (1, 8, 65, 300)])
     add("num_heads", [rep(call, num_heads=h) for h in (envelope.num_heads or (1, 8, 64, 192))])
     lo = -(-max(envelope.topk.min, envelope.topk.multiple) // envelope.topk.multiple) * envelope.topk.multiple
-    add("topk", [_replace_main(call, width=w) for w in sorted({lo, max(lo, 64), max(lo, 640)})])
-    add("topk_length", [_replace_main(call, lengths=None)]
-        + [_replace_main(call, lengths=(0, m.width))] * (m.lengths is not None))  # fmt: skip
-    add("masked_lanes", [_replace_main(call, masked_fraction=0.0), _replace_main(call, masked_fraction=0.5, mask_value=-1)])
-    add("mask_placement", [_replace_main(call, scattered=not m.scattered)] * (0 < m.masked_fraction < 1))
+    add("topk", [with_main(call, width=w) for w in sorted({lo, max(lo, 64), max(lo, 640)})])
+    add("topk_length", [with_main(call, lengths=None)]
+        + [with_main(call, lengths=(0, m.width))] * (m.lengths is not None))  # fmt: skip
+    add("masked_lanes", [with_main(call, masked_fraction=0.0), with_main(call, masked_fraction=0.5, mask_value=-1)])
+    add("mask_placement", [with_main(call, scattered=not m.scattered)] * (0 < m.masked_fraction < 1))
     add("empty_rows", [rep(call, empty_fraction=0.0)])
-    add("index_pattern", [_replace_main(call, pattern=p) for p in ("uniform", "few", "ends", "one-page")])
-    add("stale_lanes", [_replace_main(call, stale=s) for s in ("-1", "1<<30", "poisoned-slot")])
+    add("index_pattern", [with_main(call, pattern=p) for p in ("uniform", "few", "ends", "one-page")])
+    add("stale_lanes", [with_main(call, stale=s) for s in ("-1", "1<<30", "poisoned-slot")])
     sizes = envelope.page_block_sizes or (64, 1, 16, 128, 256)
-    add("page_block_size", [_replace_main(call, page_block_size=p) for p in sizes])
+    add("page_block_size", [with_main(call, page_block_size=p) for p in sizes])
     add("extra_cache", [rep(call, extra=None)])
-    add("value_exponent", [_replace_main(call, value_exponent=0)])
-    add("scale_end", [_replace_main(call, scale_end="none")])
+    add("value_exponent", [with_main(call, value_exponent=0)])
+    add("scale_end", [with_main(call, scale_end="none")])
     add("score_spread", [rep(call, score_spread=s) for s in (0.3, 0.0, 8.0)])
     add("score_offset", [rep(call, score_offset=0.0)])
     add("peak", [rep(call, peak=0.0)])
@@ -137,14 +132,14 @@ def moves(call: Any, envelope: Envelope) -> list[tuple[str | None, list[Any]]]:
                      (("512**-0.5", 512**-0.5), ("1", 1.0), ("0", 0.0), ("-512**-0.5", -(512**-0.5)))])  # fmt: skip
     add("attn_sink", [rep(call, sink=None), rep(call, sink=(0.0,)), rep(call, sink=(float("-inf"),))])
     add("lse_convention", [rep(call, lse_convention=c) for c in envelope.lse_conventions])
-    add("cache_form", [_replace_main(call, form=f) for f in ("nhd", "2d", "3d", "hnd")])
-    add("page_stride", [_replace_main(call, stride=s) for s in ("padded", "tight", 256)])
-    add("storage_offset", [_replace_main(call, layer=0, num_layers=1, canary=0), _replace_main(call, layer=0),
-                           _replace_main(call, layer=1, num_layers=max(2, m.num_layers))])  # fmt: skip
+    add("cache_form", [with_main(call, form=f) for f in ("nhd", "2d", "3d", "hnd")])
+    add("page_stride", [with_main(call, stride=s) for s in ("padded", "tight", 256)])
+    add("storage_offset", [with_main(call, layer=0, num_layers=1, canary=0), with_main(call, layer=0),
+                           with_main(call, layer=1, num_layers=max(2, m.num_layers))])  # fmt: skip
     if call.extra is not None:
         add("extra_storage_offset", [rep(call, extra=dataclasses.replace(call.extra, layer=0, num_layers=1, canary=0))])
     add("query_layout", [rep(call, strided_query=not call.strided_query)])
-    add(None, [_replace_main(call, wide=False, rope_exponent=0), rep(call, seed=0)])
+    add(None, [with_main(call, wide=False, rope_exponent=0), rep(call, seed=0)])
     return out
 
 
@@ -316,15 +311,13 @@ class SearchRun:
         """A covering call moved out of the regions found so far (and of known ones already
         confirmed), when one move of a dimension the region constrains does it (its other ends are
         still judged); else the call itself."""
-        from pytest_sparse_mla.covering import _fits
-
         region = self._inside(call)
         if region is None or (region.known and self._confirm_left.get(region.key, 0) > 0):
             return call  # outside every region, or the confirmation of a known one
         for dim, alts in moves(call, envelope):
             if dim in region.conditions:
                 for alt in alts:
-                    if self._inside(alt) is None and _fits(alt, envelope, device):
+                    if self._inside(alt) is None and covering.fits(alt, envelope, device):
                         return alt
         return call
 
@@ -413,8 +406,6 @@ class SearchRun:
 
     def _discover(self, prop: Callable[[Any], None], call: Any, exc: Exception, envelope: Envelope, device: str) -> None:
         """The region of a failure (module docstring, 3), then its smallest call's record."""
-        from pytest_sparse_mla.covering import _fits
-
         self._phase = "region-search"
         original = regions.features(call)
         conditions: dict[str, set[str]] = {}
@@ -422,7 +413,7 @@ class SearchRun:
         current = call
         phase = self._phase
         for dim, alts in moves(call, envelope):
-            fits = [a for a in alts if _fits(a, envelope, device)]
+            fits = [a for a in alts if covering.fits(a, envelope, device)]
             failing, passing = [], set()
             for alt in fits:
                 self.spent["region-search"] += 1
@@ -436,7 +427,7 @@ class SearchRun:
                     core[dim] = {original[dim]}
             simplest = fits[0] if fits and (dim != "query_layout" or call.strided_query) else None
             merged = _merge(current, simplest, call) if simplest is not None and simplest in failing else current
-            if _fits(merged, envelope, device) and self._inside(merged) is None:  # never into a known region
+            if covering.fits(merged, envelope, device) and self._inside(merged) is None:  # never into a known region
                 current = merged
         final = self._judge(prop, current)
         if final is None:  # the moves' merge lost the failure: keep the call as found
