@@ -502,7 +502,8 @@ def compare_output(
         total_err = float(err2.sum().sqrt())
         total_norm = float(e_norm.pow(2).sum().sqrt())
         worst_total = float(worst_row.pow(2).sum().sqrt())
-        total_bound = factor * (profile.overall_sigmas * float(rms2.sum().sqrt()) + worst_total) + TINY
+        flushed_total = float(flushed_row.pow(2).sum().sqrt())  # the rows' flush terms, as the per-row bound has them
+        total_bound = factor * (profile.overall_sigmas * float(rms2.sum().sqrt()) + worst_total + flushed_total) + TINY
         if total_norm > 0:
             rel, rel_bound = total_err / total_norm, total_bound / total_norm
             cos = float((a * e).sum() / (torch.linalg.vector_norm(a) * total_norm).clamp_min(1e-300))
