@@ -92,8 +92,12 @@ def read_xfail_file(path: Path) -> dict[str, Any]:
     for line in path.read_text().splitlines():
         stripped = line.strip()
         match = _DEFINITION.match(stripped)
+        if match and match["kind"].strip() == "region":  # where the search finds it (pytest_sparse_mla.regions)
+            definitions.setdefault(match["key"], {}).setdefault("regions", []).append(match["text"].strip())
+            continue
         if match:
-            definitions[match["key"]] = {"kind": match["kind"].strip(), "text": match["text"].strip()}
+            definitions[match["key"]] = {**definitions.get(match["key"], {}), "kind": match["kind"].strip(),
+                                         "text": match["text"].strip()}  # fmt: skip
             continue
         if not stripped or stripped.startswith("#"):
             continue

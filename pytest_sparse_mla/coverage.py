@@ -30,7 +30,7 @@ MARKER = "sparse_mla_error_class"
 INTENDED = "sparse_mla_intended"
 RAN = "sparse_mla_ran"
 FITTED = "sparse_mla_fitted"
-#: ``user_properties`` key of a search test's summary (``search.SearchRun.summary``).
+#: ``user_properties`` key of a search test's summary (``search_run.SearchRun.summary``).
 SEARCH = "sparse_mla_search"
 _KEY = pytest.StashKey["Coverage"]()
 

@@ -40,7 +40,11 @@ handler never runs. That method ends the process; :func:`start_thread_timer` (th
 return and the main thread's stack (under xdist, to the controller, which then treats the exit as
 above; without xdist, on the terminal, before pytest-timeout ends the session). With the ``signal``
 method (the CPU), pytest-timeout fails the test in place and :func:`note_timeout` adds the call to
-its message.
+its message. A limit that ends while the stack is inside a just-in-time build (Triton's compiler or
+autotuner, ``ptxas`` started by Triton's backend, TileLang's JIT, ``torch.utils.cpp_extension``;
+:func:`compiling_in`) says so instead ("the time limit ended inside Triton's autotuner compiling for
+a new shape: ..."): that time is compilation, not the kernel's run; a caller warms the kernel on a
+new shape outside the limited call (:func:`pytest_sparse_mla.search_speed.warm`).
 
 State is per process (one test at a time per process, as in :mod:`pytest_sparse_mla.recording`). Nothing
 here imports torch; :func:`context_fault` uses torch only when the process already imported it and
@@ -71,6 +75,7 @@ __all__ = [
     "begin_call",
     "begin_test",
     "call_summary",
+    "compiling_in",
     "context_error_of",
     "context_fault",
     "controller_start",
@@ -391,11 +396,94 @@ def note_timeout(call: pytest.CallInfo[Any]) -> None:
     exc = call.excinfo.value if call.excinfo is not None else None
     if not _is_timeout(exc):
         return
-    if "kernel call" in str(exc.msg):
+    if "kernel call" in str(exc.msg) or "the time limit ended inside" in str(exc.msg):
         return
-    what = "the kernel call that did not return" if _LAST is not None and not _LAST.returned else "last kernel call"
-    note = f"{what}: {_LAST.describe()}" if _LAST is not None else "no kernel call through the guard in this test"
+    compiling = compiling_in(_traceback_frames(call.excinfo.tb if call.excinfo is not None else None))
+    note = _kernel_words(compiling)
     exc.msg = f"{exc.msg} {note[0].upper()}{note[1:]}"
+
+
+# --- a limit that ends inside a compiler -----------------------------------------------------------
+
+#: ``(path fragment, function names or None for any, words)``, checked innermost frame first: the
+#: frames of a just-in-time build. A limit that ends inside one ended while a kernel was being
+#: compiled or tuned for a new shape, not while it ran. Paths use ``/`` (a backslash is replaced first).
+_COMPILERS: tuple[tuple[str, tuple[str, ...] | None, str], ...] = (
+    ("torch/utils/cpp_extension.py", None, "a torch.utils.cpp_extension JIT build (a C++/CUDA extension compiling)"),
+    ("/tilelang/", ("compile", "lower", "build", "jit", "_compile", "compile_and_load"), "TileLang's JIT build"),
+    ("/tilelang/jit/", None, "TileLang's JIT build"),
+    ("/tilelang/engine/", None, "TileLang's JIT build"),
+    ("triton/backends/", ("make_cubin", "make_ptx", "make_llir", "make_ttgir", "make_ttir", "make_amdgcn",
+                          "make_hsaco"), "Triton's compiler"),  # fmt: skip
+    ("triton/compiler/", None, "Triton's compiler"),
+    ("triton/runtime/jit.py", ("_do_compile", "compile", "warmup"), "Triton's compiler"),
+    ("triton/runtime/build.py", None, "Triton's compiler (building its launcher)"),
+)
+
+
+def _traceback_frames(tb: Any) -> list[Any]:
+    """The frames of a traceback, outermost first."""
+    frames = []
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    return frames
+
+
+def compiling_in(frames: list[Any]) -> str | None:
+    """Whether a stack (frame objects or ``traceback.FrameSummary`` s, outermost first) is inside a
+    just-in-time build, and which, in words: ``"Triton's autotuner compiling for a new shape"``
+    (frames under ``triton/runtime/autotuner.py`` with a compiler frame inside),
+    ``"Triton's autotuner benchmarking configurations for a new shape"`` (the autotuner without one),
+    ``"Triton's compiler compiling a kernel for a new shape"`` (``triton/compiler``, the backends'
+    ``make_*`` stages, ``triton/runtime/jit.py``'s compile), with ``", waiting for ptxas"`` when the
+    innermost frames are a subprocess started from the backend, ``"TileLang's JIT build"``,
+    ``"a torch.utils.cpp_extension JIT build ..."``; ``None`` otherwise.
+    """
+    paths: list[tuple[str, str]] = []
+    for f in frames:
+        if isinstance(f, traceback.FrameSummary):
+            paths.append((f.filename.replace("\\", "/"), f.name))
+        else:
+            paths.append((f.f_code.co_filename.replace("\\", "/"), f.f_code.co_name))
+    found: str | None = None
+    at = -1
+    for i in range(len(paths) - 1, -1, -1):  # innermost first
+        path, name = paths[i]
+        for fragment, names, words in _COMPILERS:
+            if fragment in path and (names is None or name in names):
+                found, at = words, i
+                break
+        if found:
+            break
+    tuner = any("triton/runtime/autotuner.py" in path for path, _ in paths)
+    if found is None:
+        return "Triton's autotuner benchmarking configurations for a new shape" if tuner else None
+    if not found.startswith("Triton"):
+        return found
+    inner = paths[at + 1 :]
+    ptxas = any(path.endswith("subprocess.py") for path, _ in inner)
+    what = "Triton's autotuner compiling for a new shape"
+    if not tuner:
+        what = "Triton's compiler compiling a kernel for a new shape"
+    if found != "Triton's compiler":
+        what += f" ({found.split('(', 1)[1]}" if "(" in found else ""
+    return what + (", waiting for ptxas (a subprocess)" if ptxas else "")
+
+
+def _kernel_words(compiling: str | None) -> str:
+    """What a timeout message says of the kernel call: the call that did not return, the test's
+    last call, or that the limit ended inside a compiler (``compiling``, :func:`compiling_in`)."""
+    if compiling is not None:
+        call = (f"the kernel call in flight: {_LAST.describe()}" if _LAST is not None and not _LAST.returned
+                else "no kernel call through the guard in flight")  # fmt: skip
+        return (f"the time limit ended inside {compiling}: compile and autotune time is not the kernel's run "
+                f"time (warm the kernel on this shape before the limited call: "
+                f"pytest_sparse_mla.search_speed.warm); {call}")  # fmt: skip
+    if _LAST is None:
+        return "no kernel call through the guard in this test"
+    what = "the kernel call that did not return" if not _LAST.returned else "last kernel call"
+    return f"{what}: {_LAST.describe()}"
 
 
 def _main_stack(limit: int = 12) -> str:
@@ -403,12 +491,14 @@ def _main_stack(limit: int = 12) -> str:
     return "".join(traceback.format_stack(frame, limit=limit)) if frame is not None else ""
 
 
+def _main_frames() -> list[Any]:
+    """The main thread's frames, outermost first."""
+    frame = sys._current_frames().get(threading.main_thread().ident or -1)
+    return [f for f, _ in traceback.walk_stack(frame)][::-1] if frame is not None else []
+
+
 def _timeout_message(item: pytest.Item, seconds: float) -> str:
-    if _LAST is None:
-        kernel = "no kernel call through the guard in this test"
-    else:
-        what = "the kernel call that did not return" if not _LAST.returned else "last kernel call"
-        kernel = f"{what}: {_LAST.describe()}"
+    kernel = _kernel_words(compiling_in(_main_frames()))
     worker = _is_worker(item.config)
     then = (
         "this xdist worker exits (pytest-timeout, thread method) and pytest-xdist starts a fresh one"

@@ -14,7 +14,10 @@ This module imports nothing.
 
 from __future__ import annotations
 
-__all__ = ["CapabilityMarkerError", "SparseMlaUsageError", "ToleranceSpecError"]
+__all__ = [
+    "CapabilityMarkerError", "Discrepancies", "KnownDiscrepancy", "NewDiscrepancy", "SparseMlaUsageError",
+    "ToleranceSpecError",
+]  # fmt: skip
 
 
 class SparseMlaUsageError(ValueError):
@@ -33,3 +36,20 @@ class ToleranceSpecError(SparseMlaUsageError):
 class CapabilityMarkerError(SparseMlaUsageError):
     """A capability marker (``sparse_mla_requires_*``) whose spec does not parse; the message starts
     with the test's node id (``pytest_sparse_mla.capabilities.unmet_markers``)."""
+
+
+class Discrepancies(AssertionError):
+    """A search test found discrepancies between the kernel and the oracle: the message lists each
+    distinct one (its key, its region, its shrunk call, the failed check and the likely cause).
+    Raised as one of its two subclasses (``pytest_sparse_mla.search_run.SearchRun``)."""
+
+
+class KnownDiscrepancy(Discrepancies):
+    """Every discrepancy the search found lies inside a region the xfail file declares
+    (``# [KEY] region: ...``, ``pytest_sparse_mla.regions``): an xfail entry of a search test
+    whose file declares regions expects this type (``pytest.mark.xfail(raises=...)``)."""
+
+
+class NewDiscrepancy(Discrepancies):
+    """At least one discrepancy the search found lies outside every known region: a failure even
+    where the test is listed in an xfail file that declares regions."""

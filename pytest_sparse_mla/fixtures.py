@@ -392,22 +392,30 @@ def sparse_mla_search_shard(request: pytest.FixtureRequest) -> int:
 def sparse_mla_search(
     request: pytest.FixtureRequest, sparse_mla_options: options.SparseMlaOptions, sparse_mla_search_shard: int
 ) -> Any:
-    """The Hypothesis run of a search test: a :class:`pytest_sparse_mla.search.SearchRun`.
+    """The search run of a search test: a :class:`pytest_sparse_mla.search_run.SearchRun`.
 
-    Use it inside the test: ``@given(call=search.calls(envelope, device))`` on an inner function
-    that calls ``sparse_mla_search.note(call, inputs)``, then ``sparse_mla_search.run(inner)``.
-    Budget from ``--sparse-mla-search-examples`` (default 8 calls; 0 skips the test),
-    ``--sparse-mla-search-seed`` (default: derandomized, no example database) and the shard
-    (``--sparse-mla-search-shards``, ``--sparse-mla-search-shard-group``: global shard ``k`` draws
-    from ``seed + k``; derandomized, each shard draws its own calls). What the run drew goes to
-    the test's ``user_properties`` (terminal summary "sparse-mla search", ``--sparse-mla-report-json``
-    ``"search"``). A test expected to fail (an ``xfail`` mark whose condition holds, e.g. from
-    ``--sparse-mla-xfail-file``; not under ``--runxfail``) is not shrunk (``SearchRun``'s ``shrink``).
+    Use it inside the test: write the property as a function of one drawn call that builds it
+    (``search.build``), records it (``sparse_mla_search.note(call, inputs)``) and raises on a
+    discrepancy, then ``sparse_mla_search.check(prop, envelope, device)``: the covering calls of
+    this shard (every end of every dimension the envelope admits), then
+    ``--sparse-mla-search-examples`` random draws (default 8; 0 skips the test) in rounds, each
+    distinct discrepancy shrunk and reported with its region (``pytest_sparse_mla.search_run``).
+    ``--sparse-mla-search-seed`` (default: derandomized, no example database); global shard ``k``
+    (``--sparse-mla-search-shards``, ``--sparse-mla-search-shard-group``) draws from ``seed + k``
+    (derandomized: a distinct seed per shard, ``shards.hypothesis_seed``) and takes every ``k``-th
+    covering call of all the matrix's shards.
+    The known regions are the ``# [KEY] region: ...`` lines of ``--sparse-mla-xfail-file``
+    (``pytest_sparse_mla.regions``). What the run drew goes to the test's ``user_properties``
+    (terminal summary "sparse-mla search", ``--sparse-mla-report-json`` ``"search"``). A test
+    expected to fail (an ``xfail`` mark whose condition holds; not under ``--runxfail``) whose
+    xfail file names no region stops at its first failing call, unshrunk.
+
+    A ``@given`` function can still be run as one round with ``sparse_mla_search.run(test)``.
 
     Skips the test when hypothesis is not installed or the budget is 0.
     """
     pytest.importorskip("hypothesis")
-    from pytest_sparse_mla import search
+    from pytest_sparse_mla import regions, search_run
 
     if sparse_mla_options.search_examples == 0:
         pytest.skip("--sparse-mla-search-examples=0: the search is off")
@@ -415,9 +423,11 @@ def sparse_mla_search(
     def keep(key: str, value: Any) -> None:
         request.node.user_properties.append((key, value))
 
-    return search.SearchRun(
+    known = regions.read_regions(sparse_mla_options.xfail_file) if sparse_mla_options.xfail_file else []
+    return search_run.SearchRun(
         sparse_mla_options.search_examples, sparse_mla_options.search_seed, sparse_mla_search_shard, keep,
-        shrink=not _expected_to_fail(request),
+        shrink=not _expected_to_fail(request), known=known, confirm=_expected_to_fail(request),
+        shards=sparse_mla_options.search_shards * (g.count if (g := sparse_mla_options.search_shard_group) else 1),
     )  # fmt: skip
 
 

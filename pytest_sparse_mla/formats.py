@@ -187,8 +187,10 @@ class CallFormat:
         default_envelope: whether the default envelope (``envelope.UNIVERSAL``, that of an
             implementation declaring none) takes it. V4.1 is left out: a kernel that reads its
             records declares it.
-        triton: whether the bundled reference's Triton kernel reads it (the DSV4 footer and DSV3.2
-            inline layouts); any other format runs on its torch backend.
+        triton: whether the bundled reference's Triton kernel reads its records in place (the DSV4
+            footer and DSV3.2 inline layouts). On CUDA the V4.1 records also run on the Triton
+            kernel, their candidate rows gathered and dequantized by batched torch ops first
+            (``attention._triton_forward.gather_records``); any other format runs on the torch backend.
         grid_model: the FlashInfer dispatch grid's model (``dispatch.grid.MODELS``) that judges the
             call: ``"DSV4"``, ``"DSV3_2"`` or ``"DSV4_1"`` (``ModelType::DSV4_1``; ``dispatch.format_model``
             picks ``"DSV4_1_INLINE"`` where the release reads inline records); ``None``: FlashInfer

@@ -82,6 +82,8 @@ class Dimension:
         fixed: what the fixed cases (``attention.cases``, the suites) draw.
         search: what the search (``pytest_sparse_mla.search``) draws, inside the implementation's
             envelope.
+        ends: the ends of the legal range every search run draws (``pytest_sparse_mla.covering``:
+            its covering calls, inside the envelope; its self-test reads a run's record of them).
     """
 
     name: str
@@ -89,6 +91,7 @@ class Dimension:
     source: str
     fixed: str
     search: str
+    ends: str = "-"
 
 
 _CONTRACT = "this package's contract (`attention.call.SparseMlaCall.read`, `Envelope`)"
@@ -101,6 +104,7 @@ DIMENSIONS: tuple[Dimension, ...] = (
         "`formats.CALL_FORMATS`; FlashMLA MODEL1/V32, flashinfer-python 0.7.2.post1 V4.1 reference",
         "all three",
         "every format of the envelope",
+        ends="every format of the envelope",
     ),
     Dimension(
         "num_tokens",
@@ -108,6 +112,7 @@ DIMENSIONS: tuple[Dimension, ...] = (
         "FlashInfer `_DECODE_MAX_TOKENS = 64` (`flashinfer/mla/_sparse_mla_sm120`)",
         "1, 2, 4, 8, 16, 63, 64, 65, 80, 128 (CUDA: up to 4096)",
         "1..64 and 65..96 (CPU), 65..300 (CUDA), 64 and 65 weighted, inside `[min_tokens, max_tokens]`",
+        ends="0, 1, 64 (decode), 65 and 512 (CUDA: 4096) (prefill), inside the envelope",
     ),
     Dimension(
         "num_heads",
@@ -115,6 +120,7 @@ DIMENSIONS: tuple[Dimension, ...] = (
         _CONTRACT + "; FlashMLA takes 64/128",
         "1, 5, 8, 16, 17, 32, 33, 64, 128",
         "1..40, 64, 128, 192, 256 (the envelope's list where it has one)",
+        ends="1, 17 (a partial tile of 16) and 256; the envelope's fewest and most",
     ),
     Dimension(
         "topk",
@@ -122,6 +128,7 @@ DIMENSIONS: tuple[Dimension, ...] = (
         _CONTRACT,
         "64..2048, mostly 128",
         "1..320 (CPU), 1..1100 (CUDA), rounded to the envelope's multiple",
+        ends="the narrowest and the widest row the envelope takes, up to 2048",
     ),
     Dimension(
         "topk_length",
@@ -129,6 +136,7 @@ DIMENSIONS: tuple[Dimension, ...] = (
         "FlashInfer `compressed_sparse_mla_reference`; FlashMLA `sparse_decode.h`",
         "none, 0, 100, 128, 133, 200 (one value for every token)",
         "none, or per token in `[-3, topk + 3]` (`row`: `[0, topk]`), 0 and `topk` weighted",
+        ends="0, the row width, and `-2**31`, `2**31 - 1` where any int32 is clamped",
     ),
     Dimension(
         "masked_lanes",
@@ -136,6 +144,7 @@ DIMENSIONS: tuple[Dimension, ...] = (
         _CONTRACT + "; FlashMLA decode masks only -1",
         "the trailing fraction of a row is -1",
         "trailing or scattered -1 (or -2, INT32_MIN where every negative masks), whole rows masked",
+        ends="whole rows, `-1`, `-2**31` (where every negative masks)",
     ),
     Dimension(
         "index_pattern",
@@ -143,6 +152,7 @@ DIMENSIONS: tuple[Dimension, ...] = (
         _CONTRACT,
         "uniform over the cache (duplicates by chance), slot 0 and the last slot avoided in the poison test",
         "uniform, few distinct slots (duplicates), the first and last slot, one page",
+        ends="the first and last slot; duplicates",
     ),
     Dimension(
         "stale_lanes",
@@ -150,6 +160,7 @@ DIMENSIONS: tuple[Dimension, ...] = (
         "flashinfer-ai/flashinfer #5193 (stale padding)",
         "`1 << 30`, or poisoned slots in one test",
         "`1 << 30`, a poisoned in-range slot, or -1, per lane",
+        ends="each filler",
     ),
     Dimension(
         "page_block_size",
@@ -157,6 +168,7 @@ DIMENSIONS: tuple[Dimension, ...] = (
         "`formats.parse_cache`; DeepSeek-V4 serves 256 (main) and 64/2 (C4/C128 extra)",
         "main 64, 128, 256; extra 2, 64",
         "main 1, 2, 3, 16, 48, 64, 96, 128, 256; extra 1, 2, 3, 4, 48, 64 (envelope's list)",
+        ends="1 and 256 per cache (the envelope's smallest and largest)",
     ),
     Dimension("num_pages", "any `>= 1`", _CONTRACT, "1..1024", "1..12 main, 1..64 extra (at least one slot per lane)"),
     Dimension(
@@ -165,6 +177,7 @@ DIMENSIONS: tuple[Dimension, ...] = (
         "FlashInfer `compressed_sparse_mla_reference` (`extra_k_cache`)",
         "C4 (page 64) and C128 (page 2)",
         "absent or present with its own width, page size, lengths, layout and magnitude",
+        ends="absent and present",
     ),
     Dimension(
         "value_exponent",
@@ -173,6 +186,7 @@ DIMENSIONS: tuple[Dimension, ...] = (
         "`(randn/10).clamp(-1,1)`, scaled by `2**-6`/`2**6` in two cases; `wide`: groups `2**-24..2**8`",
         f"per cache a power of two in `2**{VALUE_EXPONENTS[0]}..2**{VALUE_EXPONENTS[1]}`, RoPE separately, "
         "groups spread `2**-24..2**8` when `wide`",
+        ends="`2**-40` and `2**100`, NoPE and RoPE",
     ),
     Dimension(
         "score_spread",
@@ -180,6 +194,7 @@ DIMENSIONS: tuple[Dimension, ...] = (
         "the softmax",
         "about 0.01 (random), peaked 8 and 30",
         f"standard deviation {', '.join(str(s) for s in SCORE_SPREADS)} natural-log units",
+        ends="0 and 40",
     ),
     Dimension(
         "score_offset",
@@ -187,6 +202,7 @@ DIMENSIONS: tuple[Dimension, ...] = (
         "the softmax",
         "about 0",
         f"{', '.join(str(s) for s in SCORE_OFFSETS)} added to every logit of a row",
+        ends="-3000 and 3000",
     ),
     Dimension(
         "peak",
@@ -194,6 +210,7 @@ DIMENSIONS: tuple[Dimension, ...] = (
         "the softmax",
         "8 and 30",
         f"none, or one candidate {', '.join(str(p) for p in PEAKS)} above the others",
+        ends="100",
     ),
     Dimension(
         "sm_scale",
@@ -201,6 +218,7 @@ DIMENSIONS: tuple[Dimension, ...] = (
         "`SparseMlaCall.read`; DeepSeek-V3 `inference/model.py` (YaRN)",
         "`d_qk ** -0.5` only",
         f"{', '.join(SM_SCALES)}, and log-uniform `2**-12..2**4`",
+        ends="0, negative (beside the widest spread), `2**-12`, `2**4`",
     ),
     Dimension(
         "attn_sink",
@@ -208,6 +226,7 @@ DIMENSIONS: tuple[Dimension, ...] = (
         "OpenAI gpt-oss sinks; FlashInfer `compressed_sparse_mla_reference`",
         "`randn(H) * 2`, the median LSE +- 1, `-inf` on even heads",
         f"none, or per head `-inf` or the row LSE + {', '.join(str(s) for s in SINK_OFFSETS)}",
+        ends="`-inf`, the row LSE - 1000 and + 1000",
     ),
     Dimension(
         "lse_convention",
@@ -215,6 +234,7 @@ DIMENSIONS: tuple[Dimension, ...] = (
         "flashinfer-ai/flashinfer #5203, #4650; FlashMLA `flash_mla_interface.py`",
         "both, on 8-16 tokens (decode) only",
         "each the envelope honours, on both routes, `lse_scale` 1, ln 2, 0.5",
+        ends="each convention on both routes",
     ),
     Dimension(
         "cache_form",
@@ -222,6 +242,7 @@ DIMENSIONS: tuple[Dimension, ...] = (
         "`formats.FORMS`",
         "nhd mostly; one case each of the others",
         "any of the four, per cache",
+        ends="all four",
     ),
     Dimension(
         "page_stride",
@@ -229,6 +250,7 @@ DIMENSIONS: tuple[Dimension, ...] = (
         "`formats.page_stride_bytes`; FlashInfer's stride check",
         "tight and padded",
         "tight, padded, or padded + 16..256 bytes",
+        ends="tight, padded, padded + 256 B",
     ),
     Dimension(
         "storage_offset",
@@ -236,6 +258,7 @@ DIMENSIONS: tuple[Dimension, ...] = (
         "serving engines' per-layer pools (SGLang, vLLM)",
         "layer 1..3 of 2..4",
         "layer 0..3 of 1..4, with poisoned other layers and canary bytes before and after",
+        ends="the last layer of a 4-layer pool",
     ),
     Dimension(
         "query_layout",
@@ -243,13 +266,25 @@ DIMENSIONS: tuple[Dimension, ...] = (
         "a slice of a fused QKV projection",
         "one test: a head and token stride view",
         "contiguous, or a view with padded head and token strides",
+        ends="contiguous and strided",
+    ),
+    Dimension(
+        "scale_bytes",
+        "UE8M0 bytes 0..254, E4M3 scales 2**-9..448, positive finite fp32 scales (`formats.check_scales`)",
+        "OCP MX spec (E8M0); `formats.check_scales`",
+        "what the packer writes",
+        "what the packer writes, or every stored record's scales at the format's smallest or largest encodable "
+        "scale (`search.SCALE_ENDS`; with the largest, E4M3 codes of at most `3 * 2**-9` and at most 256 lanes)",
+        ends="each record format's smallest and largest encodable scale",
     ),
     Dimension(
         "pool_bytes",
         "page offsets past `2**31` bytes (pools larger than 2 GiB)",
         "an 80-141 GB GPU serving long contexts",
         "not drawn",
-        "not drawn yet: every drawn pool is small (recorded as `small`)",
+        "random draws: small pools (recorded as `small`)",
+        ends="CUDA: layer 59 of a 60-layer pool whose last read page starts past `2**31` bytes (2 GiB a call: "
+        "not on a CPU)",
     ),
 )
 
@@ -261,13 +296,15 @@ def markdown() -> str:
         "",
         "Generated from `pytest_sparse_mla/input_space.py` (`python -m pytest_sparse_mla.input_space`); a",
         "self-test compares this file with the model. The search (`suites/test_attention_search.py`,",
-        "`pytest_sparse_mla.search`) draws every call inside the implementation's `Envelope`.",
+        "`pytest_sparse_mla.search`) draws every call inside the implementation's `Envelope`; every run",
+        "first draws the ends of the last column (`pytest_sparse_mla.covering`; a self-test reads a",
+        "default run's record of them).",
         "",
-        "| dimension | legal range | source | fixed cases draw | the search draws |",
-        "| --- | --- | --- | --- | --- |",
+        "| dimension | legal range | source | fixed cases draw | the search draws | ends every run draws |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
     for d in DIMENSIONS:
-        lines.append(f"| `{d.name}` | {d.legal} | {d.source} | {d.fixed} | {d.search} |")
+        lines.append(f"| `{d.name}` | {d.legal} | {d.source} | {d.fixed} | {d.search} | {d.ends} |")
     return "\n".join(lines) + "\n"
 
 

@@ -29,6 +29,7 @@ __all__ = [
     "judged_call",
     "record_native",
     "recorded_calls",
+    "restore_calls",
     "set_result",
 ]
 
@@ -199,3 +200,9 @@ def set_result(rec: Any, output: Any, lse: Any) -> None:
     """Store a judged call's result in its record (no-op for ``None``)."""
     if rec is not None:
         rec.output, rec.lse = _snapshot(output), _snapshot(lse)
+
+
+def restore_calls(calls: list[RecordedCall]) -> None:
+    """Make ``calls`` the current test's recorded calls (a search run keeps the smallest call of
+    each distinct discrepancy it found, and hands them all to the reproducer writer)."""
+    _CALLS[:] = list(calls)

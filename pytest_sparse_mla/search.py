@@ -29,18 +29,21 @@ Imports torch and hypothesis (a ``test`` extra): only the search suite imports i
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import struct
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from hypothesis import strategies as st
 
-from pytest_sparse_mla import coverage, formats, input_space
+from pytest_sparse_mla import formats, input_space
 from pytest_sparse_mla.envelope import Envelope
 
 __all__ = [
-    "DrawnCache", "DrawnCall", "SearchInputs", "SearchRun", "build", "calls", "diagnose", "record", "unshrunk_phases",
+    "DrawnCache", "DrawnCall", "LARGEST_SCALE_LANES", "SCALE_ENDS", "SearchInputs", "build", "calls", "diagnose",
+    "next_step", "pool_class", "record", "rewritten_in_place", "unshrunk_phases",
 ]  # fmt: skip
 
 INT32_MIN = -(2**31)
@@ -48,6 +51,20 @@ INT32_MIN = -(2**31)
 #: that poison never-read cache bytes (E4M3 NaN ``0x7f`` / ``0xff``; as a UE8M0 scale ``0xff`` is NaN).
 POISON_BYTES: tuple[int, ...] = (0x7F, 0xFF)
 _STALE = 1 << 30
+#: The smallest and largest scale each scale encoding holds, as the bytes the builder writes
+#: (``DrawnCache.scale_end``): UE8M0 byte 0 (``2**-127``, a subnormal in fp32) and 254
+#: (``2**127``; 255 is NaN, OCP MX spec); fp32 ``2**-126`` (the smallest normal) and ``2**127``;
+#: E4M3 byte ``0x01`` (``2**-9``, its smallest subnormal) and ``0x7E`` (448, its largest finite).
+#: The most lanes (main + extra) a row may have when a cache holds the largest scales: with
+#: values up to ``1.5 * 2**119`` the unnormalised fp32 sum of 256 lanes stays below ``2**128``.
+LARGEST_SCALE_LANES = 256
+#: What the search draws for ``DrawnCache.scale_end`` (mostly the packer's own scales).
+_SCALE_DRAWS = ("none", "none", "none", "none", "smallest", "largest")
+SCALE_ENDS: dict[str, dict[str, bytes]] = {
+    "ue8m0": {"smallest": bytes([0]), "largest": bytes([254])},
+    "fp32": {"smallest": struct.pack("<f", 2.0**-126), "largest": struct.pack("<f", 2.0**127)},
+    "e4m3": {"smallest": bytes([0x01]), "largest": bytes([0x7E])},
+}
 
 
 @dataclass(frozen=True)
@@ -69,6 +86,10 @@ class DrawnCache:
         form, stride: tensor form; ``"tight"``, ``"padded"`` or extra bytes (an int) over padded.
         layer, num_layers: the cache is layer ``layer`` of a pool of ``num_layers`` (the others poison).
         canary: canary bytes before the cache in its allocation (the same count follows it).
+        scale_end: ``"none"`` (the scales the packer writes), or every scale of every stored record
+            rewritten to the format's ``"smallest"`` or ``"largest"`` encodable scale
+            (:data:`SCALE_ENDS`; with the largest, the codes are redrawn small enough that every
+            value stays below ``formats.NOPE_OVERFLOW``).
     """
 
     width: int
@@ -88,6 +109,7 @@ class DrawnCache:
     layer: int
     num_layers: int
     canary: int
+    scale_end: str = "none"
 
 
 @dataclass(frozen=True)
@@ -145,6 +167,7 @@ def _cache_words(name: str, c: DrawnCache) -> str:
         f"masked={c.masked_fraction:g}{'/scattered' if c.scattered else ''} ({c.mask_value}) {c.pattern} "
         f"stale={c.stale} 2**{c.value_exponent} rope 2**{c.rope_exponent}{' wide' if c.wide else ''} "
         f"{c.form}/{c.stride} layer {c.layer}/{c.num_layers} canary {c.canary}"
+        + ("" if c.scale_end == "none" else f" scales={c.scale_end}")
     )
 
 
@@ -206,6 +229,7 @@ def _cache(
         layer=draw(st.integers(0, num_layers - 1)),
         num_layers=num_layers,
         canary=draw(st.sampled_from([0, 256, 4096])),
+        scale_end=draw(st.sampled_from(_SCALE_DRAWS if width <= LARGEST_SCALE_LANES // 2 else _SCALE_DRAWS[:-1])),
     )
 
 
@@ -283,10 +307,11 @@ class SearchInputs:
         q: ``[T, H, d_qk]`` BF16 (a strided view when ``call.strided_query``).
         kv_cache, indices: the main cache (a view inside a canaried allocation) and ``[T, topk]`` int32.
         kwargs: the other keyword arguments of ``sparse_mla_forward``.
-        valid: ``[T, topk + extra_topk]`` bool, the lanes that attend (both caches).
+        valid: ``[T, topk + extra_topk]`` bool, the lanes that attend (both caches), on the device.
         storages: every input's whole allocation, as flat uint8 tensors (compared after the call).
-        before: CPU copies of ``storages`` taken before the call.
-        scores: ``[T, H, topk + extra_topk]`` float64 logits of the valid lanes (``-inf`` elsewhere).
+        before: copies of ``storages`` taken before the call, on the same device as each storage.
+        scores: ``[T, H, topk + extra_topk]`` float64 logits of the valid lanes (``-inf`` elsewhere),
+            on the device.
     """
 
     call: DrawnCall
@@ -301,33 +326,62 @@ class SearchInputs:
 
     def changed_inputs(self) -> list[str]:
         """The inputs whose allocation (canaries, poison and other layers included) changed since
-        :func:`build`, with the first changed byte offset."""
+        :func:`build`, with the first changed byte offset.
+
+        Compared where the storages live (no copy to the host); one host synchronisation when
+        nothing changed (the count of changed bytes of every input, read at once)."""
+        names = list(self.storages)
+        counts = [(self.storages[n] != self.before[n]).sum() for n in names]
+        if not counts:
+            return []
+        devices = {c.device for c in counts}
+        changed = (torch.stack(counts).tolist() if len(devices) == 1
+                   else [int(c) for c in counts])  # fmt: skip
         out = []
-        for name, storage in self.storages.items():
-            now = storage.cpu()
-            diff = (now != self.before[name]).nonzero()
-            if diff.numel():
-                out.append(f"{name} (byte {int(diff[0, 0])} of its allocation, {diff.shape[0]} bytes changed)")
+        for name, n in zip(names, changed, strict=True):
+            if n:
+                first = int((self.storages[name] != self.before[name]).nonzero()[0, 0])
+                out.append(f"{name} (byte {first} of its allocation, {n} bytes changed)")
         return out
+
+
+def _page_byte_masks(f: formats.PackedFormat, ps: int, page_bytes: int, slots: torch.Tensor) -> torch.Tensor:
+    """``[P, page_bytes]`` bool: the bytes of each page a reader uses for the slots ``slots``
+    (``[P, ps]`` bool), by ``formats.token_byte_ranges``; on ``slots``' device.
+
+    Vectorised form of those ranges: the footer layout (DSV4) keeps token ``t``'s data row
+    ``[t*row, (t+1)*row)`` and its ``num_scales`` scale bytes ``[ps*row + 8t, ps*row + 8t + num_scales)``;
+    an inline layout keeps ``[t*B, (t+1)*B)``; every other byte (page padding, the scale records'
+    unread bytes) is ``False``."""
+    P = slots.shape[0]
+    mask = torch.zeros((P, page_bytes), dtype=torch.bool, device=slots.device)
+    if f.layout == "footer":
+        row = f.data_bytes_per_token
+        mask[:, : ps * row] = slots.unsqueeze(-1).expand(P, ps, row).reshape(P, ps * row)
+        scales = torch.zeros((P, ps, 8), dtype=torch.bool, device=slots.device)
+        scales[..., : f.num_scales] = slots.unsqueeze(-1)
+        mask[:, ps * row : ps * row + ps * 8] = scales.reshape(P, ps * 8)
+    else:
+        b = f.bytes_per_token
+        mask[:, : ps * b] = slots.unsqueeze(-1).expand(P, ps, b).reshape(P, ps * b)
+    return mask
 
 
 def _token_byte_mask(f: formats.PackedFormat, ps: int, page_bytes: int, slots: torch.Tensor) -> torch.Tensor:
     """``[page_bytes]`` bool: the bytes of one page a reader uses for the slots ``slots`` (``[ps]``
-    bool), by ``formats.token_byte_ranges``."""
-    mask = torch.zeros(page_bytes, dtype=torch.bool)
-    for t in slots.nonzero().flatten().tolist():
-        for lo, hi in formats.token_byte_ranges(f, ps, t):
-            mask[lo:hi] = True
-    return mask
+    bool), by ``formats.token_byte_ranges`` (one page of :func:`_page_byte_masks`)."""
+    return _page_byte_masks(f, ps, page_bytes, slots.reshape(1, ps))[0]
 
 
 def _source(c: DrawnCache, f: formats.PackedFormat, g: torch.Generator, bias: torch.Tensor | None) -> torch.Tensor:
-    """BF16 ``[P, ps, d_qk]`` latent rows of one cache: ``randn / 10`` (+ the shared key component),
-    NoPE times ``2**value_exponent`` (and per-group ``wide`` magnitudes), RoPE times ``2**rope_exponent``."""
+    """BF16 ``[P, ps, d_qk]`` latent rows of one cache, on ``g``'s device: ``randn / 10`` (+ the shared
+    key component), NoPE times ``2**value_exponent`` (and per-group ``wide`` magnitudes), RoPE times
+    ``2**rope_exponent``."""
     shape = (c.num_pages, c.page_block_size, f.d_qk)
-    x = (torch.randn(shape, generator=g, dtype=torch.float64) / 10).clamp(-1, 1)
+    dev = g.device
+    x = (torch.randn(shape, generator=g, dtype=torch.float64, device=dev) / 10).clamp(-1, 1)
     if c.wide:
-        groups = torch.randint(-24, 9, (*shape[:-1], f.d_qk // 64, 1), generator=g).to(torch.float64)
+        groups = torch.randint(-24, 9, (*shape[:-1], f.d_qk // 64, 1), generator=g, device=dev).to(torch.float64)
         x = (x.reshape(*shape[:-1], f.d_qk // 64, 64) * torch.exp2(groups)).reshape(shape)
     exponent = c.value_exponent
     if f.code == "e2m1":  # E2M1 with E4M3 group scales holds magnitudes 2**-10 .. 6 * 448 only
@@ -341,28 +395,56 @@ def _source(c: DrawnCache, f: formats.PackedFormat, g: torch.Generator, bias: to
     return x.to(torch.bfloat16)
 
 
+def _rewrite_scales(packed: torch.Tensor, f: formats.PackedFormat, c: DrawnCache, g: torch.Generator) -> None:
+    """Set every scale of every record of ``packed`` (the ``[P, stride]`` 2-D form, in place) to the
+    format's ``c.scale_end`` scale (:data:`SCALE_ENDS`). With ``"largest"`` and E4M3 codes, the codes
+    are redrawn among E4M3's three smallest subnormals (``1..3 * 2**-9``, either sign): a value is
+    then at most ``1.5 * 2**119``, so a row of at most :data:`LARGEST_SCALE_LANES` lanes sums to a
+    finite fp32 number before the softmax's normalisation, as every split-K kernel accumulates it."""
+    P, ps = c.num_pages, c.page_block_size
+    value = torch.tensor(list(SCALE_ENDS[f.scale_kind][c.scale_end]), dtype=torch.uint8, device=packed.device)
+    width = value.numel()
+    pages = packed.as_strided((P, ps * f.bytes_per_token), (packed.stride(0), 1), packed.storage_offset())
+    if f.layout == "footer":
+        start = ps * f.data_bytes_per_token
+        records = pages[:, start : start + ps * f.scale_bytes_per_token].reshape(P, ps, f.scale_bytes_per_token)
+        scales = records[..., : f.num_scales * width]
+        codes = pages[:, :start].reshape(P, ps, f.data_bytes_per_token)[..., : f.code_bytes_per_token]
+    else:
+        rows = pages.reshape(P, ps, f.bytes_per_token)
+        scales = rows[..., f.code_bytes_per_token : f.code_bytes_per_token + f.num_scales * width]
+        codes = rows[..., : f.code_bytes_per_token]
+    scales.copy_(value.repeat(f.num_scales).expand_as(scales))
+    if c.scale_end == "largest" and f.code == "e4m3" and f.scale_kind != "e4m3":
+        drawn = torch.randint(0, 6, tuple(codes.shape), generator=g, dtype=torch.int32, device=g.device)
+        codes.copy_(((drawn % 2) * 0x80 | (drawn // 2 + 1)).to(torch.uint8))
+
+
 def _indices(
     c: DrawnCache, T: int, slots: int, g: torch.Generator, empty: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """``(indices, lengths, valid)`` of one cache before stale lanes are filled (they hold ``-1``)."""
+    """``(indices, lengths, valid)`` of one cache before stale lanes are filled (they hold ``-1``),
+    on ``g``'s device."""
     W = c.width
+    dev = g.device
     if c.pattern == "few":
-        pool = torch.randint(0, slots, (3,), generator=g)
-        idx = pool[torch.randint(0, 3, (T, W), generator=g)]
+        pool = torch.randint(0, slots, (3,), generator=g, device=dev)
+        idx = pool[torch.randint(0, 3, (T, W), generator=g, device=dev)]
     elif c.pattern == "one-page":
-        page = int(torch.randint(0, max(1, slots // c.page_block_size), (1,), generator=g))
-        idx = page * c.page_block_size + torch.randint(0, min(c.page_block_size, slots), (T, W), generator=g)
+        page = int(torch.randint(0, max(1, slots // c.page_block_size), (1,), generator=g, device=dev))
+        idx = page * c.page_block_size + torch.randint(0, min(c.page_block_size, slots), (T, W), generator=g,
+                                                       device=dev)  # fmt: skip
     else:
-        idx = torch.randint(0, slots, (T, W), generator=g)
+        idx = torch.randint(0, slots, (T, W), generator=g, device=dev)
         if c.pattern == "ends":
             idx[:, 0::3] = 0
             idx[:, 1::3] = slots - 1
     masked = int(round(W * c.masked_fraction))
     if c.scattered:
-        order = torch.argsort(torch.rand((T, W), generator=g), dim=1)
+        order = torch.argsort(torch.rand((T, W), generator=g, device=dev), dim=1)
         mask = order < masked
     else:
-        mask = torch.zeros((T, W), dtype=torch.bool)
+        mask = torch.zeros((T, W), dtype=torch.bool, device=dev)
         mask[:, W - masked :] = masked > 0
     mask |= empty.unsqueeze(1)
     idx = torch.where(mask, torch.full_like(idx, c.mask_value), idx)
@@ -370,9 +452,9 @@ def _indices(
     lengths = None
     if c.lengths is not None:
         lo, hi = c.lengths
-        lengths = torch.randint(lo, hi + 1, (T,), generator=g)
+        lengths = torch.randint(lo, hi + 1, (T,), generator=g, device=dev)
         lengths = torch.where(empty, torch.zeros_like(lengths), lengths)
-        past = torch.arange(W).unsqueeze(0) >= lengths.clamp(0, W).unsqueeze(1)
+        past = torch.arange(W, device=dev).unsqueeze(0) >= lengths.clamp(0, W).unsqueeze(1)
         valid &= ~past
         idx = torch.where(past, torch.full_like(idx, -1), idx)
     return idx.to(torch.int64), lengths, valid
@@ -382,21 +464,20 @@ def _place(
     packed: torch.Tensor, c: DrawnCache, f: formats.PackedFormat, keep: torch.Tensor, poison: int,
     g: torch.Generator, device: torch.device,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """The packed cache (``[P, stride]`` CPU pages) with every byte not read for the slots in
-    ``keep`` (``[P * ps]`` bool) poisoned, as layer ``c.layer`` of a pool of ``c.num_layers``
-    (other layers poison) inside one allocation with ``c.canary`` random bytes before and after it.
-    Returns ``(view in c.form, the whole allocation)``."""
+    """The packed cache (``[P, stride]`` pages, on ``g``'s device) with every byte not read for the
+    slots in ``keep`` (``[P * ps]`` bool) poisoned, as layer ``c.layer`` of a pool of ``c.num_layers``
+    (other layers poison) inside one allocation with ``c.canary`` random bytes before and after it,
+    on ``device``. Returns ``(view in c.form, the whole allocation)``."""
     P, stride = int(packed.shape[0]), int(packed.stride(0))
-    pages = packed.as_strided((P, stride), (stride, 1), packed.storage_offset()).clone()
+    pages = packed.as_strided((P, stride), (stride, 1), packed.storage_offset())
     ps = c.page_block_size
-    for p in range(P):
-        used = _token_byte_mask(f, ps, stride, keep[p * ps : (p + 1) * ps])
-        pages[p][~used] = poison
-    pool = torch.full((P, c.num_layers * stride), poison, dtype=torch.uint8)
+    used = _page_byte_masks(f, ps, stride, keep.reshape(P, ps))
+    pages = pages.masked_fill(~used, poison)
+    pool = torch.full((P, c.num_layers * stride), poison, dtype=torch.uint8, device=pages.device)
     pool[:, c.layer * stride : (c.layer + 1) * stride] = pages
-    pre = torch.randint(0, 256, (c.canary,), generator=g, dtype=torch.uint8)
-    flat = torch.cat([pre, pool.flatten(), torch.randint(0, 256, (c.canary,), generator=g, dtype=torch.uint8)])
-    flat = flat.to(device)
+    pre = torch.randint(0, 256, (c.canary,), generator=g, dtype=torch.uint8, device=g.device)
+    post = torch.randint(0, 256, (c.canary,), generator=g, dtype=torch.uint8, device=g.device)
+    flat = torch.cat([pre, pool.flatten(), post]).to(device)
     view = flat.as_strided((P, stride), (c.num_layers * stride, 1), c.canary + c.layer * stride)
     return formats.as_form(view, f, ps, c.form), flat
 
@@ -408,32 +489,43 @@ def _stale(
     if lengths is None:
         return idx
     W = idx.shape[1]
-    past = torch.arange(W).unsqueeze(0) >= lengths.clamp(0, W).unsqueeze(1)
+    past = torch.arange(W, device=idx.device).unsqueeze(0) >= lengths.clamp(0, W).unsqueeze(1)
     if c.stale == "1<<30":
         fill = torch.full_like(idx, _STALE)
     elif c.stale == "poisoned-slot" and bool((~keep).any()):
         free = (~keep).nonzero().flatten()
-        fill = free[torch.randint(0, free.numel(), idx.shape, generator=g)]
+        fill = free[torch.randint(0, free.numel(), idx.shape, generator=g, device=g.device)]
     else:
         fill = torch.full_like(idx, -1)
     return torch.where(past, fill, idx)
 
 
+def _generator(call: DrawnCall, device: torch.device | str = "cpu") -> torch.Generator:
+    """The generator :func:`build` draws ``call``'s tensors from: seeded with ``call.seed``, on the
+    CPU for a CPU build and on the CUDA device for a CUDA build (the same call gives the same bytes
+    on one device type every time; a CUDA build's bytes differ from a CPU build's)."""
+    device = torch.device(device)
+    return torch.Generator(device=device if device.type == "cuda" else "cpu").manual_seed(call.seed)
+
+
 def build(call: DrawnCall, device: torch.device | str = "cpu") -> SearchInputs:
-    """The tensors of ``call`` on ``device`` (drawn on the CPU from ``call.seed``).
+    """The tensors of ``call`` on ``device``, drawn from ``call.seed`` by :func:`_generator` (on the
+    CPU for a CPU build, on the GPU for a CUDA build: there the tensors are drawn and placed where
+    they are used, with a few host synchronisations).
 
     Raises:
         ValueError: as ``formats.quantize_pack`` (never for a call :func:`calls` drew).
     """
     device = torch.device(device)
-    g = torch.Generator().manual_seed(call.seed)
+    g = _generator(call, device)
+    dev = g.device  # where the tensors are drawn and computed
     main_fmt, extra_fmt = formats.cache_formats(call.fmt)
     T, H = call.num_tokens, call.num_heads
     d = main_fmt.d_qk
     bias = None
     if call.score_offset:  # a key component every cache row shares: the queries' offset direction
-        bias = torch.randn(64, generator=g, dtype=torch.float64).sign() * 8
-    empty = torch.rand(T, generator=g) < call.empty_fraction
+        bias = torch.randn(64, generator=g, dtype=torch.float64, device=dev).sign() * 8
+    empty = torch.rand(T, generator=g, device=dev) < call.empty_fraction
     parts = []
     for c, f in ((call.main, main_fmt), (call.extra, extra_fmt)):
         if c is None:
@@ -444,6 +536,8 @@ def build(call: DrawnCall, device: torch.device | str = "cpu") -> SearchInputs:
             else formats.page_stride_bytes(f, c.page_block_size, "padded") + c.stride
         )  # fmt: skip
         packed = formats.quantize_pack(source, f, page_stride=stride_spec, form="2d")
+        if c.scale_end != "none":
+            _rewrite_scales(packed, f, c, g)
         table = (
             formats.unpack_dequantize(
                 formats.as_form(packed, f, c.page_block_size, "nhd"), f, page_block_size=c.page_block_size
@@ -453,8 +547,9 @@ def build(call: DrawnCall, device: torch.device | str = "cpu") -> SearchInputs:
         )
         slots = c.num_pages * c.page_block_size
         idx, lengths, valid = _indices(c, T, slots, g, empty)
-        keep = torch.zeros(slots, dtype=torch.bool)
-        keep[idx[valid]] = True
+        keep = torch.zeros(slots + 1, dtype=torch.bool, device=dev)  # the last entry takes invalid lanes
+        keep.index_fill_(0, torch.where(valid, idx, slots).flatten(), True)
+        keep = keep[:slots]
         idx = _stale(c, idx, lengths, keep, g)
         cache, flat = _place(packed, c, f, keep, call.poison, g, device)
         parts.append((c, f, cache, flat, idx, lengths, valid, table))
@@ -465,7 +560,7 @@ def build(call: DrawnCall, device: torch.device | str = "cpu") -> SearchInputs:
     scores = scores.masked_fill(~valid.unsqueeze(1), -math.inf)
     storages: dict[str, torch.Tensor] = {}
     if call.strided_query:
-        wide = torch.full((T + 1, H + 3, d + 64), float("nan"), dtype=torch.bfloat16)
+        wide = torch.full((T + 1, H + 3, d + 64), float("nan"), dtype=torch.bfloat16, device=dev)
         wide[:T, :H, :d] = q
         wide = wide.to(device)
         q_dev = wide[:T, :H, :d]
@@ -497,8 +592,41 @@ def build(call: DrawnCall, device: torch.device | str = "cpu") -> SearchInputs:
     for name in ("topk_length", "extra_topk_length", "attn_sink"):
         if name in kwargs:
             storages[name] = kwargs[name].view(torch.uint8).flatten()
-    before = {name: s.cpu().clone() for name, s in storages.items()}
+    before = {name: s.clone() for name, s in storages.items()}
     return SearchInputs(call, q_dev, main_cache, indices, kwargs, valid, storages, before, scores)
+
+
+def next_step(call: DrawnCall, step: int) -> DrawnCall:
+    """The call a serving engine makes ``step`` steps after ``call`` on the same buffers: the same
+    shapes, scalars and layout, new contents (queries, cache bytes, indices, lengths, sink), drawn
+    from another seed."""
+    return dataclasses.replace(call, seed=(call.seed + 7919 * step) % (2**31))
+
+
+def rewritten_in_place(target: SearchInputs, source: SearchInputs) -> SearchInputs:
+    """``target``'s buffers holding ``source``'s contents: every allocation of ``source`` (queries,
+    caches with their canaries and other layers, indices, lengths, sink) copied byte for byte into
+    ``target``'s, in place, as a serving engine rewrites its persistent buffers between two calls
+    (the next decode step, a CUDA-graph replay). Both must come from calls of the same shapes
+    (:func:`next_step`).
+
+    Returns:
+        The inputs of the next call: ``target``'s tensors, ``source``'s call, valid lanes, scores
+        and pre-call bytes.
+
+    Raises:
+        ValueError: an allocation of another size (the calls' shapes differ).
+    """
+    for name, storage in target.storages.items():
+        other = source.storages[name]
+        if other.numel() != storage.numel():
+            raise ValueError(f"{name}: {other.numel()} bytes cannot be written into {storage.numel()}")
+        storage.copy_(other)
+    kwargs = {k: (target.kwargs[k] if isinstance(v, torch.Tensor) else v) for k, v in source.kwargs.items()}
+    return dataclasses.replace(
+        source, q=target.q, kv_cache=target.kv_cache, indices=target.indices, kwargs=kwargs,
+        storages=target.storages, before={n: b.clone() for n, b in source.before.items()},
+    )  # fmt: skip
 
 
 def _queries(
@@ -506,16 +634,17 @@ def _queries(
     direction: torch.Tensor | None,
 ) -> torch.Tensor:  # fmt: skip
     """BF16 ``[T, H, d]`` queries whose logits over the valid lanes have the drawn spread, offset and
-    peak (per token and head; exact before the BF16 rounding of the queries)."""
+    peak (per token and head; exact before the BF16 rounding of the queries), on ``keys``' device."""
     T, H = call.num_tokens, call.num_heads
-    base = torch.randn((T, H, d), generator=g, dtype=torch.float64)
+    dev = keys.device
+    base = torch.randn((T, H, d), generator=g, dtype=torch.float64, device=dev)
     base = base / base.norm(dim=-1, keepdim=True)
     scale = call.sm_scale[1]
     if scale == 0.0 or not bool(valid.any()):
         return (base * 8).to(torch.bfloat16)
     w = valid.double().unsqueeze(1)  # [T, 1, N]
     n = w.sum(-1).clamp(min=1)  # [T, 1]
-    unit = torch.zeros(d, dtype=torch.float64)
+    unit = torch.zeros(d, dtype=torch.float64, device=dev)
     unit[-64:] = direction if direction is not None else 0.0
     unit = unit / unit.norm().clamp(min=1e-300)
     if direction is not None:  # the spread comes from the other dims: the BF16 rounding of the queries
@@ -532,9 +661,9 @@ def _queries(
         beta = torch.where(along.abs() > 0, (call.score_offset - alpha * mean) / safe, 0.0)  # [T, H]
         q = q + beta.unsqueeze(-1) * unit
     if call.peak:
-        lanes = valid.double() + torch.rand(valid.shape, generator=g, dtype=torch.float64) * 0.5
+        lanes = valid.double() + torch.rand(valid.shape, generator=g, dtype=torch.float64, device=dev) * 0.5
         pick = lanes.argmax(-1)  # a valid lane per token (the same for every head of the token)
-        pick = (pick.unsqueeze(1) + torch.arange(H).unsqueeze(0)) % valid.shape[1]
+        pick = (pick.unsqueeze(1) + torch.arange(H, device=dev).unsqueeze(0)) % valid.shape[1]
         k = keys.gather(1, pick.unsqueeze(-1).expand(-1, -1, d))  # [T, H, d]
         norm2 = (k * k).sum(-1, keepdim=True)
         bump = torch.where(norm2 > 0, call.peak / (scale * norm2.clamp(min=1e-300)), torch.zeros_like(norm2))
@@ -550,13 +679,15 @@ def _queries(
 
 
 def _sink(call: DrawnCall, scores: torch.Tensor) -> torch.Tensor:
-    """``[H]`` fp32: head ``h`` gets ``call.sink[h % len]`` plus the median over tokens of its LSE
-    without sink (natural log; 0 where every row of the head is empty)."""
+    """``[H]`` fp32 on ``scores``' device: head ``h`` gets ``call.sink[h % len]`` plus the median over
+    tokens of its LSE without sink (natural log; 0 where every row of the head is empty)."""
     lse = torch.logsumexp(scores, dim=-1)  # [T, H]
     lse = torch.where(torch.isfinite(lse), lse, torch.nan)
-    median = lse.nanmedian(dim=0).values.nan_to_num(nan=0.0)
+    median = (lse.nanmedian(dim=0).values.nan_to_num(nan=0.0) if lse.shape[0]
+              else torch.zeros(call.num_heads, dtype=torch.float64, device=scores.device))  # fmt: skip
     sink = call.sink or (0.0,)
-    offsets = torch.tensor([sink[h % len(sink)] for h in range(call.num_heads)], dtype=torch.float64)
+    offsets = torch.tensor([sink[h % len(sink)] for h in range(call.num_heads)], dtype=torch.float64,
+                           device=scores.device)  # fmt: skip
     return (median + offsets).to(torch.float32)
 
 
@@ -592,13 +723,24 @@ def record(call: DrawnCall, inputs: SearchInputs | None = None) -> dict[str, Any
         "page_stride": str(m.stride),
         "storage_offset": f"layer{m.layer}/{m.num_layers}",
         "query_layout": "strided" if call.strided_query else "contiguous",
-        "pool_bytes": "small",
+        "scale_bytes": m.scale_end if e is None else f"{m.scale_end}/{e.scale_end}",
+        "pool_bytes": pool_class(call),
     }
     if inputs is not None:
         finite = inputs.scores[torch.isfinite(inputs.scores)]
         if finite.numel():
             out["realized_max_logit"] = float(finite.abs().max())
     return out
+
+
+def pool_class(call: DrawnCall) -> str:
+    """``"past-2**31"`` when a page of the main cache starts ``2**31`` bytes or more after the view's
+    first byte (a pool of many layers: page ``p`` lies ``p * num_layers * page_stride`` bytes in), else
+    ``"small"``: the offsets an int32 page address overflows on."""
+    m = call.main
+    f = formats.cache_formats(call.fmt)[0]
+    stride = formats.page_stride_bytes(f, m.page_block_size, "padded")
+    return "past-2**31" if (m.num_pages - 1) * m.num_layers * stride >= 2**31 else "small"
 
 
 def _relative(a: torch.Tensor, b: Any) -> float:
@@ -679,10 +821,10 @@ def _where(output: torch.Tensor, inputs: SearchInputs, oracle: Any) -> list[str]
     lines: list[str] = []
     if not bool(bad.any()):
         return lines
-    empty = ~inputs.valid.any(-1)  # [T]
+    empty = ~inputs.valid.any(-1).cpu()  # [T]
     nonfinite = ~torch.isfinite(out).all(-1)
     if bool(nonfinite.any()):
-        finite = inputs.scores[torch.isfinite(inputs.scores)]
+        finite = inputs.scores[torch.isfinite(inputs.scores)].cpu()
         largest = float(finite.abs().max()) if finite.numel() else 0.0
         lines.append(f"{int(nonfinite.sum())} rows hold NaN/Inf: a poisoned byte (an unreferenced slot, page "
                      "padding, another layer, a stale lane past topk_length) or a masked lane was read, or "
@@ -697,7 +839,7 @@ def _where(output: torch.Tensor, inputs: SearchInputs, oracle: Any) -> list[str]
         lines.append(f"only heads {heads[:8]}{'...' if len(heads) > 8 else ''} of {call.num_heads} are wrong")
     if "attn_sink" in inputs.kwargs:
         sink = inputs.kwargs["attn_sink"].double().cpu()
-        lse = torch.logsumexp(inputs.scores, -1)
+        lse = torch.logsumexp(inputs.scores.cpu(), -1)
         dominated = (sink.unsqueeze(0) > lse + 5) & torch.isfinite(sink).unsqueeze(0)
         if bool(dominated.any()) and bool((bad & dominated).sum() * 2 >= bad.sum()):
             lines.append("the wrong rows are mostly those whose sink dominates the scores (sink > LSE + 5)")
@@ -712,65 +854,3 @@ def unshrunk_phases() -> list[Any]:
     from hypothesis import Phase
 
     return [p for p in Phase if p not in (Phase.shrink, Phase.explain)]
-
-
-class SearchRun:
-    """The Hypothesis run of one search test (the ``sparse_mla_search`` fixture).
-
-    Args:
-        examples: calls to draw (``max_examples``).
-        seed: ``None``: derandomized, no example database; else the seed of this shard's run
-            (``seed + shard``), with Hypothesis's default example database.
-        shard: this test's shard index.
-        keep: called as ``keep(coverage.SEARCH, summary)`` when the run ends (the test's
-            ``user_properties``), pass or fail.
-        shrink: ``False`` for a test expected to fail (an xfail mark, e.g. from an xfail file): the
-            first failing call is reported as drawn, without Hypothesis's shrink and explain
-            phases, which rerun the kernel tens of times for a verdict already known (a strict
-            XPASS still shows a fix). A failure the run did not expect is always shrunk.
-    """
-
-    def __init__(self, examples: int, seed: int | None, shard: int, keep: Any, shrink: bool = True) -> None:
-        self.examples, self.seed, self.shard, self.keep, self.shrink = examples, seed, shard, keep, shrink
-        self.drawn: list[dict[str, Any]] = []
-        self.failed = False
-
-    def note(self, call: DrawnCall, inputs: SearchInputs | None = None) -> None:
-        """Record one drawn call (every call built, shrinking included)."""
-        self.drawn.append(record(call, inputs))
-
-    def settings(self) -> Any:
-        """The Hypothesis ``settings`` of this run."""
-        from hypothesis import HealthCheck, settings
-
-        extra: dict[str, Any] = {"database": None} if self.seed is None else {}
-        if not self.shrink:
-            extra["phases"] = unshrunk_phases()
-        return settings(
-            max_examples=self.examples, derandomize=self.seed is None, deadline=None, print_blob=True,
-            suppress_health_check=list(HealthCheck), **extra,
-        )  # fmt: skip
-
-    def run(self, test: Any) -> None:
-        """Run the ``@given`` function ``test`` under :meth:`settings` (and this shard's seed)."""
-        import hypothesis
-
-        test = self.settings()(test)
-        # The shard's seed (seed + shard; derandomized: a distinct one per shard): shards.hypothesis_seed.
-        from pytest_sparse_mla.shards import hypothesis_seed
-
-        shard_seed = hypothesis_seed(self.seed, self.shard, test)
-        if shard_seed is not None:
-            test = hypothesis.seed(shard_seed)(test)
-        try:
-            test()
-        except BaseException:
-            self.failed = True
-            raise
-        finally:
-            self.keep(coverage.SEARCH, self.summary())
-
-    def summary(self) -> dict[str, Any]:
-        """``{"calls", "failed", "seed", "dims": {name: {"min", "max"} | {"values": {v: n}}}}``."""
-        return {"calls": len(self.drawn), "failed": int(self.failed), "seed": self.seed,
-                "dims": coverage.merge_dims(self.drawn)}  # fmt: skip

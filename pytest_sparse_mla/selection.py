@@ -46,6 +46,7 @@ from pathlib import Path
 import pytest
 
 from pytest_sparse_mla import options
+from pytest_sparse_mla.regions import read_regions
 
 __all__ = [
     "SelectionEntry",
@@ -205,12 +206,18 @@ def apply_selection(
     *,
     xfail: Sequence[SelectionEntry] = (),
     skip: Sequence[SelectionEntry] = (),
+    regions: bool = False,
 ) -> list[SelectionEntry]:
     """Mark the items listed in ``xfail`` / ``skip``; return the entries that matched nothing.
 
     The first matching entry of each list gives the reason (file and line). Items are marked in
-    place (``item.add_marker``).
+    place (``item.add_marker``). With ``regions`` (the xfail file declares known regions,
+    ``pytest_sparse_mla.regions``), a listed search test (one using the ``sparse_mla_search``
+    fixture) expects only :class:`~pytest_sparse_mla.errors.KnownDiscrepancy`: a discrepancy
+    outside every known region fails it.
     """
+    from pytest_sparse_mla.errors import KnownDiscrepancy
+
     matched: set[int] = set()
     groups = (("xfail", list(xfail)), ("skip", list(skip)))
     for item in items:
@@ -220,7 +227,9 @@ def apply_selection(
                 if any(test_id.startswith(entry.prefix) for test_id in ids):
                     matched.add(id(entry))
                     reason = f"listed in --sparse-mla-{kind}-file ({entry.where})"
-                    if kind == "xfail":
+                    if kind == "xfail" and regions and "sparse_mla_search" in getattr(item, "fixturenames", ()):
+                        item.add_marker(pytest.mark.xfail(reason=reason, raises=KnownDiscrepancy))
+                    elif kind == "xfail":
                         item.add_marker(pytest.mark.xfail(reason=reason))
                     else:
                         item.add_marker(pytest.mark.skip(reason=reason))
@@ -236,7 +245,9 @@ def apply_files(config: pytest.Config, items: list[pytest.Item]) -> None:
         return
     xfail = read_id_file(opts.xfail_file) if opts.xfail_file is not None else []
     skip = read_id_file(opts.skip_file) if opts.skip_file is not None else []
-    unmatched = apply_selection(items, xfail=xfail, skip=skip)
+    with options.usage_errors():  # a malformed region line
+        regions = bool(opts.xfail_file is not None and read_regions(opts.xfail_file))
+    unmatched = apply_selection(items, xfail=xfail, skip=skip, regions=regions)
     shipped = bool(unmatched) and bool(shipped_suite_items(items))
     for entry in unmatched:
         kind = "xfail" if any(entry is e for e in xfail) else "skip"

@@ -14,7 +14,7 @@ shard ``g`` draws from seed ``S + g``; without one (derandomized), shard 0 draws
 derandomized calls (a hash of the test function) and shard ``g > 0`` from a fixed seed derived from
 the test function's name and ``g``, the same in every run and every process.
 
-:func:`merge_summaries` merges the search summaries (``search.SearchRun.summary``: one per test
+:func:`merge_summaries` merges the search summaries (``search_run.SearchRun.summary``: one per test
 shard) of a session, and the merged summaries of several sessions (``--sparse-mla-report-json``'s
 ``"search"``, ``sparse-mla-report``), keeping keys it does not know by their shape.
 
@@ -169,6 +169,19 @@ def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _is_counts(value: Any) -> bool:
+    """A dict of counts, or of dicts of counts (the search's ``spent`` and ``ends``)."""
+    return isinstance(value, dict) and all(_is_count(v) or _is_counts(v) for v in value.values())
+
+
+def _add_counts(target: dict[str, Any], counts: Mapping[str, Any]) -> None:
+    for name, n in counts.items():
+        if isinstance(n, Mapping):
+            _add_counts(target.setdefault(name, {}), n)
+        else:
+            target[name] = target.get(name, 0) + n
+
+
 def _merge_list(values: Iterable[list[Any]]) -> list[Any]:
     """Concatenated; a dict with a ``"key"`` string that an earlier dict has is folded into it (the
     earlier one's other fields kept; when either has a ``"count"``, the counts added, a dict without
@@ -192,7 +205,7 @@ def _merge_list(values: Iterable[list[Any]]) -> list[Any]:
 
 def merge_summaries(summaries: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     """One search summary of several: the summaries of single test shards
-    (``search.SearchRun.summary``: ``calls``, ``failed``, ``seed``, ``dims``) or summaries already
+    (``search_run.SearchRun.summary``: ``calls``, ``failed``, ``seed``, ``dims``) or summaries already
     merged (a run report's ``"search"``, which adds ``tests``), from one session or several machines.
 
     Returns:
@@ -201,7 +214,7 @@ def merge_summaries(summaries: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
         ``seed`` and every key the merge does not know by its shape: a list is concatenated (its
         dicts with a ``"key"`` string deduplicated by that key, their ``"count"`` summed: a
         discrepancy found by several shards is listed once, its first ``region`` kept; a dict without
-        a ``"count"`` counts 1 where the other has one); a dict of integers is summed per key
+        a ``"count"`` counts 1 where the other has one); a dict of integers (or of such dicts) is summed per key
         (counts); anything else is kept when every summary that has it agrees, else ``None`` (a
         count meant to be summed belongs in a dict of counts).
     """
@@ -220,11 +233,10 @@ def merge_summaries(summaries: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
         values = [s[key] for s in summaries if key in s]
         if all(isinstance(v, list) for v in values):
             out[key] = _merge_list(values)
-        elif all(isinstance(v, dict) and all(_is_count(n) for n in v.values()) for v in values):
-            counts: dict[str, int] = {}
+        elif all(_is_counts(v) for v in values):
+            counts: dict[str, Any] = {}
             for v in values:
-                for name, n in v.items():
-                    counts[name] = counts.get(name, 0) + n
+                _add_counts(counts, v)
             out[key] = counts
         else:
             out[key] = values[0] if all(v == values[0] for v in values) else None

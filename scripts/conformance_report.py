@@ -194,11 +194,16 @@ def discrepancies_markdown(doc: dict[str, Any], results: Path, notes: dict[str, 
             tests = sorted({str(r["nodeid"]).split("::", 1)[-1] for r in held})
             native = sum(1 for r in held if r.get("native"))
             out += [f"### [{d['key']}] {d['kind']}", "", d["text"], ""]
+            if d.get("regions"):  # the search's known regions (pytest_sparse_mla.regions): no call is made inside
+                out.append("* regions the search does not draw in: " + "; ".join(f"`{r}`" for r in d["regions"]))
             out.append(f"* xfailed tests: {d['xfailed_tests']} (of {len(ids)} listed)")
             if held:
                 more = f" and {len(tests) - 4} more" if len(tests) > 4 else ""
                 shown = ", ".join(f"`{t}`" for t in tests[:4]) + more
                 out.append(f"* reproducers that hold: {len(held)} ({native} call the peer directly): {shown}")
+            elif not ids and d.get("regions"):
+                out.append("* reproducers: none yet (no test lists it: the search finds it inside its region; a run "
+                           "of the search with --sparse-mla-repro-dir writes one)")
             elif not ids:
                 out.append("* reproducers: none (no test lists it: a convention the suites never ask about)")
             else:

@@ -18,8 +18,9 @@ try:  # hypothesis is a test extra; the suites that use it import it with import
 except ImportError:  # pragma: no cover
     settings = None
 else:
-    settings.register_profile(
+    settings.register_profile(  # on Hypothesis's default profile, not on whatever is loaded at import
         "sparse_mla",
+        parent=settings.get_profile("default"),
         derandomize=True,
         deadline=None,
         max_examples=40,

@@ -15,6 +15,12 @@ conventions, cache forms, page strides, per-layer views and strided queries):
   ``topk_length`` name poisoned slots or hold stale padding: none reaches the output.
 * **Nothing written outside the outputs**: every input's whole allocation (canary bytes before and
   after each cache, the other layers of its pool, the queries' padding) is unchanged by the call.
+* **Call sequences on the same buffers**: the call is made, then its buffers (queries, caches,
+  indices, lengths, sink) are rewritten in place with the contents of the next step's call of the
+  same shapes (``search.next_step``, ``search.rewritten_in_place``) and the kernel is called again,
+  twice: each call is judged in full against the oracle of what its buffers hold now. A kernel
+  that keeps state between calls (a plan, a dequantized cache or lengths keyed by a buffer's
+  address) must answer as one that does not.
 * **Lane order and padding**: the same call with each row's valid lanes permuted (within its
   length) and the row padded with ``-1`` lanes (to a width the envelope takes) is judged in full
   the same way: a kernel whose answer depends on where a lane sits (a row ended at its first
@@ -36,18 +42,19 @@ import torch
 
 pytest.importorskip("hypothesis")
 
-from hypothesis import given  # noqa: E402
-
-from pytest_sparse_mla import recording, search  # noqa: E402
+from pytest_sparse_mla import search  # noqa: E402
 from pytest_sparse_mla.attention import oracle_forward  # noqa: E402
 from pytest_sparse_mla.guard import check_result_shapes  # noqa: E402
 
 pytestmark = [pytest.mark.sparse_mla_needs("sparse_mla_forward"), pytest.mark.sparse_mla_error_class("search")]
 
 
-def _judge(impl: object, inputs: search.SearchInputs, tol: object) -> None:
-    """One drawn call against the oracle, its inputs and its empty rows (module docstring)."""
+def _judge(impl: object, inputs: search.SearchInputs, tol: object, run: object = None) -> None:
+    """One drawn call against the oracle, its inputs and its empty rows (module docstring); ``run``
+    (the ``sparse_mla_search`` fixture) first warms the kernel on a shape it has not met (CUDA)."""
     call = inputs.call
+    if run is not None:
+        run.warm(impl, inputs)
     res = impl.sparse_mla_forward(inputs.q, inputs.kv_cache, inputs.indices, **inputs.kwargs)
     changed = inputs.changed_inputs()
     assert not changed, f"the call wrote into its inputs: {'; '.join(changed)}\ncall: {call.describe()}"
@@ -70,14 +77,12 @@ def _judge(impl: object, inputs: search.SearchInputs, tol: object) -> None:
 def test_a_drawn_call_matches_the_oracle(
     sparse_mla_impl, sparse_mla_envelope, sparse_mla_tolerances, sparse_mla_device, sparse_mla_search
 ):
-    @given(call=search.calls(sparse_mla_envelope, sparse_mla_device.type))
     def drawn(call: search.DrawnCall) -> None:
-        recording.begin_test()  # the reproducer is the last (shrunk) example's call
         inputs = search.build(call, sparse_mla_device)
         sparse_mla_search.note(call, inputs)
-        _judge(sparse_mla_impl, inputs, sparse_mla_tolerances)
+        _judge(sparse_mla_impl, inputs, sparse_mla_tolerances, sparse_mla_search)
 
-    sparse_mla_search.run(drawn)
+    sparse_mla_search.check(drawn, sparse_mla_envelope, sparse_mla_device.type)
 
 
 def _reorder(indices: torch.Tensor, lengths: torch.Tensor | None, generator: torch.Generator) -> torch.Tensor:
@@ -104,9 +109,7 @@ def test_a_drawn_call_does_not_depend_on_lane_order_or_padding(
 ):
     env = sparse_mla_envelope
 
-    @given(call=search.calls(env, sparse_mla_device.type))
     def drawn(call: search.DrawnCall) -> None:
-        recording.begin_test()
         inputs = search.build(call, sparse_mla_device)
         sparse_mla_search.note(call, inputs)
         g = torch.Generator().manual_seed(call.seed + 1)
@@ -114,6 +117,26 @@ def test_a_drawn_call_does_not_depend_on_lane_order_or_padding(
         moved = _padded(_reorder(inputs.indices, kw.get("topk_length"), g), env.topk)
         if "extra_indices" in kw:
             kw["extra_indices"] = _padded(_reorder(kw["extra_indices"], kw.get("extra_topk_length"), g), env.extra_topk)
-        _judge(sparse_mla_impl, dataclasses.replace(inputs, indices=moved, kwargs=kw), sparse_mla_tolerances)
+        moved_inputs = dataclasses.replace(inputs, indices=moved, kwargs=kw)
+        _judge(sparse_mla_impl, moved_inputs, sparse_mla_tolerances, sparse_mla_search)
 
-    sparse_mla_search.run(drawn)
+    sparse_mla_search.check(drawn, env, sparse_mla_device.type, covering=False)
+
+
+def test_a_call_sequence_on_the_same_buffers_matches_fresh_calls(
+    sparse_mla_impl, sparse_mla_envelope, sparse_mla_tolerances, sparse_mla_device, sparse_mla_search
+):
+    def drawn(call: search.DrawnCall) -> None:
+        buffers = search.build(call, sparse_mla_device)
+        sparse_mla_search.note(call, buffers)
+        _judge(sparse_mla_impl, buffers, sparse_mla_tolerances, sparse_mla_search)
+        for step in (1, 2):
+            fresh = search.build(search.next_step(call, step), sparse_mla_device)
+            sparse_mla_search.note(fresh.call, fresh)
+            try:
+                _judge(sparse_mla_impl, search.rewritten_in_place(buffers, fresh), sparse_mla_tolerances)
+            except AssertionError as exc:
+                raise AssertionError(f"call {step + 1} of a sequence on the same buffers (call 1 passed): {exc}") from None
+
+    sparse_mla_search.check(drawn, sparse_mla_envelope, sparse_mla_device.type, covering=False,
+                            examples=max(1, sparse_mla_search.examples // 4))  # three calls per draw

@@ -148,6 +148,10 @@ def _modules_under(paths: list[Path]) -> list[str]:
     return names
 
 
+#: The Hypothesis profile of :func:`unshrunk`.
+UNSHRUNK_PROFILE = "sparse-mla-gate-unshrunk"
+
+
 @contextmanager
 def unshrunk() -> Iterator[None]:
     """Hypothesis's loaded profile without the shrink and explain phases while the block runs: the
@@ -159,8 +163,11 @@ def unshrunk() -> Iterator[None]:
 
     previous = getattr(settings, "get_current_profile_name", lambda: "default")()
     parent = settings.get_profile(previous)
-    settings.register_profile("sparse-mla-gate-unshrunk", parent=parent, phases=unshrunk_phases())
-    settings.load_profile("sparse-mla-gate-unshrunk")
+    # Derandomized like the suites' own profile (suites/conftest.py), which an inner session loads unless
+    # its command line names a profile: run() names this one while it is loaded.
+    settings.register_profile(UNSHRUNK_PROFILE, parent=parent, phases=unshrunk_phases(), derandomize=True,
+                              deadline=None)  # fmt: skip
+    settings.load_profile(UNSHRUNK_PROFILE)
     try:
         yield
     finally:
@@ -197,6 +204,10 @@ def run(
         for folder in reversed(list(syspath)):
             patch.syspath_prepend(str(folder))
         patch.setattr(cases, "make_inputs", memoized_inputs(cases.make_inputs, INPUTS))
+        from hypothesis import settings
+
+        if settings.get_current_profile_name() == UNSHRUNK_PROFILE:  # the suites' conftest loads its own else
+            args = [*args, "--hypothesis-profile", UNSHRUNK_PROFILE]
         try:
             ret = pytest.main(args, plugins=plugins)
         finally:

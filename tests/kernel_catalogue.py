@@ -128,6 +128,7 @@ OUTSIDE_FLASHMLA: dict[str, str] = {
     "extra_only_minus_one_masked": "the envelope itself declares masked_indices='minus_one' (FlashMLA's decode)",
     "partial_tile_dropped": "the envelope takes widths that are multiples of 64 only: no row has a partial tile",
     "main_length_unclamped": "the envelope declares topk_length_range='row': no length lies beyond its row",
+    "length_near_int32_max_wraps": "the envelope declares topk_length_range='row': no length lies near the int32 limits",
 }
 #: Suffix of the module attribute that gives a catalogue kernel with FlashMLA's envelope.
 FLASHMLA_SUFFIX = "__flashmla"
@@ -900,6 +901,107 @@ def _first_occurrences(indices: torch.Tensor, length: torch.Tensor | None) -> to
     repeat[:, 1:] = order.values[:, 1:] == order.values[:, :-1]
     dup = torch.zeros_like(valid).scatter(1, order.indices, repeat)
     return torch.where(dup & valid, -1, idx).to(indices.dtype)
+
+
+# =================================================================================================
+# Wrong kernels that only the search finds: wrong only at an end of a legal range, wrong only on a
+# second call on the same buffers, or wrong in two independent ways at once
+# =================================================================================================
+
+
+def _copy_of_view(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (a view, maybe strided, into a larger allocation) as the same view over a copy of its
+    whole allocation: the same shape, strides and storage offset, other bytes."""
+    base = torch.empty(t.untyped_storage().nbytes(), dtype=torch.uint8, device=t.device)
+    base.copy_(torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage()))
+    return base.as_strided(t.shape, t.stride(), t.storage_offset() * t.element_size())
+
+
+@wrong(
+    "prefill tiles of 256 tokens: when num_tokens is a multiple of 256 the last token's output is not "
+    "written (the tile count is (T - 1) // 256 where it must be ceil(T / 256))",
+    "off-by-one tile counts of prefill grids; reached only at a large power-of-two token count",
+)
+class last_prefill_tile_dropped(_WrapsReference):
+    def sparse_mla_forward(self, q, kv_cache, indices, **kw):
+        res = self._reference(q, kv_cache, indices, **kw)
+        T = int(q.shape[0])
+        if T >= 256 and T % 256 == 0:
+            out = res.output.clone()
+            out[-1] = 0
+            return _replace(res, output=out)
+        return res
+
+
+@wrong(
+    "a DSV4 UE8M0 scale byte 0 (2**-127, a subnormal in fp32) is decoded as 0 (the scale is built "
+    "by shifting the byte into an fp32 exponent field, which has no subnormals): the group's values vanish",
+    "UE8M0 decoders that build the float from the exponent bits (OCP MX spec: E8M0 byte 0 is 2**-127)",
+)
+class smallest_ue8m0_scale_flushed(_WrapsReference):
+    def sparse_mla_forward(self, q, kv_cache, indices, **kw):
+        fmt = kw.get("fmt", "dsv4")
+        if formats.call_format_name(fmt) != "dsv4":
+            return self._reference(q, kv_cache, indices, **kw)
+        cache = _copy_of_view(kv_cache)
+        layout = formats.parse_cache(cache, formats.DSV4, page_block_size=kw.get("page_block_size"))
+        pages = formats.page_bytes_view(cache, layout)
+        P, ps, f = layout.num_pages, layout.page_block_size, formats.DSV4
+        start = ps * f.data_bytes_per_token
+        scales = pages[:, start : start + ps * 8].reshape(P, ps, 8)[..., : f.num_scales]
+        codes = pages[:, :start].reshape(P, ps, f.data_bytes_per_token)[..., : f.d_nope].reshape(P, ps, 7, 64)
+        codes.masked_fill_((scales == 0).unsqueeze(-1), 0)
+        return self._reference(q, cache, indices, **kw)
+
+
+@wrong(
+    "topk_length rounded up to the tile in int32 ((len + 63) & ~63 wraps for len > 2**31 - 64): a length "
+    "near the top of the int32 range reads as negative, so the row attends to nothing",
+    "int32 arithmetic on lengths the contract admits (any int32, clamped to [0, topk])",
+)
+class length_near_int32_max_wraps(_WrapsReference):
+    def sparse_mla_forward(self, q, kv_cache, indices, **kw):
+        for name in ("topk_length", "extra_topk_length"):
+            lengths = kw.get(name)
+            if isinstance(lengths, torch.Tensor):
+                kw[name] = torch.where(lengths.long() > 2**31 - 64, torch.zeros_like(lengths), lengths)
+        return self._reference(q, kv_cache, indices, **kw)
+
+
+@wrong(
+    "state kept between calls: the cache is read (dequantized) once per buffer address and shape and "
+    "reused by later calls on the same buffer, so a cache rewritten in place between two decode steps "
+    "is not seen",
+    "kernels and plans keyed by a buffer's data_ptr (CUDA-graph replays rewrite buffers in place)",
+)
+class cache_reused_by_address(_WrapsReference):
+    def __init__(self) -> None:
+        self._seen: dict[tuple[Any, ...], torch.Tensor] = {}
+
+    def sparse_mla_forward(self, q, kv_cache, indices, **kw):
+        key = (kv_cache.data_ptr(), tuple(kv_cache.shape), tuple(kv_cache.stride()), kv_cache.untyped_storage().nbytes())
+        if key not in self._seen:
+            if len(self._seen) >= 4:
+                self._seen.pop(next(iter(self._seen)))
+            self._seen[key] = _copy_of_view(kv_cache)
+        return self._reference(q, self._seen[key], indices, **kw)
+
+
+@wrong(
+    "two independent bugs: queries read as if contiguous (a strided query view reads its neighbours' "
+    "elements: frequent, and at the covering calls' ends) and, above 16 heads in a count that is not a "
+    "multiple of 16, the last head of the partial head tile not written (rarer, and at no end)",
+    "the search's multi-bug demonstration: one run must report both",
+)
+class two_bugs_strided_q_and_partial_head_tile(_WrapsReference):
+    def sparse_mla_forward(self, q, kv_cache, indices, **kw):
+        res = self._reference(_as_if_contiguous(q), kv_cache, indices, **kw)
+        H = int(q.shape[1])
+        if H > 16 and H % 16:
+            out = res.output.clone()
+            out[:, -1] = 0
+            return _replace(res, output=out)
+        return res
 
 
 # =================================================================================================

@@ -266,3 +266,15 @@ def test_an_expected_search_failure_is_not_shrunk_and_an_unexpected_one_is(
         assert drawn is not None, output[-3000:]
         calls.append(int(drawn.group(1)))
     assert calls[0] <= 8 < calls[1], calls
+
+
+class StridedQueryBug:
+    """A wrong kernel with one bug: the queries are read as if contiguous (a strided view reads its
+    neighbours' elements), otherwise the bundled reference."""
+
+    name = "strided-query-bug"
+    compute_mode = "bf16"
+
+    def sparse_mla_forward(self, q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, **kw: object):
+        flat = torch.as_strided(q, q.shape, torch.empty(q.shape).stride(), q.storage_offset())
+        return sparse_mla_forward(flat, kv_cache, indices, **kw)

@@ -26,7 +26,11 @@ from pytest_sparse_mla.errors import SparseMlaUsageError
 
 ROOT = Path(__file__).resolve().parents[1]
 SEARCH_SUITE = ROOT / "suites" / "test_attention_search.py"
-PROPERTIES = ("test_a_drawn_call_matches_the_oracle", "test_a_drawn_call_does_not_depend_on_lane_order_or_padding")
+PROPERTIES = (
+    "test_a_call_sequence_on_the_same_buffers_matches_fresh_calls",
+    "test_a_drawn_call_matches_the_oracle",
+    "test_a_drawn_call_does_not_depend_on_lane_order_or_padding",
+)
 
 #: A search test that records, per shard, its seed and shard and the integers Hypothesis drew.
 RECORDING_TEST = """

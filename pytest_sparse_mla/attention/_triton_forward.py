@@ -11,7 +11,9 @@ Per block of tokens (all of a decode call):
    ``formats.unpack_dequantize``, as a BF16 row (DSV4: the 512 values, each an E4M3 code times a
    power of two or a RoPE value, so a BF16 number; DSV3.2: the 512 codes as BF16 and the 64 RoPE
    values, with the four fp32 scales beside). Only valid lanes are read and written: the work is
-   proportional to the candidates, not to the caches.
+   proportional to the candidates, not to the caches. DeepSeek-V4.1 records
+   (:func:`reads_records_in_torch`) are gathered by :func:`gather_records` instead (batched torch
+   operations: each lane's record, dequantized, as a BF16 row, exact) and attended as DSV4 rows.
 2. ``_attention_kernel``: one program per (token, group of heads) walks the token's candidates in
    chunks of ``chunk`` lanes (main row, then extra row), each chunk from an empty state in tiles
    of :data:`LANE_TILE`; it decides each lane's validity itself (index ``>= 0``, position ``<
@@ -51,7 +53,9 @@ __all__ = [
     "SPLIT_BELOW_WAVES",
     "CacheGeometry",
     "cache_geometry",
+    "gather_records",
     "gather_rows",
+    "reads_records_in_torch",
     "sparse_mla",
     "split_chunks",
 ]
@@ -644,6 +648,80 @@ def _gather(
     )  # fmt: skip
 
 
+def reads_records_in_torch(f: object) -> bool:
+    """Whether the candidates of a cache of record format ``f`` (a ``formats.PackedFormat``) are
+    gathered by :func:`gather_records` (torch operations) rather than :func:`_gather_kernel`: the
+    DeepSeek-V4.1 records (inline, 512 dims, no RoPE part, every value a BF16 number). Their rows
+    are then attended like DSV4 rows (512 BF16 values, ``V = K``)."""
+    return (
+        f.layout == "inline"  # type: ignore[attr-defined]
+        and f.d_rope == 0  # type: ignore[attr-defined]
+        and f.d_qk == 512  # type: ignore[attr-defined]
+        and f.bf16_exact  # type: ignore[attr-defined]
+    )
+
+
+#: Lanes a step of :func:`gather_records` dequantizes at once (its fp32 temporaries, about 6 KiB a
+#: lane, stay below 200 MiB).
+_RECORD_LANES = 32768
+
+
+def _dequantize_records(records: torch.Tensor, f: object) -> torch.Tensor:
+    """``[n, 512]`` fp32: the records ``[n, bytes_per_token]`` (uint8) of a V4.1 record format
+    dequantized, the same values as ``formats.unpack_dequantize``: ``e4m3(code) * 2**(byte - 127)``
+    (SWA) or ``e2m1(code) * e4m3(scale)`` (indexed; E2M1 decoded arithmetically, exactly the values
+    of ``formats.E2M1_VALUES`` with code 8 as ``-0.0``, so nothing is copied from the host and the
+    call stays capturable in a CUDA graph)."""
+    n = int(records.shape[0])
+    code_end = f.code_bytes_per_token  # type: ignore[attr-defined]
+    num_scales, group = f.num_scales, f.group_size  # type: ignore[attr-defined]
+    codes = records[:, :code_end]
+    scale_bytes = records[:, code_end : code_end + f.scale_bytes_per_token]  # type: ignore[attr-defined]
+    if f.code == "e2m1":  # type: ignore[attr-defined]
+        nibbles = torch.stack([codes & 0x0F, codes >> 4], dim=-1).reshape(n, 512)
+        mag = (nibbles & 7).to(torch.float32)  # 0..7 -> 0, .5, 1, 1.5 | 2, 3 | 4, 6 (exact)
+        value = torch.where(mag < 4, mag * 0.5, torch.where(mag < 6, mag - 2, (mag - 4) * 2))
+        value = torch.where(nibbles >= 8, -value, value)
+    else:
+        value = codes.contiguous().view(torch.float8_e4m3fn).to(torch.float32)
+    if f.scale_kind == "ue8m0":  # type: ignore[attr-defined]
+        exponents = scale_bytes[:, :num_scales].to(torch.int32) - 127
+        scale = torch.ldexp(torch.ones_like(exponents, dtype=torch.float32), exponents)
+    else:  # e4m3
+        scale = scale_bytes.contiguous().view(torch.float8_e4m3fn).to(torch.float32)
+    return (value.reshape(n, num_scales, group) * scale.unsqueeze(-1)).reshape(n, 512)
+
+
+def gather_records(
+    cache: torch.Tensor, layout: object, indices: torch.Tensor, out: torch.Tensor
+) -> None:
+    """Write lane ``j`` of token ``t`` of ``indices`` (``[n, topk]``), dequantized, into ``out[t, j]``
+    (``[n, topk, 512]`` BF16, exact: :func:`reads_records_in_torch`), for a cache of V4.1 records
+    with its ``formats.CacheLayout``. A lane whose index is negative or past the cache gets a zero
+    row (no byte of it is read); the lengths are not looked at (the attention kernel decides
+    validity itself and reads only valid lanes). Batched torch operations, in steps of at most
+    :data:`_RECORD_LANES` lanes; no host synchronisation."""
+    from pytest_sparse_mla import formats
+
+    f = layout.fmt  # type: ignore[attr-defined]
+    ps = int(layout.page_block_size)  # type: ignore[attr-defined]
+    num_slots = int(layout.num_tokens)  # type: ignore[attr-defined]
+    pages = formats.page_bytes_view(cache, layout)  # type: ignore[arg-type]
+    tokens = pages.reshape(pages.shape[0], ps, int(layout.token_stride))[..., : f.bytes_per_token]  # type: ignore[attr-defined]
+    n, topk = int(indices.shape[0]), int(indices.shape[1])
+    if n == 0 or topk == 0:
+        return
+    step = max(1, _RECORD_LANES // topk)
+    for t0 in range(0, n, step):
+        t1 = min(n, t0 + step)
+        idx = indices[t0:t1].to(torch.int64)
+        ok = (idx >= 0) & (idx < num_slots)
+        flat = torch.where(ok, idx, 0).reshape(-1)
+        records = tokens[flat // ps, flat % ps]  # [lanes, bytes_per_token]
+        values = _dequantize_records(records, f).masked_fill_(~ok.reshape(-1, 1), 0.0)
+        out[t0:t1].copy_(values.view(t1 - t0, topk, 512))
+
+
 def gather_rows(kv_cache: torch.Tensor, geometry: CacheGeometry, rows: torch.Tensor, dsv4: bool) -> torch.Tensor:
     """Tokens of a packed cache dequantized by the forward's own gather kernel (for self-tests).
 
@@ -718,7 +796,10 @@ def sparse_mla(
             :func:`split_chunks`. Both give the same bits.
     """
     main, extra = call.main, call.extra
-    dsv4 = main.layout.fmt.layout == "footer"
+    # DSV4 footer records and V4.1 records (gathered by torch operations) are attended alike: rows
+    # of 512 BF16 values, V = K.
+    records = reads_records_in_torch(main.layout.fmt)
+    dsv4 = main.layout.fmt.layout == "footer" or records
     flashmla_lse = call.lse_convention == "flashmla"
     lse_multiplier = _LOG2E * call.lse_scale
     sm_scale, attn_sink = call.sm_scale, call.attn_sink
@@ -727,13 +808,15 @@ def sparse_mla(
     num_tokens, num_heads, _ = (int(v) for v in q.shape)
     if num_tokens == 0:
         return
-    g = cache_geometry(main.layout)
+    g = _NO_CACHE if records else cache_geometry(main.layout)
     kv_cache, indices, topk = main.cache, main.indices, main.topk
     if extra is None:
         extra_kv_cache, extra_indices, extra_topk, x = kv_cache, indices, 0, _NO_CACHE
     else:
         extra_kv_cache, extra_indices, extra_topk = extra.cache, extra.indices, extra.topk
-        x = cache_geometry(extra.layout)
+        x = _NO_CACHE if records else cache_geometry(extra.layout)
+    num_main = min(int(main.layout.num_tokens), _INT32_MAX)
+    num_extra = min(int(extra.layout.num_tokens), _INT32_MAX) if extra is not None else 0
     lanes_total = topk + extra_topk
     main_chunks = triton.cdiv(topk, chunk)
     num_chunks = main_chunks + triton.cdiv(extra_topk, chunk)
@@ -750,13 +833,19 @@ def sparse_mla(
         n = t1 - t0
         length = main.topk_length[t0:t1] if main.topk_length is not None else None
         xlength = extra.topk_length[t0:t1] if extra is not None and extra.topk_length is not None else None
-        _gather(kv_cache, g, indices[t0:t1], length, extra_kv_cache, x, extra_indices[t0:t1], xlength,
-                extra_topk, dsv4, rows, scales)  # fmt: skip
+        if records:  # V4.1: torch operations, the same rows as the gather kernel would write
+            lanes = rows[: n * lanes_total].view(n, lanes_total, 512)
+            gather_records(kv_cache, main.layout, indices[t0:t1], lanes[:, :topk])
+            if extra is not None:
+                gather_records(extra_kv_cache, extra.layout, extra_indices[t0:t1], lanes[:, topk:])
+        else:
+            _gather(kv_cache, g, indices[t0:t1], length, extra_kv_cache, x, extra_indices[t0:t1], xlength,
+                    extra_topk, dsv4, rows, scales)  # fmt: skip
         _attend(
             q[t0:t1], rows, scales, indices[t0:t1], length, extra_indices[t0:t1], xlength, sink,
             attn_sink is not None, out16[t0:t1], fp32[t0:t1], lse[t0:t1], out_of_range[t0:t1],
             output_fp32 is not None, n, num_heads, head_groups, topk, extra_topk, main_chunks, num_chunks,
-            g.num_tokens, x.num_tokens, flashmla_lse, lse_multiplier, sm_scale, dsv4, block_h, num_warps, num_stages,
+            num_main, num_extra, flashmla_lse, lse_multiplier, sm_scale, dsv4, block_h, num_warps, num_stages,
             chunk, split,
         )  # fmt: skip
 

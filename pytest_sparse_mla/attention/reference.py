@@ -51,8 +51,12 @@ candidates are read, never a whole cache); in the other each program (a token an
 decides the validity of its lanes from the index rows and lengths, runs the online softmax in
 64-lane tiles on BF16 tensor cores with exact products and fp32 accumulation (probabilities split
 into BF16 pieces), folds its chunks of lanes and finalises; a decode call with few programs splits
-its chunks over programs and folds them in a third launch, with the same bits. Why it stays within
-1e-5 of the oracle and why the same invariants hold: ``docs/design/reference-kernel.md``.
+its chunks over programs and folds them in a third launch, with the same bits. The DeepSeek-V4.1
+formats (``dsv4_1``, ``dsv4_1_swa``, ``dsv4_1_indexed``) run it too: their candidates are gathered
+and dequantized by batched torch operations (``_triton_forward.gather_records``; every value is a
+BF16 number, so the rows are exact) into the same BF16 rows, which the DSV4 attention kernel reads
+(512 dims, ``V = K``). Why it stays within 1e-5 of the oracle and why the same invariants hold:
+``docs/design/reference-kernel.md``.
 H200 timings of both: ``docs/benchmarks.md``.
 
 CUDA graphs: a call makes no host synchronisation and no host decision on device values except
@@ -334,11 +338,15 @@ def _forward(
             extra_page_block_size=extra.layout.page_block_size if extra is not None else 0,
         )
 
-    if not formats.call_format(fmt).triton and backend is None:
-        backend = "torch"  # the Triton kernel reads the DSV4 and DSV3.2 layouts only (CallFormat.triton)
-    if not formats.call_format(fmt).triton and backend == "triton":
+    if not _triton_reads(fmt) and backend is None:
+        backend = "torch"  # the Triton forward reads the formats of _triton_reads only
+    if not _triton_reads(fmt) and backend == "triton":
         read = [name for name, entry in formats.CALL_FORMATS.items() if entry.triton]
-        raise ValueError(f"backend='triton' with fmt={fmt!r}: the Triton forward reads fmt in {read} only")
+        v41 = [name for name, entry in formats.CALL_FORMATS.items() if not entry.triton and _triton_reads(name)]
+        raise ValueError(
+            f"backend='triton' with fmt={fmt!r}: the Triton forward reads fmt in {read} and the "
+            f"DeepSeek-V4.1 record formats {v41} only"
+        )
     backend = resolve_backend(backend, q.device)
     route = route_for(num_tokens)
     device = q.device
@@ -369,6 +377,22 @@ def _forward(
     if check_indices or (check_indices is None and not capturing):
         _check_out_of_range(call, out_of_range)
     return SparseMlaOutput(output, lse, route, output_fp32, grid, out_of_range)
+
+
+def _v41_records(record: formats.PackedFormat) -> bool:
+    """A record format whose candidates the Triton forward gathers with torch operations
+    (``_triton_forward.reads_records_in_torch``, kept in step): the DeepSeek-V4.1 records (inline,
+    512 dims, no RoPE part, every dequantized value a BF16 number)."""
+    return record.layout == "inline" and record.d_rope == 0 and record.d_qk == 512 and record.bf16_exact
+
+
+def _triton_reads(fmt: formats.PackedFormat | str) -> bool:
+    """Whether ``backend="triton"`` runs call format ``fmt``: the formats whose entry says so
+    (``CallFormat.triton``: DSV4, DSV3.2; the gather kernel reads their layouts) and the formats
+    of V4.1 records in both caches (``dsv4_1``, ``dsv4_1_swa``, ``dsv4_1_indexed``: the candidates
+    gathered and dequantized by torch operations, then the same attention kernel as DSV4)."""
+    entry = formats.call_format(fmt)
+    return entry.triton or (_v41_records(entry.main) and _v41_records(entry.extra))
 
 
 def _check_out_of_range(call: SparseMlaCall, out_of_range: torch.Tensor) -> None:

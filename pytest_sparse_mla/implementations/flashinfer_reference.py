@@ -22,6 +22,13 @@ form. Lengths are passed as given (the DSV4 reference requires them: a row witho
 row width). An ``fp32`` output (``return_fp32=True``) comes from the same references with the query
 upcast (exact: BF16 values), which they compute in and cast to ``q.dtype``.
 
+The LSE: the DSV4 reference's is natural-log with the sink included, in fp32; FlashMLA's convention
+(``lse_convention="flashmla"``) excludes the sink, and ``ln(e**lse - e**sink)`` cannot recover it
+once the sink dominates (one candidate of logit 0 beside a sink of 20: ``lse`` rounds to ``20.0``
+and the row would read as empty). With a sink and that convention the adapter therefore takes the
+LSE from a second call of the reference without the sink (made first; the output is the sink
+call's): both numbers are the reference's own (``tests/test_flashinfer_reference_lse.py``).
+
 What differs from the contract, read from the references (and listed in the xfail file where it
 is a discrepancy): the DSV4 reference's valid count is ``min(topk_length, position of the first
 negative index)`` (``_valid_prefix_length``), so the lanes after a ``-1`` inside the prefix are
@@ -172,6 +179,7 @@ class FlashInferReferenceImplementation(PeerAdapter):
         main, extra = c.main, c.extra
         compressed, nsa = references()
         query = c.q.float() if return_fp32 else c.q
+        excluded = None  # the DSV4 reference's LSE without the sink, for lse_convention="flashmla"
         if main.layout.fmt.name == "dsv3_2":
             out, lse2 = call_peer(
                 _SOURCES[1], "sparse_mla_reference", nsa.sparse_mla_reference, (),
@@ -200,14 +208,25 @@ class FlashInferReferenceImplementation(PeerAdapter):
                     "extra_page_size": extra.layout.page_block_size,
                 }  # fmt: skip
             page_nbytes = compressed.compressed_sparse_mla_page_nbytes(main.layout.page_block_size)
-            kwargs.update(sm_scale=float(c.sm_scale), attn_sink=c.attn_sink, swa_page_size=main.layout.page_block_size,
-                          return_lse=True)  # fmt: skip
+            kwargs.update(sm_scale=float(c.sm_scale), swa_page_size=main.layout.page_block_size, return_lse=True)
+            args = (query, _flat_pages(main, page_nbytes), main.indices, lengths)
+            if c.lse_convention == "flashmla" and c.attn_sink is not None:
+                # The sink-excluded LSE is the reference's own LSE of the call without the sink: removing the
+                # sink from its fp32 sink-included LSE (ln(e**lse - e**sink)) loses every digit once the sink
+                # dominates (module docstring). Made first: a reproducer replays the last (the judged) call.
+                _, excluded = call_peer(
+                    _SOURCES[0], "compressed_sparse_mla_reference", compressed.compressed_sparse_mla_reference,
+                    args, {**kwargs, "attn_sink": None},
+                )  # fmt: skip
             out, lse = call_peer(
                 _SOURCES[0], "compressed_sparse_mla_reference", compressed.compressed_sparse_mla_reference,
-                (query, _flat_pages(main, page_nbytes), main.indices, lengths), kwargs,
+                args, {**kwargs, "attn_sink": c.attn_sink},
             )  # fmt: skip
             entry = "flashinfer...mla.compressed_reference.compressed_sparse_mla_reference"
+            if excluded is not None:
+                lse = excluded
         lse = lse_to_convention(
-            lse, sink_included=True, attn_sink=c.attn_sink, lse_convention=c.lse_convention, lse_scale=c.lse_scale
-        )
+            lse, sink_included=True, attn_sink=c.attn_sink if excluded is None else None,
+            lse_convention=c.lse_convention, lse_scale=c.lse_scale,
+        )  # fmt: skip
         return PeerResult(out, lse, None, entry)

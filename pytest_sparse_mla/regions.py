@@ -1,0 +1,223 @@
+"""Regions of the input space: where a discrepancy lives, so the search can look elsewhere.
+
+A search that stops at a kernel's first bug re-finds that bug in every shard: a bug drawn in one
+call out of three is met in each shard's first calls, and the rest of the budget goes to shrinking
+it again. The search (``pytest_sparse_mla.search_run.SearchRun``) therefore runs in rounds: once a
+failure is shrunk, it finds the **region** the failure needs and spends the rest of the budget
+outside it.
+
+* :func:`features` maps a drawn call (``search.DrawnCall``, plain values) to one coarse class per
+  dimension (``{"sm_scale": "0", "num_tokens": "prefill", ...}``): the classes a region is made of.
+* A :class:`Region` constrains some dimensions to sets of classes; a call lies inside it when each
+  constrained dimension's class is in its set. The search finds a region by moving one dimension of
+  the shrunk call at a time to another class (``search.region_of``): a dimension whose move makes
+  the failure go away is one the failure needs; the region holds the classes under which the
+  failure stayed.
+* A peer's known discrepancy names its region beside its xfail entry, in the xfail file::
+
+      # [sm-scale-zero] bug: with sm_scale=0 the decode returns NaN ...
+      # [sm-scale-zero] region: sm_scale=0
+      # [masked-lanes] region: fmt=dsv3_2 masked_lanes=-1,other-negative
+
+  (:func:`read_regions`; ``dimension=class[,class...]`` words, classes as :func:`features` names
+  them). The search spends nothing inside a known region beyond confirming it once per test
+  (:data:`CONFIRM_CALLS` calls at most), reports a failure inside it under its key
+  (:class:`~pytest_sparse_mla.errors.KnownDiscrepancy`) and one outside every known region as new.
+
+Pure data and text: imports neither torch, pytest nor hypothesis.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pytest_sparse_mla.envelope import ALL_FORMATS
+
+__all__ = ["CONFIRM_CALLS", "FEATURES", "Region", "features", "parse_region", "read_regions"]
+
+#: Calls the search makes inside a known region per test to confirm the discrepancy still shows
+#: (a strict xfail then reports a fix); every later call drawn inside it is not made.
+CONFIRM_CALLS = 3
+
+#: The dimensions :func:`features` classifies, and their classes (a region names these).
+FEATURES: dict[str, tuple[str, ...]] = {
+    "fmt": ALL_FORMATS,
+    "num_tokens": ("0", "1", "decode", "prefill", "prefill-large"),
+    "num_heads": ("1", "2-63", "64-128", "129+"),
+    "topk": ("1-63", "64-512", "513+"),
+    "topk_length": ("none", "in-row", "negative", "beyond", "int32-end"),
+    "masked_lanes": ("none", "-1", "other-negative", "all"),
+    "mask_placement": ("none", "trailing", "scattered"),
+    "empty_rows": ("none", "some", "all"),
+    "index_pattern": ("uniform", "few", "ends", "one-page"),
+    "stale_lanes": ("no-lengths", "1<<30", "poisoned-slot", "-1"),
+    "page_block_size": ("1-3", "4-63", "64", "65-255", "256+"),
+    "extra_cache": ("none", "present"),
+    "value_exponent": ("below-2**-20", "2**-20..2**20", "above-2**20"),
+    "scale_end": ("none", "smallest", "largest"),
+    "score_spread": ("0", "small", "large"),
+    "score_offset": ("far-negative", "near-zero", "far-positive"),
+    "peak": ("none", "peaked"),
+    "sm_scale": ("512**-0.5", "576**-0.5", "yarn-0.1353", "192**-0.5", "1", "0", "-512**-0.5", "log-uniform"),
+    "attn_sink": ("none", "-inf", "finite"),
+    "lse_convention": ("none", "flashinfer", "flashmla"),
+    "cache_form": ("2d", "3d", "hnd", "nhd"),
+    "page_stride": ("tight", "padded", "padded+"),
+    "storage_offset": ("alone", "layer0-of-pool", "layer1+"),
+    "extra_storage_offset": ("none", "alone", "layer0-of-pool", "layer1+"),
+    "query_layout": ("contiguous", "strided"),
+}
+
+
+def _bucket(value: int, edges: Iterable[tuple[int, str]], top: str) -> str:
+    for bound, name in edges:
+        if value <= bound:
+            return name
+    return top
+
+
+def _lengths(c: Any) -> str:
+    if c.lengths is None:
+        return "none"
+    lo, hi = c.lengths
+    if min(lo, -hi) <= -(2**30) or max(hi, lo) >= 2**30:
+        return "int32-end"
+    if lo < 0:
+        return "negative"
+    if hi > c.width:
+        return "beyond"
+    return "in-row"
+
+
+def features(call: Any) -> dict[str, str]:
+    """The class of each dimension of ``call`` (a ``search.DrawnCall``): ``{name: class}`` with the
+    names and classes of :data:`FEATURES` (the main cache's for per-cache dimensions).
+
+    Token counts: ``"decode"`` is 2..64, ``"prefill"`` 65..256, ``"prefill-large"`` above 256
+    (FlashInfer's decode cutoff, ``envelope.DECODE_MAX_TOKENS``). Score offsets: ``"near-zero"`` is
+    ``|offset| <= 30``; spreads: ``"small"`` is ``<= 2``.
+    """
+    def _offset(c: Any) -> str:
+        return "layer1+" if c.layer else ("alone" if c.num_layers == 1 else "layer0-of-pool")
+
+    m = call.main
+    T = call.num_tokens
+    stride = m.stride if isinstance(m.stride, str) else "padded+"
+    masked = "none"
+    if m.masked_fraction >= 1.0:
+        masked = "all"
+    elif m.masked_fraction > 0:
+        masked = "-1" if m.mask_value == -1 else "other-negative"
+    return {
+        "fmt": call.fmt,
+        "num_tokens": str(T) if T <= 1 else ("decode" if T <= 64 else "prefill" if T <= 256 else "prefill-large"),
+        "num_heads": _bucket(call.num_heads, ((1, "1"), (63, "2-63"), (128, "64-128")), "129+"),
+        "topk": _bucket(m.width, ((63, "1-63"), (512, "64-512")), "513+"),
+        "topk_length": _lengths(m),
+        "masked_lanes": masked,
+        "mask_placement": "none" if masked == "none" else ("scattered" if m.scattered else "trailing"),
+        "empty_rows": "none" if call.empty_fraction <= 0 else ("all" if call.empty_fraction >= 1 else "some"),
+        "index_pattern": m.pattern,
+        "stale_lanes": m.stale if m.lengths is not None else "no-lengths",
+        "page_block_size": _bucket(m.page_block_size, ((3, "1-3"), (63, "4-63"), (64, "64"), (255, "65-255")), "256+"),
+        "extra_cache": "none" if call.extra is None else "present",
+        "value_exponent": "below-2**-20"
+        if m.value_exponent < -20
+        else ("above-2**20" if m.value_exponent > 20 else "2**-20..2**20"),
+        "scale_end": getattr(m, "scale_end", "none"),
+        "score_spread": "0" if call.score_spread == 0 else ("small" if call.score_spread <= 2 else "large"),
+        "score_offset": "near-zero"
+        if abs(call.score_offset) <= 30
+        else ("far-negative" if call.score_offset < 0 else "far-positive"),
+        "peak": "peaked" if call.peak else "none",
+        "sm_scale": call.sm_scale[0],
+        "attn_sink": "none"
+        if call.sink is None
+        else ("-inf" if all(math.isinf(s) and s < 0 for s in call.sink) else "finite"),
+        "lse_convention": call.lse_convention or "none",
+        "cache_form": m.form,
+        "page_stride": stride,
+        "storage_offset": _offset(m),
+        "extra_storage_offset": "none" if call.extra is None else _offset(call.extra),
+        "query_layout": "strided" if call.strided_query else "contiguous",
+    }
+
+
+@dataclass(frozen=True)
+class Region:
+    """A set of calls: each constrained dimension's class lies in its set.
+
+    Attributes:
+        key: the discrepancy's name (an xfail file's ``[KEY]``; ``"new-N"`` for one the search
+            found in this run).
+        conditions: ``{dimension: classes}``; an empty mapping is the whole input space.
+        known: declared beside an xfail entry (``True``) or found by this run.
+    """
+
+    key: str
+    conditions: Mapping[str, frozenset[str]] = field(default_factory=dict)
+    known: bool = False
+
+    def contains(self, feats: Mapping[str, str]) -> bool:
+        """Whether a call with classes ``feats`` (:func:`features`) lies inside."""
+        return all(feats.get(name) in classes for name, classes in self.conditions.items())
+
+    def text(self) -> str:
+        """``dim=class,class dim2=class`` (the xfail file's syntax; ``"anywhere"`` when unconstrained)."""
+        words = [f"{name}={','.join(sorted(classes))}" for name, classes in sorted(self.conditions.items())]
+        return " ".join(words) or "anywhere"
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON form (the search's coverage record)."""
+        return {"key": self.key, "known": self.known, "region": self.text()}
+
+
+_WORD = re.compile(r"^([a-z_]+)=([^\s=]+)$")
+
+
+def parse_region(key: str, text: str, *, known: bool = True, where: str = "region") -> Region:
+    """A :class:`Region` from ``dim=class[,class...]`` words separated by blanks.
+
+    Raises:
+        ValueError: a word that is not ``dim=classes``, an unknown dimension or class (the message
+            names ``where``, the word and the names expected).
+    """
+    conditions: dict[str, frozenset[str]] = {}
+    for word in text.split():
+        match = _WORD.match(word)
+        if match is None:
+            raise ValueError(f"{where}: {word!r} is not 'dimension=class[,class...]'")
+        name, classes = match.group(1), frozenset(match.group(2).split(","))
+        if name not in FEATURES:
+            raise ValueError(f"{where}: unknown dimension {name!r}; expected one of {sorted(FEATURES)}")
+        unknown = sorted(classes - set(FEATURES[name]))
+        if unknown:
+            raise ValueError(f"{where}: {name}={','.join(unknown)} is not a class of {name}; expected {FEATURES[name]}")
+        conditions[name] = classes
+    if not conditions:
+        raise ValueError(f"{where}: a region names at least one 'dimension=class' word")
+    return Region(key, conditions, known)
+
+
+_LINE = re.compile(r"^#\s*\[([^\]]+)\]\s*region:\s*(.*)$")
+
+
+def read_regions(path: str | Path) -> list[Region]:
+    """The known regions of an xfail file: its ``# [KEY] region: dim=class ...`` lines.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: a region line :func:`parse_region` refuses (naming the file and line).
+    """
+    path = Path(path)
+    out: list[Region] = []
+    for lineno, raw in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        match = _LINE.match(raw.strip())
+        if match is not None:
+            out.append(parse_region(match.group(1).strip(), match.group(2), where=f"{path}:{lineno}"))
+    return out

@@ -1,0 +1,498 @@
+"""One search test's run: the covering calls, then rounds of random draws, every distinct bug.
+
+A search that stops at its first failure reports one bug per kernel: the frequent one, again and
+again, in every shard. :class:`SearchRun` (the ``sparse_mla_search`` fixture) instead runs a
+property (a function that judges one ``search.DrawnCall`` and raises on a discrepancy) as follows:
+
+1. **The covering calls** of this shard (``pytest_sparse_mla.covering.schedule``: every end of every
+   dimension's legal range the envelope admits; shard ``k`` of ``n`` takes calls ``k, k + n, ...``).
+2. **Rounds of random draws** (Hypothesis, ``search.calls``), ``examples`` calls in all. A round ends
+   at its first failure, which Hypothesis shrinks; the next round draws outside every region found
+   so far.
+3. **The region of each failure** (``pytest_sparse_mla.regions``): each dimension of the failing call
+   is moved to its other classes, one at a time (:func:`moves`; the simplest class first, and a move
+   under which the failure stays is kept, so this also simplifies a covering call, which Hypothesis
+   did not draw and cannot shrink). A dimension whose every move makes the failure go away is one
+   the failure needs alone (``query_layout=strided``, ``sm_scale=0``): the region is those
+   dimensions, each at its class. When no dimension is needed alone (the failure needs one of
+   several things), the region constrains each dimension some move of which made the failure go
+   away, leaving out the classes under which it went away. A failure met again whose region pins
+   a dimension to the same single class as an earlier one is the same cause: the earlier region
+   grows to hold both. Calls drawn inside a region later are not made.
+4. **Known regions** (``# [KEY] region: ...`` beside the xfail entries; ``regions.read_regions``):
+   calls inside one are not made, except, in a test the xfail file lists, up to
+   ``regions.CONFIRM_CALLS`` until one fails, which confirms the discrepancy under its key. The
+   region search never moves a call into a known region.
+
+At the end the run raises one :class:`~pytest_sparse_mla.errors.NewDiscrepancy` listing every
+distinct discrepancy (its key, region, check, likely cause, smallest call), or a
+:class:`~pytest_sparse_mla.errors.KnownDiscrepancy` when every one lies in a known region. With
+``--sparse-mla-repro-dir`` each gets its reproducer (the recorded call of its smallest call).
+
+A test expected to fail (an xfail mark) whose xfail file names no region, and a run whose
+Hypothesis profile has no shrink phase (the wrong-kernel gate's inner runs, which read only the
+verdict), stop at their first failing call and raise it as it is.
+
+What the run did goes to the test's ``user_properties`` (``summary``): calls made, the dimensions
+and ends drawn, the discrepancies, and where the calls went (``"spent"``: covering, random draws
+outside every region, confirmations inside known regions, region searches, draws not made).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pytest_sparse_mla import coverage, covering, recording, regions, search
+from pytest_sparse_mla.covering import with_main
+from pytest_sparse_mla.envelope import Envelope
+from pytest_sparse_mla.errors import KnownDiscrepancy, NewDiscrepancy
+
+__all__ = ["Discrepancy", "MAX_DISCREPANCIES", "SearchRun", "moves"]
+
+#: A run stops looking once it holds this many distinct discrepancies.
+MAX_DISCREPANCIES = 8
+#: Seed offset between two rounds of one run (far above any shard index).
+ROUND_STRIDE = 1_000_003
+
+
+@dataclass
+class Discrepancy:
+    """One distinct discrepancy of a run.
+
+    Attributes:
+        region: where it lives (its ``key`` is the xfail file's for a known one, ``new-N`` else).
+        call: its smallest call (shrunk by Hypothesis and by the region search).
+        message: the failure's text on that call (the check, the likely cause, the call in words).
+        recorded: the recorded calls of that call (``--sparse-mla-repro-dir``).
+        count: calls that failed inside its region (the first included).
+    """
+
+    region: regions.Region
+    call: Any
+    message: str
+    recorded: list[Any] = field(default_factory=list)
+    count: int = 1
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON form (the run's summary): ``key`` is the cause, the same in every test and shard that
+        finds it (a known region's key; ``new: <region>`` for one found in this run), ``name`` the
+        run's own name for it."""
+        first = next((line for line in self.message.splitlines() if line.strip()), "")
+        cause = self.region.key if self.region.known else f"new: {self.region.text()}"
+        return {**self.region.as_dict(), "key": cause, "name": self.region.key, "check": first[:300],
+                "call": self.call.describe(), "count": self.count}  # fmt: skip
+
+    def text(self) -> str:
+        """The block of the failure message for this discrepancy."""
+        kind = "known" if self.region.known else "new"
+        return (f"[{self.region.key}] ({kind}; region: {self.region.text()}; {self.count} failing call(s))\n"
+                + "\n".join("    " + line for line in self.message.strip().splitlines()))  # fmt: skip
+
+
+def moves(call: Any, envelope: Envelope) -> list[tuple[str | None, list[Any]]]:
+    """Per dimension of ``regions.FEATURES`` (``None``: a simplification that no region names), the
+    calls that differ from ``call`` in that dimension's class only, the simplest first (the region
+    search keeps the first move when the failure stays under it, so the reported call only gets
+    simpler)."""
+    m = call.main
+    out: list[tuple[str | None, list[Any]]] = []
+    rep = dataclasses.replace
+
+    def add(dim: str | None, alts: Sequence[Any]) -> None:
+        feats = regions.features(call)
+        keep = [a for a in alts if a != call and (dim is None or regions.features(a)[dim] != feats[dim])]
+        if keep:
+            out.append((dim, keep))
+
+    add("fmt", [rep(call, fmt=f) for f in envelope.formats])
+    add("num_tokens", [rep(call, num_tokens=t) for t in (1, 8, 65, 300)])
+    add("num_heads", [rep(call, num_heads=h) for h in (envelope.num_heads or (1, 8, 64, 192))])
+    lo = -(-max(envelope.topk.min, envelope.topk.multiple) // envelope.topk.multiple) * envelope.topk.multiple
+    add("topk", [with_main(call, width=w) for w in sorted({lo, max(lo, 64), max(lo, 640)})])
+    add("topk_length", [with_main(call, lengths=None)]
+        + [with_main(call, lengths=(0, m.width))] * (m.lengths is not None))  # fmt: skip
+    add("masked_lanes", [with_main(call, masked_fraction=0.0), with_main(call, masked_fraction=0.5, mask_value=-1)])
+    add("mask_placement", [with_main(call, scattered=not m.scattered)] * (0 < m.masked_fraction < 1))
+    add("empty_rows", [rep(call, empty_fraction=0.0)])
+    add("index_pattern", [with_main(call, pattern=p) for p in ("uniform", "few", "ends", "one-page")])
+    add("stale_lanes", [with_main(call, stale=s) for s in ("-1", "1<<30", "poisoned-slot")])
+    sizes = envelope.page_block_sizes or (64, 1, 16, 128, 256)
+    add("page_block_size", [with_main(call, page_block_size=p) for p in sizes])
+    add("extra_cache", [rep(call, extra=None)])
+    add("value_exponent", [with_main(call, value_exponent=0)])
+    add("scale_end", [with_main(call, scale_end="none")])
+    add("score_spread", [rep(call, score_spread=s) for s in (0.3, 0.0, 8.0)])
+    add("score_offset", [rep(call, score_offset=0.0)])
+    add("peak", [rep(call, peak=0.0)])
+    add("sm_scale", [rep(call, sm_scale=(name, value)) for name, value in
+                     (("512**-0.5", 512**-0.5), ("1", 1.0), ("0", 0.0), ("-512**-0.5", -(512**-0.5)))])  # fmt: skip
+    add("attn_sink", [rep(call, sink=None), rep(call, sink=(0.0,)), rep(call, sink=(float("-inf"),))])
+    add("lse_convention", [rep(call, lse_convention=c) for c in envelope.lse_conventions])
+    add("cache_form", [with_main(call, form=f) for f in ("nhd", "2d", "3d", "hnd")])
+    add("page_stride", [with_main(call, stride=s) for s in ("padded", "tight", 256)])
+    add("storage_offset", [with_main(call, layer=0, num_layers=1, canary=0), with_main(call, layer=0),
+                           with_main(call, layer=1, num_layers=max(2, m.num_layers))])  # fmt: skip
+    if call.extra is not None:
+        add("extra_storage_offset", [rep(call, extra=dataclasses.replace(call.extra, layer=0, num_layers=1, canary=0))])
+    add("query_layout", [rep(call, strided_query=not call.strided_query)])
+    add(None, [with_main(call, wide=False, rope_exponent=0), rep(call, seed=0)])
+    return out
+
+
+class SearchRun:
+    """The search run of one test (the ``sparse_mla_search`` fixture; module docstring).
+
+    Args:
+        examples: random calls to draw (``max_examples`` over all rounds; the covering calls and
+            the region searches come on top).
+        seed: ``None``: derandomized, no example database; else the seed of this shard (``seed +
+            shard``).
+        shard, shards: this test's shard index and the number of shards of the search (the
+            covering calls are dealt over the shards).
+        keep: called as ``keep(coverage.SEARCH, summary)`` when the run ends, pass or fail.
+        shrink: ``False`` for a test expected to fail: see the module docstring.
+        known: the known regions (from the session's xfail file).
+        confirm: make up to ``regions.CONFIRM_CALLS`` calls inside each known region, to report it
+            under its key (a test the xfail file lists: it expects the discrepancy); ``False`` (a test
+            not listed): calls inside a known region are never made.
+    """
+
+    def __init__(
+        self, examples: int, seed: int | None, shard: int, keep: Any, shrink: bool = True, shards: int = 1,
+        known: Sequence[regions.Region] = (), confirm: bool = True,
+    ) -> None:  # fmt: skip
+        self.examples, self.seed, self.shard, self.shards = examples, seed, shard, max(1, shards)
+        self.keep, self.shrink, self.known = keep, shrink, list(known)
+        self.drawn: list[dict[str, Any]] = []
+        self.ends: dict[str, Counter[str]] = {}
+        self.spent: Counter[str] = Counter()
+        self.found: list[Discrepancy] = []
+        self.failed = False
+        self._confirm_left = {r.key: regions.CONFIRM_CALLS if confirm else 0 for r in self.known}
+        self._phase = "random"
+        self._warm: set[tuple[Any, ...]] = set()
+
+    # --- what the property reports ---------------------------------------------------------------
+
+    def note(self, call: Any, inputs: Any = None) -> None:
+        """Record one built call (every call made: covering, drawn, shrunk, region searches)."""
+        self.drawn.append(search.record(call, inputs))
+        for dim, labels in covering.ends_of(call).items():
+            self.ends.setdefault(dim, Counter()).update(labels)
+
+    def warm(self, impl: Any, inputs: Any) -> None:
+        """On CUDA, run ``impl`` once on copies of ``inputs`` when this run meets their shape for the
+        first time (``search_speed.warm``): a Triton kernel's compile or autotune for a new shape then
+        happens outside the judged call (``spent["warm-up"]`` counts them). Nothing on the CPU."""
+        if inputs.q.device.type != "cuda":
+            return
+        from pytest_sparse_mla import search_speed
+
+        c = inputs.call
+        key = (c.fmt, c.num_tokens, c.num_heads, c.main.width, c.main.page_block_size, c.main.form, c.main.stride,
+               None if c.extra is None else (c.extra.width, c.extra.page_block_size, c.extra.form, c.extra.stride),
+               tuple(sorted(k for k, v in inputs.kwargs.items() if v is not None)), c.strided_query)  # fmt: skip
+        if key not in self._warm:
+            self._warm.add(key)
+            self.spent["warm-up"] += 1
+            search_speed.warm(impl, inputs)
+
+    def summary(self) -> dict[str, Any]:
+        """``{"calls", "failed", "seed", "dims", "ends", "spent", "discrepancies"}``."""
+        return {
+            "calls": len(self.drawn), "failed": int(self.failed), "seed": self.seed,
+            "dims": coverage.merge_dims(self.drawn),
+            "ends": {dim: dict(c) for dim, c in sorted(self.ends.items())},
+            "spent": dict(self.spent),
+            "discrepancies": [d.as_dict() for d in self.found],
+        }  # fmt: skip
+
+    # --- the run -----------------------------------------------------------------------------------
+
+    def settings(self, max_examples: int | None = None) -> Any:
+        """The Hypothesis ``settings`` of a round (the loaded profile's phases, without shrinking
+        for a test expected to fail)."""
+        from hypothesis import HealthCheck, settings
+
+        extra: dict[str, Any] = {"database": None} if self.seed is None else {}
+        if not self.shrink and not self.known:  # with known regions, a failure that reaches Hypothesis is new
+            extra["phases"] = search.unshrunk_phases()
+        return settings(
+            max_examples=self.examples if max_examples is None else max_examples, derandomize=self.seed is None,
+            deadline=None, print_blob=True, report_multiple_bugs=False, suppress_health_check=list(HealthCheck),
+            **extra,
+        )  # fmt: skip
+
+    def _seeded(self, test: Any, round_: int = 0) -> Any:
+        """``test`` under this shard's seed (``shards.hypothesis_seed``: ``seed + shard``;
+        derandomized, a distinct one per shard); round ``r > 0`` of a run draws from that seed plus
+        ``r * ROUND_STRIDE`` (a fresh stream, not the first round's replayed with its region left out)."""
+        import hypothesis
+
+        from pytest_sparse_mla.shards import hypothesis_seed
+
+        shard_seed = hypothesis_seed(self.seed, self.shard, test)
+        if round_:
+            shard_seed = (shard_seed or 0) + round_ * ROUND_STRIDE
+        return test if shard_seed is None else hypothesis.seed(shard_seed)(test)
+
+    def _verdict_only(self) -> bool:
+        """Stop at the first failure: an expected failure with no known region, or a profile
+        without shrinking (a self-test that reads the verdict only)."""
+        from hypothesis import Phase, settings
+
+        return not self.known and (not self.shrink or Phase.shrink not in settings.default.phases)
+
+    def run(self, test: Any) -> None:
+        """Run a ``@given`` function ``test`` under this run's settings and seed, as one round (the
+        interface of earlier releases: no covering calls, no regions)."""
+        test = self._seeded(self.settings()(test))
+        try:
+            test()
+        except BaseException:
+            self.failed = True
+            raise
+        finally:
+            self.keep(coverage.SEARCH, self.summary())
+
+    def check(
+        self, prop: Callable[[Any], None], envelope: Envelope, device: str = "cpu", *, covering: bool = True,
+        examples: int | None = None,
+    ) -> None:  # fmt: skip
+        """Run ``prop`` (judges one ``search.DrawnCall``, raises on a discrepancy) over this shard's
+        covering calls (unless ``covering`` is false: a property that derives several calls from
+        each drawn one, whose ends another property of the run covers) and ``examples`` random
+        draws inside ``envelope`` (``examples`` instead, for a property that makes several calls per
+        draw), in rounds (module docstring).
+
+        Raises:
+            NewDiscrepancy, KnownDiscrepancy: the discrepancies found (module docstring).
+            Exception: the first failure as it is, for a verdict-only run.
+        """
+        try:
+            self._check(prop, envelope, device, covering, self.examples if examples is None else examples)
+        except BaseException:
+            self.failed = True
+            raise
+        finally:
+            self.keep(coverage.SEARCH, self.summary())
+
+    def _check(self, prop: Callable[[Any], None], envelope: Envelope, device: str, cover: bool, budget: int) -> None:
+        verdict_only = self._verdict_only()
+        self._phase = "covering"
+        for i, call in enumerate(covering.schedule(envelope, device) if cover else []):
+            if i % self.shards != self.shard or len(self.found) >= MAX_DISCREPANCIES:
+                continue
+            call = self._outside(call, envelope, device)
+            exc = self._try(prop, call)
+            if exc is not None:
+                if verdict_only:
+                    raise exc
+                self._discover(prop, call, exc, envelope, device)
+        self._phase = "random"
+        self._rounds = 0
+        left = budget
+        while left > 0 and len(self.found) < MAX_DISCREPANCIES:
+            made, failure = self._round(prop, envelope, device, left)
+            left -= max(made, 1)
+            if failure is None:
+                break
+            call, exc = failure
+            if verdict_only:
+                raise exc
+            self._discover(prop, call, exc, envelope, device)
+        self._raise()
+
+    def _outside(self, call: Any, envelope: Envelope, device: str) -> Any:
+        """A covering call moved out of the regions found so far (and of known ones already
+        confirmed), when one move of a dimension the region constrains does it (its other ends are
+        still judged); else the call itself."""
+        region = self._inside(call)
+        if region is None or (region.known and self._confirm_left.get(region.key, 0) > 0):
+            return call  # outside every region, or the confirmation of a known one
+        for dim, alts in moves(call, envelope):
+            if dim in region.conditions:
+                for alt in alts:
+                    if self._inside(alt) is None and covering.fits(alt, envelope, device):
+                        return alt
+        return call
+
+    def _inside(self, call: Any) -> regions.Region | None:
+        feats = regions.features(call)
+        for d in self.found:
+            if d.region.contains(feats):
+                return d.region
+        for r in self.known:
+            if r.contains(feats):
+                return r
+        return None
+
+    def _judge(self, prop: Callable[[Any], None], call: Any) -> Exception | None:
+        recording.begin_test()  # the recording then holds this call only
+        try:
+            prop(call)
+        except Exception as exc:  # a failure of the kernel
+            return exc
+        except BaseException as exc:  # pytest's outcomes: a refusal of the guard (pytest.fail) is a failure
+            if _failed_call(exc):  # of this call; a skip, an exit or the time limit ends the run
+                return exc  # type: ignore[return-value]
+            raise
+        return None
+
+    def _try(self, prop: Callable[[Any], None], call: Any) -> Exception | None:
+        """Judge ``call`` unless it lies in a region: a found one (not made), a known one (made
+        only to confirm it). Returns a failure outside every region, or ``None``."""
+        region = self._inside(call)
+        if region is None:
+            self.spent[self._phase] += 1
+            return self._judge(prop, call)
+        if region.known and self._confirm_left.get(region.key, 0) > 0:
+            self.spent["confirming-known"] += 1
+            exc = self._judge(prop, call)
+            if exc is None:
+                self._confirm_left[region.key] -= 1
+            else:
+                self._confirm_left[region.key] = 0
+                self.found.append(Discrepancy(region, call, _text(exc), recording.recorded_calls()))
+            return None
+        self.spent["not-made-in-region"] += 1
+        for d in self.found:
+            if d.region is region:
+                d.count += 1
+        return None
+
+    def _round(
+        self, prop: Callable[[Any], None], envelope: Envelope, device: str, budget: int
+    ) -> tuple[int, tuple[Any, Exception] | None]:  # fmt: skip
+        """One Hypothesis run of at most ``budget`` calls outside every region. Returns the calls
+        it made before its first failure, and the shrunk failing call with its failure (or ``None``)."""
+        from hypothesis import given, reject
+        from hypothesis.errors import Unsatisfiable
+
+        state: dict[str, Any] = {"made": 0, "failed": False, "last": None}
+
+        @given(call=search.calls(envelope, device))
+        def body(call: Any) -> None:
+            if self._inside(call) is not None:
+                if self._try(prop, call) is None:
+                    reject()
+            if not state["failed"]:
+                state["made"] += 1
+                self.spent["random"] += 1
+            else:
+                self.spent["shrinking"] += 1
+            exc = self._judge(prop, call)
+            if exc is not None:
+                state["failed"] = True
+                state["last"] = (call, exc)
+                raise exc
+
+        test = self._seeded(self.settings(budget)(body), self._rounds)
+        self._rounds += 1
+        try:
+            test()
+        except Unsatisfiable:  # every draw lay inside a region
+            return state["made"], None
+        except BaseException as exc:
+            if state["last"] is None or not (isinstance(exc, Exception) or _failed_call(exc)):
+                raise
+            call, _ = state["last"]
+            return state["made"], (call, exc)  # type: ignore[return-value]
+        return state["made"], None
+
+    def _discover(self, prop: Callable[[Any], None], call: Any, exc: Exception, envelope: Envelope, device: str) -> None:
+        """The region of a failure (module docstring, 3), then its smallest call's record."""
+        self._phase = "region-search"
+        original = regions.features(call)
+        conditions: dict[str, set[str]] = {}
+        core: dict[str, set[str]] = {}
+        current = call
+        phase = self._phase
+        for dim, alts in moves(call, envelope):
+            fits = [a for a in alts if covering.fits(a, envelope, device)]
+            failing, passing = [], set()
+            for alt in fits:
+                self.spent["region-search"] += 1
+                if self._judge(prop, alt) is None:
+                    passing.add(regions.features(alt)[dim] if dim is not None else "")
+                else:
+                    failing.append(alt)
+            if dim is not None and passing:  # needed: the region leaves out the classes that passed
+                conditions[dim] = set(regions.FEATURES[dim]) - (passing - {original[dim]})
+                if not failing:  # needed alone: every other class tried made the failure go away
+                    core[dim] = {original[dim]}
+            simplest = fits[0] if fits and (dim != "query_layout" or call.strided_query) else None
+            merged = _merge(current, simplest, call) if simplest is not None and simplest in failing else current
+            if covering.fits(merged, envelope, device) and self._inside(merged) is None:  # never into a known region
+                current = merged
+        final = self._judge(prop, current)
+        if final is None:  # the moves' merge lost the failure: keep the call as found
+            current, final = call, self._judge(prop, call) or exc
+        self._phase = phase
+        conditions = core or conditions  # the dimensions the failure needs alone, when there are some
+        if not conditions:  # no move made it go away: the region is the call's own classes, never everything
+            conditions = {k: {v} for k, v in regions.features(current).items()}
+        for d in self.found:  # the same cause met again: one class both need alone (a narrow first region)
+            if not d.region.known and _same_cause(d.region.conditions, conditions):
+                d.region = regions.Region(d.region.key, _widened(d.region.conditions, conditions))
+                d.count += 1
+                return
+        region = regions.Region(f"new-{sum(not d.region.known for d in self.found) + 1}",
+                                {k: frozenset(v) for k, v in conditions.items()})  # fmt: skip
+        self.found.append(Discrepancy(region, current, _text(final), recording.recorded_calls()))
+
+    def _raise(self) -> None:
+        if not self.found:
+            return
+        recording.restore_calls([c for d in self.found for c in d.recorded])
+        new = [d for d in self.found if not d.region.known]
+        head = (f"{len(self.found)} distinct discrepanc{'y' if len(self.found) == 1 else 'ies'} "
+                f"({len(new)} new, {len(self.found) - len(new)} in known regions) in {len(self.drawn)} calls:")  # fmt: skip
+        text = "\n".join([head, *(d.text() for d in self.found)])
+        raise (NewDiscrepancy if new else KnownDiscrepancy)(text)
+
+
+def _failed_call(exc: BaseException) -> bool:
+    """Whether ``exc`` is ``pytest.fail`` about one call (the guard's refusal of an input the peer would
+    mishandle: a discrepancy of that call), not pytest-timeout's limit (which ends the test)."""
+    import pytest
+
+    return isinstance(exc, pytest.fail.Exception) and "from pytest-timeout" not in str(exc)
+
+
+def _same_cause(a: Any, b: Any) -> bool:
+    """Two regions of one cause: some dimension is pinned to the same single class in both (the
+    dimension each failure needed alone, e.g. ``query_layout=strided``)."""
+    return any(len(a[k]) == 1 and set(a[k]) == set(b[k]) for k in set(a) & set(b))
+
+
+def _widened(a: Any, b: Any) -> dict[str, frozenset[str]]:
+    """The smallest region holding both: the dimensions both constrain, each with both's classes."""
+    return {k: frozenset(a[k]) | frozenset(b[k]) for k in set(a) & set(b)}
+
+
+def _merge(current: Any, alt: Any, base: Any) -> Any:
+    """``current`` with the fields in which ``alt`` differs from ``base`` (a kept move), so that
+    moves found from one call accumulate."""
+    def diff(a: Any, b: Any, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+        return {f.name: getattr(a, f.name) for f in dataclasses.fields(a)
+                if f.name not in skip and getattr(a, f.name) != getattr(b, f.name)}  # fmt: skip
+
+    out = dataclasses.replace(current, **diff(alt, base, ("main", "extra")))
+    if alt.main != base.main:
+        out = dataclasses.replace(out, main=dataclasses.replace(out.main, **diff(alt.main, base.main)))
+    if alt.extra != base.extra:
+        out = dataclasses.replace(out, extra=alt.extra)
+    return out
+
+
+def _text(exc: BaseException) -> str:
+    """A failure's message, with Hypothesis's notes (the ``@reproduce_failure`` line); other
+    exception types than ``AssertionError`` are named."""
+    notes = "\n".join(getattr(exc, "__notes__", None) or [])
+    body = str(exc) if isinstance(exc, AssertionError) else f"{type(exc).__name__}: {exc}"
+    return body + (f"\n{notes}" if notes else "")

@@ -1,0 +1,175 @@
+"""The bundled reference's Triton forward on DeepSeek-V4.1 records (``fmt="dsv4_1"``, ``"dsv4_1_swa"``,
+``"dsv4_1_indexed"``): the candidates gathered and dequantized by torch operations
+(``_triton_forward.gather_records``), then the DSV4 attention kernel (CUDA; interpreted on the CPU).
+
+* the gathered rows are ``formats.unpack_dequantize`` of their tokens, bit for bit, for every byte
+  value of the codes and scales (E2M1 decoded arithmetically, so nothing is copied from the host);
+* its fp32 output and LSE are within the ``tight`` profile of the float64 oracle;
+* ``-1`` padding of both index rows, the head count, the batch (a token alone against the same token
+  in a batch) and the caches' tensor form give the same bits;
+* split and unsplit launches give the same bits;
+* ``backend=None`` picks it on CUDA (the torch loop stays the CPU default: the golden snapshots).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pytest_sparse_mla import formats
+from pytest_sparse_mla.attention import oracle_forward, sparse_mla_forward
+from pytest_sparse_mla.attention.cases import AttentionCase, CacheCase, Conventions
+from pytest_sparse_mla.parametrize import case_params, inputs_on
+
+_CASES = (
+    AttentionCase("v41-dual-len", 3, 20, CacheCase(100, topk_length=70, masked_fraction=0.25),
+                  extra=CacheCase(64, page_block_size=2, num_pages=64, masked_fraction=0.25),
+                  conventions=Conventions("dsv4_1")),
+    AttentionCase("v41-swa-only-hnd", 2, 8, CacheCase(64), conventions=Conventions("dsv4_1", form="hnd")),
+    AttentionCase("v41-swa-both", 2, 8, CacheCase(64), extra=CacheCase(64, page_block_size=2, num_pages=64),
+                  conventions=Conventions("dsv4_1_swa", with_sink=False)),
+    AttentionCase("v41-indexed-both", 2, 8, CacheCase(64), extra=CacheCase(64, page_block_size=2, num_pages=64),
+                  conventions=Conventions("dsv4_1_indexed")),
+)  # fmt: skip
+
+
+def _triton_or_skip(device: torch.device) -> None:
+    from pytest_sparse_mla.attention.reference import triton_unavailable_reason
+
+    reason = triton_unavailable_reason(device)
+    if reason is not None:
+        pytest.skip(f"backend='triton': {reason}")
+
+
+def _pages(cache: torch.Tensor) -> torch.Tensor:
+    """The ``[num_pages, page_stride]`` page buffer under a packed cache (``formats.as_form``'s input)."""
+    return torch.as_strided(cache, (int(cache.shape[0]), cache.stride(0)), (cache.stride(0), 1), cache.storage_offset())
+
+
+@pytest.mark.parametrize("fmt", ["dsv4_1_swa", "dsv4_1_indexed"])
+def test_gathered_records_are_unpack_dequantize_bit_for_bit(fmt, sparse_mla_generator, sparse_mla_device):
+    from pytest_sparse_mla.attention.reference import triton_forward_module
+
+    _triton_or_skip(sparse_mla_device)
+    module = triton_forward_module()
+    f = formats.get_format(fmt)
+    ps, pages = 4, 96
+    # Every byte value in the codes; scales drawn among finite positive values (the packers' range).
+    cache = torch.randint(0, 256, (pages, ps, f.bytes_per_token), generator=sparse_mla_generator, dtype=torch.uint8)
+    cache[0, 0, :256] = torch.arange(256, dtype=torch.uint8)  # codes of token 0 (both formats: >= 256 code bytes)
+    scales = cache[..., f.code_bytes_per_token : f.code_bytes_per_token + f.scale_bytes_per_token]
+    if f.scale_kind == "ue8m0":
+        scales.copy_(scales.clamp(100, 150))
+    else:
+        scales.copy_(scales % 0x70 + 0x08)  # E4M3 0x08..0x77: positive normals
+    cache = cache.to(sparse_mla_device)
+    layout = formats.parse_cache(cache, f)
+    table = formats.unpack_dequantize(cache, layout=layout).reshape(pages * ps, 512)
+    indices = torch.randint(-2, pages * ps + 3, (5, 77), generator=sparse_mla_generator, dtype=torch.int32)
+    indices = indices.to(sparse_mla_device)
+    out = torch.full((5, 77, 512), float("nan"), dtype=torch.bfloat16, device=sparse_mla_device)
+    module.gather_records(cache, layout, indices, out)
+    ok = (indices >= 0) & (indices < pages * ps)
+    expected = torch.where(ok[..., None], table[indices.clamp(0, pages * ps - 1).long()], 0.0)
+    nan = torch.isnan(expected)  # E4M3 codes 0x7F / 0xFF (the SWA codes): NaN, as unpack_dequantize
+    assert bool(nan.any()) == (fmt == "dsv4_1_swa")
+    finite = expected.masked_fill(nan, 0.0)
+    assert torch.equal(finite.to(torch.bfloat16).float(), finite)  # BF16 numbers
+    assert torch.equal(torch.isnan(out.float()), nan) and torch.equal(out.float().masked_fill(nan, 0.0), finite)
+    signs = torch.signbit(out.float()) == torch.signbit(expected)  # -0.0 (E2M1 code 8) kept
+    assert bool((signs | nan).all())
+
+
+@pytest.mark.sparse_mla_tolerance(profile="tight")
+@pytest.mark.parametrize("case", case_params(_CASES))
+def test_triton_v41_within_tight_of_oracle(case, sparse_mla_tolerances, sparse_mla_generator, sparse_mla_device):
+    _triton_or_skip(sparse_mla_device)
+    inputs = inputs_on(case, sparse_mla_generator, sparse_mla_device)
+    res = inputs.run(sparse_mla_forward, backend="triton", return_fp32=True)
+    expected = inputs.run(oracle_forward)
+    sparse_mla_tolerances.check_output(res.output_fp32, expected, what="fp32 output")
+    sparse_mla_tolerances.check_lse(res.lse, expected)
+    assert torch.equal(res.output, res.output_fp32.to(torch.bfloat16))
+    torch_res = inputs.run(sparse_mla_forward, backend="torch", return_fp32=True)
+    assert (torch_res.output_fp32 - res.output_fp32).abs().max() < 1e-5
+
+
+def test_triton_v41_padding_heads_batch_and_layout_are_bitwise_neutral(sparse_mla_generator, sparse_mla_device):
+    _triton_or_skip(sparse_mla_device)
+    case = AttentionCase("v41-inv", 3, 24, CacheCase(64, masked_fraction=0.25),
+                         extra=CacheCase(64, page_block_size=2, num_pages=64),
+                         conventions=Conventions("dsv4_1"))  # fmt: skip
+    inputs = inputs_on(case, sparse_mla_generator, sparse_mla_device)
+    base = inputs.run(sparse_mla_forward, backend="triton")
+    pad = torch.full((3, 64), -1, dtype=torch.int32, device=sparse_mla_device)
+    padded = sparse_mla_forward(
+        inputs.q, inputs.cache.packed, torch.cat([inputs.indices, pad], dim=1),
+        **inputs.kwargs(extra_indices=torch.cat([inputs.extra_indices, pad], dim=1)), backend="triton",
+    )  # fmt: skip
+    assert torch.equal(padded.output, base.output) and torch.equal(padded.lse, base.lse)
+    few = sparse_mla_forward(
+        inputs.q[:, :8].contiguous(), inputs.cache.packed, inputs.indices,
+        **inputs.kwargs(attn_sink=inputs.attn_sink[:8].contiguous()), backend="triton",
+    )  # fmt: skip
+    assert torch.equal(few.output, base.output[:, :8]) and torch.equal(few.lse, base.lse[:, :8])
+    one = sparse_mla_forward(
+        inputs.q[1:2], inputs.cache.packed, inputs.indices[1:2],
+        **inputs.kwargs(extra_indices=inputs.extra_indices[1:2]), backend="triton",
+    )  # fmt: skip
+    assert torch.equal(one.output, base.output[1:2]) and torch.equal(one.lse, base.lse[1:2])
+    main = formats.as_form(_pages(inputs.cache.packed), "dsv4_1_swa", inputs.cache.page_block_size, "2d")
+    extra = formats.as_form(_pages(inputs.extra.packed), "dsv4_1_indexed", 2, "hnd")
+    other = sparse_mla_forward(
+        inputs.q, main, inputs.indices, **inputs.kwargs(extra_kv_cache=extra), backend="triton"
+    )
+    assert torch.equal(other.output, base.output) and torch.equal(other.lse, base.lse)
+
+
+@pytest.mark.parametrize("config", [(16, 4, 1, 64), None], ids=["chunk-64", "shipped"])
+def test_triton_v41_split_and_unsplit_launches_give_the_same_bits(
+    config, sparse_mla_generator, sparse_mla_device, monkeypatch
+):
+    from pytest_sparse_mla.attention.reference import triton_forward_module
+
+    _triton_or_skip(sparse_mla_device)
+    if config is None and sparse_mla_device.type != "cuda":
+        pytest.skip("the shipped configuration's compiled code: CUDA only (the interpreter runs it in NumPy)")
+    module = triton_forward_module()
+    case = AttentionCase("v41-split", 3, 20, CacheCase(192, masked_fraction=0.25, topk_length=70),
+                         extra=CacheCase(128, page_block_size=2, num_pages=64),
+                         conventions=Conventions("dsv4_1"))  # fmt: skip
+    inputs = inputs_on(case, sparse_mla_generator, sparse_mla_device)
+    launch = module.sparse_mla
+    results = []
+    for split in (False, True):
+        monkeypatch.setattr(module, "sparse_mla", lambda *a, split=split, **k: launch(*a, **k, split=split,
+                                                                                        config=config))
+        results.append(inputs.run(sparse_mla_forward, backend="triton", return_fp32=True))
+    unsplit, split = results
+    assert torch.equal(split.output_fp32, unsplit.output_fp32) and torch.equal(split.lse, unsplit.lse)
+    assert torch.equal(split.out_of_range, unsplit.out_of_range)
+
+
+def test_v41_backend_default(sparse_mla_generator, sparse_mla_device):
+    """``backend=None``: the Triton forward on CUDA, the torch loop on the CPU (bit for bit the
+    explicit backend either way)."""
+    from pytest_sparse_mla.attention.reference import resolve_backend
+
+    case = AttentionCase("v41-default", 2, 8, CacheCase(64), conventions=Conventions("dsv4_1"))
+    inputs = inputs_on(case, sparse_mla_generator, sparse_mla_device)
+    res = inputs.run(sparse_mla_forward)
+    same = inputs.run(sparse_mla_forward, backend=resolve_backend(None, sparse_mla_device))
+    assert torch.equal(res.output, same.output) and torch.equal(res.lse, same.lse)
+
+
+def test_v41_rejects_out_of_range_indices_on_triton(sparse_mla_generator, sparse_mla_device):
+    _triton_or_skip(sparse_mla_device)
+    case = AttentionCase("v41-oob", 2, 8, CacheCase(64, topk_length=32),
+                         extra=CacheCase(64, page_block_size=2, num_pages=64, topk_length=32),
+                         conventions=Conventions("dsv4_1"))  # fmt: skip
+    inputs = inputs_on(case, sparse_mla_generator, sparse_mla_device)
+    inputs.extra_indices[1, 5] = inputs.extra.num_tokens
+    res = inputs.run(sparse_mla_forward, backend="triton", check_indices=False)
+    assert res.out_of_range.tolist() == [0, 1]
+    with pytest.raises(ValueError, match=r"extra_indices\[1, 5\]=.* is out of range"):
+        inputs.run(sparse_mla_forward, backend="triton")

@@ -1,0 +1,116 @@
+"""Self-tests of the search's rounds, regions and covering schedule (``pytest_sparse_mla.search_run``,
+``pytest_sparse_mla.regions``, ``pytest_sparse_mla.covering``).
+
+* One default-budget run against a kernel with two independent bugs (one drawn far more often than
+  the other: ``kernel_catalogue.two_bugs_strided_q_and_partial_head_tile``) reports both, each with a
+  region that names its cause.
+* A default run's coverage record holds every end of every dimension the envelope admits.
+* A known region (an xfail file's ``# [KEY] region:`` line) is confirmed once and reported under its
+  key (xfailed); a discrepancy outside it fails the test even though the test is listed.
+* Region lines are checked: a bad dimension or class is a usage error naming the file and line.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("hypothesis")
+
+from pytest_sparse_mla import covering, regions  # noqa: E402
+from pytest_sparse_mla.implementations.builtin import ReferenceImplementation  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+SEARCH = str(ROOT / "suites" / "test_attention_search.py")
+ORACLE_TEST = "suites/test_attention_search.py::test_a_drawn_call_matches_the_oracle[shard0]"
+
+
+def _run(args, tmp_path, monkeypatch, capsys):
+    import inner_session
+
+    return inner_session.run(
+        ["-p", "sparse_mla", SEARCH, "--sparse-mla-device", "cpu", "-p", "no:cacheprovider", "-p", "no:xdist",
+         "--rootdir", str(ROOT), *args], cwd=ROOT, monkeypatch=monkeypatch, capsys=capsys,
+    )  # fmt: skip
+
+
+def test_one_default_run_reports_both_bugs_of_a_kernel_with_two(tmp_path, monkeypatch, capsys) -> None:
+    report = tmp_path / "run.json"
+    code, output = _run(["-k", "matches_the", "--sparse-mla-impl", "kernel_catalogue:two_bugs_strided_q_and_partial_head_tile",
+                         f"--sparse-mla-report-json={report}"], tmp_path, monkeypatch, capsys)  # fmt: skip
+    assert code == 1, output[-3000:]
+    found = json.loads(report.read_text())["search"]["discrepancies"]
+    texts = [d["region"] for d in found]
+    assert any("query_layout=strided" in t for t in texts), texts
+    assert any("num_heads=" in t and "query_layout" not in t for t in texts), texts
+
+
+def test_a_default_run_draws_every_end_of_every_dimension(tmp_path, monkeypatch, capsys) -> None:
+    """The reference's default run (``-k matches``): the coverage record's ``ends`` hold every label
+    of ``covering.required_ends`` for its envelope, listed by hand for the sizes."""
+    report = tmp_path / "run.json"
+    code, output = _run(["-k", "matches_the", f"--sparse-mla-report-json={report}"], tmp_path, monkeypatch, capsys)
+    assert code == 0, output[-3000:]
+    ends = json.loads(report.read_text())["search"]["ends"]
+    required = covering.required_ends(ReferenceImplementation.envelope, "cpu")
+    assert required["num_tokens"] == {"0", "1", "64", "65", "512"}
+    assert required["topk_length"] == {"0", "topk", str(-(2**31)), str(2**31 - 1)}
+    assert required["scale_bytes"] >= {"dsv4:smallest", "dsv4:largest", "dsv3_2:smallest", "dsv4_1_indexed:largest"}
+    missing = {dim: sorted(labels - set(ends.get(dim, {}))) for dim, labels in required.items()}
+    assert not any(missing.values()), missing
+
+
+def test_a_known_region_is_reported_under_its_key_and_a_new_bug_fails(tmp_path, monkeypatch, capsys) -> None:
+    xfail = tmp_path / "xfail.txt"
+    xfail.write_text(
+        "# [strided-q] bug: the queries are read as if contiguous\n"
+        "# [strided-q] region: query_layout=strided\n"
+        f"{ORACLE_TEST}  # strided-q\n"
+    )
+    report = tmp_path / "run.json"
+    args = ["-k", "matches_the", "--sparse-mla-xfail-file", str(xfail), f"--sparse-mla-report-json={report}"]
+    code, output = _run([*args, "--sparse-mla-impl", "test_search:StridedQueryBug"], tmp_path, monkeypatch, capsys)
+    assert code == 0 and "1 xfailed" in output, output[-3000:]
+    found = json.loads(report.read_text())["search"]["discrepancies"]
+    assert [(d["key"], d["known"]) for d in found] == [("strided-q", True)], found
+    spent = json.loads(report.read_text())["search"]["spent"]
+    assert spent.get("confirming-known", 0) <= regions.CONFIRM_CALLS, spent
+    code, output = _run([*args, "--sparse-mla-impl", "kernel_catalogue:two_bugs_strided_q_and_partial_head_tile"],
+                        tmp_path, monkeypatch, capsys)  # fmt: skip
+    assert code == 1 and "1 failed" in output and "NewDiscrepancy" in output, output[-3000:]
+    found = json.loads(report.read_text())["search"]["discrepancies"]
+    assert {d["known"] for d in found} == {True, False}, found
+    assert any(d["key"] == "strided-q" for d in found) and any("num_heads=" in d["region"] for d in found), found
+
+
+def test_a_region_line_names_its_file_line_and_the_classes_expected(tmp_path: Path) -> None:
+    bad = tmp_path / "x.txt"
+    bad.write_text("# [k] bug: text\n# [k] region: sm_scale=2\n")
+    with pytest.raises(ValueError, match=r"x\.txt:2: sm_scale=2 is not a class of sm_scale"):
+        regions.read_regions(bad)
+    bad.write_text("# [k] region: colour=red\n")
+    with pytest.raises(ValueError, match=r"unknown dimension 'colour'"):
+        regions.read_regions(bad)
+    good = tmp_path / "y.txt"
+    good.write_text("# [sm-scale-zero] region: sm_scale=0 fmt=dsv4,dsv3_2\n")
+    (region,) = regions.read_regions(good)
+    assert region.key == "sm-scale-zero" and region.known
+    assert region.conditions == {"sm_scale": frozenset({"0"}), "fmt": frozenset({"dsv4", "dsv3_2"})}
+    assert region.contains({"sm_scale": "0", "fmt": "dsv4", "num_tokens": "1"})
+    assert not region.contains({"sm_scale": "1", "fmt": "dsv4"})
+
+
+@pytest.mark.parametrize("name", ["reference", "flashmla-like"])
+def test_every_covering_call_lies_inside_its_envelope(name: str) -> None:
+    from test_search import FLASHMLA_LIKE
+
+    from pytest_sparse_mla import search
+    from pytest_sparse_mla.attention.call import SparseMlaCall
+
+    envelope = ReferenceImplementation.envelope if name == "reference" else FLASHMLA_LIKE
+    for call in covering.schedule(envelope, "cpu"):
+        inputs = search.build(call)
+        read = SparseMlaCall.read(inputs.q, inputs.kv_cache, inputs.indices, **inputs.kwargs, validate=True)
+        assert read.envelope_reason(envelope) is None, call.describe()
