@@ -10,7 +10,7 @@ outside it.
   dimension (``{"sm_scale": "0", "num_tokens": "prefill", ...}``): the classes a region is made of.
 * A :class:`Region` constrains some dimensions to sets of classes; a call lies inside it when each
   constrained dimension's class is in its set. The search finds a region by moving one dimension of
-  the shrunk call at a time to another class (``search.region_of``): a dimension whose move makes
+  the shrunk call at a time to another class (``search_run.moves``): a dimension whose move makes
   the failure go away is one the failure needs; the region holds the classes under which the
   failure stayed.
 * A peer's known discrepancy names its region beside its xfail entry, in the xfail file::

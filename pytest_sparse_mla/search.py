@@ -88,8 +88,9 @@ class DrawnCache:
         canary: canary bytes before the cache in its allocation (the same count follows it).
         scale_end: ``"none"`` (the scales the packer writes), or every scale of every stored record
             rewritten to the format's ``"smallest"`` or ``"largest"`` encodable scale
-            (:data:`SCALE_ENDS`; with the largest, the codes are redrawn small enough that every
-            value stays below ``formats.NOPE_OVERFLOW``).
+            (:data:`SCALE_ENDS`; with the largest, the E4M3 codes are redrawn among the three
+            smallest subnormals, and the call has at most :data:`LARGEST_SCALE_LANES` lanes, so an
+            fp32 accumulation of a row stays finite).
     """
 
     width: int
