@@ -147,6 +147,14 @@ class PackedFormat:
         return self.scale_kind != "fp32"
 
     @property
+    def bf16_rows(self) -> bool:
+        """Whether a token's dequantized row is 512 exact BF16 values with no separate RoPE part,
+        one record per token (the DeepSeek-V4.1 records, inline): the bundled reference's Triton
+        forward gathers such candidates with torch operations into BF16 rows and attends them like
+        DSV4 rows (``V = K``)."""
+        return self.layout == "inline" and self.d_rope == 0 and self.d_qk == 512 and self.bf16_exact
+
+    @property
     def scale_bytes_per_token(self) -> int:
         """Scale bytes per token: 8 for DSV4 (7 UE8M0 + 1 pad), 16 for DSV3.2 (4 fp32), 16 for V4.1
         SWA (16 UE8M0), 32 for V4.1 indexed (32 E4M3)."""

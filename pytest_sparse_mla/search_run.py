@@ -406,12 +406,11 @@ class SearchRun:
 
     def _discover(self, prop: Callable[[Any], None], call: Any, exc: Exception, envelope: Envelope, device: str) -> None:
         """The region of a failure (module docstring, 3), then its smallest call's record."""
-        self._phase = "region-search"
+        phase, self._phase = self._phase, "region-search"
         original = regions.features(call)
         conditions: dict[str, set[str]] = {}
         core: dict[str, set[str]] = {}
         current = call
-        phase = self._phase
         for dim, alts in moves(call, envelope):
             fits = [a for a in alts if covering.fits(a, envelope, device)]
             failing, passing = [], set()
@@ -434,10 +433,11 @@ class SearchRun:
             current, final = call, self._judge(prop, call) or exc
         self._phase = phase
         conditions = core or conditions  # the dimensions the failure needs alone, when there are some
-        if not conditions:  # no move made it go away: the region is the call's own classes, never everything
+        exact = not conditions
+        if exact:  # no move made it go away: the region is the call's own classes, never everything
             conditions = {k: {v} for k, v in regions.features(current).items()}
         for d in self.found:  # the same cause met again: one class both need alone (a narrow first region)
-            if not d.region.known and _same_cause(d.region.conditions, conditions):
+            if not exact and not d.region.known and _same_cause(d.region.conditions, conditions):
                 d.region = regions.Region(d.region.key, _widened(d.region.conditions, conditions))
                 d.count += 1
                 return

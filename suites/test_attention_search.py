@@ -36,6 +36,7 @@ the evidence (``search.diagnose``) and Hypothesis's ``@reproduce_failure`` line;
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 import torch
@@ -49,7 +50,7 @@ from pytest_sparse_mla.guard import check_result_shapes  # noqa: E402
 pytestmark = [pytest.mark.sparse_mla_needs("sparse_mla_forward"), pytest.mark.sparse_mla_error_class("search")]
 
 
-def _judge(impl: object, inputs: search.SearchInputs, tol: object, run: object = None) -> None:
+def _judge(impl: Any, inputs: search.SearchInputs, tol: Any, run: Any = None) -> None:
     """One drawn call against the oracle, its inputs and its empty rows (module docstring); ``run``
     (the ``sparse_mla_search`` fixture) first warms the kernel on a shape it has not met (CUDA)."""
     call = inputs.call
@@ -74,12 +75,18 @@ def _judge(impl: object, inputs: search.SearchInputs, tol: object, run: object =
         raise AssertionError("\n".join([str(exc), *hints, f"call: {call.describe()}"])) from None
 
 
+def _built(call: search.DrawnCall, device: torch.device, run: Any) -> search.SearchInputs:
+    """``call``'s tensors on ``device``, recorded by the search run ``run`` (its coverage record)."""
+    inputs = search.build(call, device)
+    run.note(call, inputs)
+    return inputs
+
+
 def test_a_drawn_call_matches_the_oracle(
     sparse_mla_impl, sparse_mla_envelope, sparse_mla_tolerances, sparse_mla_device, sparse_mla_search
 ):
     def drawn(call: search.DrawnCall) -> None:
-        inputs = search.build(call, sparse_mla_device)
-        sparse_mla_search.note(call, inputs)
+        inputs = _built(call, sparse_mla_device, sparse_mla_search)
         _judge(sparse_mla_impl, inputs, sparse_mla_tolerances, sparse_mla_search)
 
     sparse_mla_search.check(drawn, sparse_mla_envelope, sparse_mla_device.type)
@@ -110,8 +117,7 @@ def test_a_drawn_call_does_not_depend_on_lane_order_or_padding(
     env = sparse_mla_envelope
 
     def drawn(call: search.DrawnCall) -> None:
-        inputs = search.build(call, sparse_mla_device)
-        sparse_mla_search.note(call, inputs)
+        inputs = _built(call, sparse_mla_device, sparse_mla_search)
         g = torch.Generator().manual_seed(call.seed + 1)
         kw = dict(inputs.kwargs)
         moved = _padded(_reorder(inputs.indices, kw.get("topk_length"), g), env.topk)
@@ -127,12 +133,10 @@ def test_a_call_sequence_on_the_same_buffers_matches_fresh_calls(
     sparse_mla_impl, sparse_mla_envelope, sparse_mla_tolerances, sparse_mla_device, sparse_mla_search
 ):
     def drawn(call: search.DrawnCall) -> None:
-        buffers = search.build(call, sparse_mla_device)
-        sparse_mla_search.note(call, buffers)
+        buffers = _built(call, sparse_mla_device, sparse_mla_search)
         _judge(sparse_mla_impl, buffers, sparse_mla_tolerances, sparse_mla_search)
         for step in (1, 2):
-            fresh = search.build(search.next_step(call, step), sparse_mla_device)
-            sparse_mla_search.note(fresh.call, fresh)
+            fresh = _built(search.next_step(call, step), sparse_mla_device, sparse_mla_search)
             try:
                 _judge(sparse_mla_impl, search.rewritten_in_place(buffers, fresh), sparse_mla_tolerances)
             except AssertionError as exc:

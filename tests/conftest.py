@@ -148,3 +148,16 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
         parts.append(f"{sum(r['outcome'] == 'passed' for r in approx)} of {len(approx)} approximate kernels passed")
     seconds = sum(float(r["seconds"]) for r in rows)
     tr.write_line(f"{'; '.join(parts)}; {seconds:.0f} s of suite runs over {len(rows)} kernels")
+
+
+@pytest.fixture
+def fi_reference() -> Any:
+    """The ``flashinfer-reference`` peer adapter on the CPU (FlashInfer's pure-torch references from
+    the flashinfer-python wheel); skips where the wheel's reference files are not importable."""
+    from pytest_sparse_mla.implementations import flashinfer_reference
+
+    impl = flashinfer_reference.FlashInferReferenceImplementation()
+    reason = impl.skip_reason("sparse_mla_forward", "cpu")
+    if reason is not None:
+        pytest.skip(reason)
+    return impl

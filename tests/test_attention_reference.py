@@ -193,12 +193,14 @@ def test_triton_backend_takes_a_query_view_with_a_strided_last_dim(sparse_mla_ge
     assert torch.equal(res.output, base.output) and torch.equal(res.lse, base.lse)
 
 
-def test_triton_backend_padding_and_head_count_are_bitwise_neutral(sparse_mla_generator, sparse_mla_device):
+@pytest.mark.parametrize("fmt", ["dsv4", "dsv4_1"])
+def test_triton_backend_padding_and_head_count_are_bitwise_neutral(fmt, sparse_mla_generator, sparse_mla_device):
     """-1 padding of both rows and 8 real heads inside a 24-head query: same bits (tiny shapes, so
-    the interpreted kernel runs on the CPU too)."""
+    the interpreted kernel runs on the CPU too); DSV4 rows read by the gather kernel, V4.1 records
+    gathered by torch operations (``_triton_forward.gather_records``)."""
     _triton_or_skip(sparse_mla_device)
     case = AttentionCase("tri-inv", 2, 24, CacheCase(64, masked_fraction=0.25),
-                         extra=CacheCase(64, page_block_size=2, num_pages=64))  # fmt: skip
+                         extra=CacheCase(64, page_block_size=2, num_pages=64), conventions=Conventions(fmt))  # fmt: skip
     inputs = inputs_on(case, sparse_mla_generator, sparse_mla_device)
     base = inputs.run(sparse_mla_forward, backend="triton")
     pad = torch.full((2, 64), -1, dtype=torch.int32, device=sparse_mla_device)

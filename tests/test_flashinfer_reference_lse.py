@@ -22,15 +22,6 @@ from pytest_sparse_mla.implementations import flashinfer_reference
 from pytest_sparse_mla.implementations._peer import lse_to_convention
 
 
-@pytest.fixture
-def fi_reference() -> flashinfer_reference.FlashInferReferenceImplementation:
-    impl = flashinfer_reference.FlashInferReferenceImplementation()
-    reason = impl.skip_reason("sparse_mla_forward", "cpu")
-    if reason is not None:
-        pytest.skip(reason)
-    return impl
-
-
 def _call(sink: float) -> dict:
     """One token, one head, q = 0 (every logit 0), one valid lane of a 64-token DSV4 page."""
     gen = torch.Generator().manual_seed(5)

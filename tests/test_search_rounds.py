@@ -53,7 +53,14 @@ def test_a_default_run_draws_every_end_of_every_dimension(tmp_path, monkeypatch,
     report = tmp_path / "run.json"
     code, output = _run(["-k", "matches_the", f"--sparse-mla-report-json={report}"], tmp_path, monkeypatch, capsys)
     assert code == 0, output[-3000:]
-    ends = json.loads(report.read_text())["search"]["ends"]
+    search = json.loads(report.read_text())["search"]
+    ends = search["ends"]
+    dims = search["dims"]  # the calls' own values (search.record), not covering.ends_of's labels
+    for name, low, high in (("num_tokens", 0, 512), ("num_heads", 1, 256), ("topk", 1, 2048),
+                            ("value_exponent", -40, 100), ("score_offset", -3000, 3000), ("score_spread", 0, 40)):
+        assert (dims[name]["min"], dims[name]["max"]) == (low, high), (name, dims[name])
+    assert {"smallest", "largest"} <= {v.split("/")[0] for v in dims["scale_bytes"]["values"]}, dims["scale_bytes"]
+    assert {"0", "-512**-0.5"} <= set(dims["sm_scale"]["values"]), dims["sm_scale"]
     required = covering.required_ends(ReferenceImplementation.envelope, "cpu")
     assert required["num_tokens"] == {"0", "1", "64", "65", "512"}
     assert required["topk_length"] == {"0", "topk", str(-(2**31)), str(2**31 - 1)}

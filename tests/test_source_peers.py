@@ -159,15 +159,6 @@ def test_vllm_checks_the_lengths_it_folds(monkeypatch: pytest.MonkeyPatch) -> No
 # ------------------------------------------------------------------------------ FlashInfer references
 
 
-@pytest.fixture
-def fi_reference() -> flashinfer_reference.FlashInferReferenceImplementation:
-    impl = flashinfer_reference.FlashInferReferenceImplementation()
-    reason = impl.skip_reason("sparse_mla_forward", "cpu")
-    if reason is not None:
-        pytest.skip(reason)
-    return impl
-
-
 @pytest.mark.parametrize("convention", ["flashinfer", "flashmla"])
 def test_flashinfer_reference_dsv4_dual_cache_with_sink(fi_reference, convention: str) -> None:
     call = _inputs(4, 8, seed=11)

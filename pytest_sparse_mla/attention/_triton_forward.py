@@ -650,15 +650,9 @@ def _gather(
 
 def reads_records_in_torch(f: object) -> bool:
     """Whether the candidates of a cache of record format ``f`` (a ``formats.PackedFormat``) are
-    gathered by :func:`gather_records` (torch operations) rather than :func:`_gather_kernel`: the
-    DeepSeek-V4.1 records (inline, 512 dims, no RoPE part, every value a BF16 number). Their rows
-    are then attended like DSV4 rows (512 BF16 values, ``V = K``)."""
-    return (
-        f.layout == "inline"  # type: ignore[attr-defined]
-        and f.d_rope == 0  # type: ignore[attr-defined]
-        and f.d_qk == 512  # type: ignore[attr-defined]
-        and f.bf16_exact  # type: ignore[attr-defined]
-    )
+    gathered by :func:`gather_records` (torch operations) rather than :func:`_gather_kernel`:
+    ``formats.PackedFormat.bf16_rows`` (the DeepSeek-V4.1 records)."""
+    return bool(f.bf16_rows)  # type: ignore[attr-defined]
 
 
 #: Lanes a step of :func:`gather_records` dequantizes at once (its fp32 temporaries, about 6 KiB a

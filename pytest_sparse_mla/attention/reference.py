@@ -379,20 +379,13 @@ def _forward(
     return SparseMlaOutput(output, lse, route, output_fp32, grid, out_of_range)
 
 
-def _v41_records(record: formats.PackedFormat) -> bool:
-    """A record format whose candidates the Triton forward gathers with torch operations
-    (``_triton_forward.reads_records_in_torch``, kept in step): the DeepSeek-V4.1 records (inline,
-    512 dims, no RoPE part, every dequantized value a BF16 number)."""
-    return record.layout == "inline" and record.d_rope == 0 and record.d_qk == 512 and record.bf16_exact
-
-
 def _triton_reads(fmt: formats.PackedFormat | str) -> bool:
     """Whether ``backend="triton"`` runs call format ``fmt``: the formats whose entry says so
     (``CallFormat.triton``: DSV4, DSV3.2; the gather kernel reads their layouts) and the formats
     of V4.1 records in both caches (``dsv4_1``, ``dsv4_1_swa``, ``dsv4_1_indexed``: the candidates
     gathered and dequantized by torch operations, then the same attention kernel as DSV4)."""
     entry = formats.call_format(fmt)
-    return entry.triton or (_v41_records(entry.main) and _v41_records(entry.extra))
+    return entry.triton or (entry.main.bf16_rows and entry.extra.bf16_rows)
 
 
 def _check_out_of_range(call: SparseMlaCall, out_of_range: torch.Tensor) -> None:
