@@ -130,6 +130,15 @@ _TRITON_CASES = (
     AttentionCase("dual-C128-len", 3, 20, CacheCase(100, topk_length=70),
                   extra=CacheCase(64, page_block_size=2, num_pages=64, masked_fraction=0.25)),
     AttentionCase("dsv32-h8-k64", 2, 8, CacheCase(64), conventions=Conventions("dsv3_2")),
+    # DeepSeek-V4.1 records: candidates gathered by torch operations (_triton_forward.gather_records)
+    AttentionCase("v41-dual-len", 3, 20, CacheCase(100, topk_length=70, masked_fraction=0.25),
+                  extra=CacheCase(64, page_block_size=2, num_pages=64, masked_fraction=0.25),
+                  conventions=Conventions("dsv4_1")),
+    AttentionCase("v41-swa-only-hnd", 2, 8, CacheCase(64), conventions=Conventions("dsv4_1", form="hnd")),
+    AttentionCase("v41-swa-both", 2, 8, CacheCase(64), extra=CacheCase(64, page_block_size=2, num_pages=64),
+                  conventions=Conventions("dsv4_1_swa", with_sink=False)),
+    AttentionCase("v41-indexed-both", 2, 8, CacheCase(64), extra=CacheCase(64, page_block_size=2, num_pages=64),
+                  conventions=Conventions("dsv4_1_indexed")),
 )  # fmt: skip
 
 
@@ -217,7 +226,7 @@ def test_triton_backend_padding_and_head_count_are_bitwise_neutral(fmt, sparse_m
 
 
 @pytest.mark.parametrize("config", [(16, 4, 1, 64), None], ids=["chunk-64", "shipped"])
-@pytest.mark.parametrize("fmt", ["dsv4", "dsv3_2"])
+@pytest.mark.parametrize("fmt", ["dsv4", "dsv3_2", "dsv4_1"])
 def test_triton_split_and_unsplit_launches_give_the_same_bits(
     fmt, config, sparse_mla_generator, sparse_mla_device, monkeypatch
 ):

@@ -4,10 +4,9 @@
 
 * the gathered rows are ``formats.unpack_dequantize`` of their tokens, bit for bit, for every byte
   value of the codes and scales (E2M1 decoded arithmetically, so nothing is copied from the host);
-* its fp32 output and LSE are within the ``tight`` profile of the float64 oracle;
-* ``-1`` padding of both index rows, the head count, the batch (a token alone against the same token
-  in a batch) and the caches' tensor form give the same bits;
-* split and unsplit launches give the same bits;
+* the batch (a token alone against the same token in a batch) and the caches' tensor form give the
+  same bits (the oracle, ``-1`` padding, head count and split launches: ``test_attention_reference.py``,
+  whose Triton tests take the V4.1 formats too);
 * ``backend=None`` picks it on CUDA (the torch loop stays the CPU default: the golden snapshots).
 """
 
@@ -17,28 +16,11 @@ import pytest
 import torch
 
 from pytest_sparse_mla import formats
-from pytest_sparse_mla.attention import oracle_forward, sparse_mla_forward
+from pytest_sparse_mla.attention import sparse_mla_forward
 from pytest_sparse_mla.attention.cases import AttentionCase, CacheCase, Conventions
-from pytest_sparse_mla.parametrize import case_params, inputs_on
+from pytest_sparse_mla.parametrize import inputs_on
+from test_attention_reference import _triton_or_skip  # within tight of the oracle: _TRITON_CASES there
 
-_CASES = (
-    AttentionCase("v41-dual-len", 3, 20, CacheCase(100, topk_length=70, masked_fraction=0.25),
-                  extra=CacheCase(64, page_block_size=2, num_pages=64, masked_fraction=0.25),
-                  conventions=Conventions("dsv4_1")),
-    AttentionCase("v41-swa-only-hnd", 2, 8, CacheCase(64), conventions=Conventions("dsv4_1", form="hnd")),
-    AttentionCase("v41-swa-both", 2, 8, CacheCase(64), extra=CacheCase(64, page_block_size=2, num_pages=64),
-                  conventions=Conventions("dsv4_1_swa", with_sink=False)),
-    AttentionCase("v41-indexed-both", 2, 8, CacheCase(64), extra=CacheCase(64, page_block_size=2, num_pages=64),
-                  conventions=Conventions("dsv4_1_indexed")),
-)  # fmt: skip
-
-
-def _triton_or_skip(device: torch.device) -> None:
-    from pytest_sparse_mla.attention.reference import triton_unavailable_reason
-
-    reason = triton_unavailable_reason(device)
-    if reason is not None:
-        pytest.skip(f"backend='triton': {reason}")
 
 
 def _pages(cache: torch.Tensor) -> torch.Tensor:
@@ -80,20 +62,6 @@ def test_gathered_records_are_unpack_dequantize_bit_for_bit(fmt, sparse_mla_gene
     assert bool((signs | nan).all())
 
 
-@pytest.mark.sparse_mla_tolerance(profile="tight")
-@pytest.mark.parametrize("case", case_params(_CASES))
-def test_triton_v41_within_tight_of_oracle(case, sparse_mla_tolerances, sparse_mla_generator, sparse_mla_device):
-    _triton_or_skip(sparse_mla_device)
-    inputs = inputs_on(case, sparse_mla_generator, sparse_mla_device)
-    res = inputs.run(sparse_mla_forward, backend="triton", return_fp32=True)
-    expected = inputs.run(oracle_forward)
-    sparse_mla_tolerances.check_output(res.output_fp32, expected, what="fp32 output")
-    sparse_mla_tolerances.check_lse(res.lse, expected)
-    assert torch.equal(res.output, res.output_fp32.to(torch.bfloat16))
-    torch_res = inputs.run(sparse_mla_forward, backend="torch", return_fp32=True)
-    assert (torch_res.output_fp32 - res.output_fp32).abs().max() < 1e-5
-
-
 def test_triton_v41_batch_and_layout_are_bitwise_neutral(sparse_mla_generator, sparse_mla_device):
     """A token alone and the caches in other forms give the same bits (padding and head count:
     ``test_attention_reference.py::test_triton_backend_padding_and_head_count_are_bitwise_neutral``)."""
@@ -114,31 +82,6 @@ def test_triton_v41_batch_and_layout_are_bitwise_neutral(sparse_mla_generator, s
         inputs.q, main, inputs.indices, **inputs.kwargs(extra_kv_cache=extra), backend="triton"
     )
     assert torch.equal(other.output, base.output) and torch.equal(other.lse, base.lse)
-
-
-@pytest.mark.parametrize("config", [(16, 4, 1, 64), None], ids=["chunk-64", "shipped"])
-def test_triton_v41_split_and_unsplit_launches_give_the_same_bits(
-    config, sparse_mla_generator, sparse_mla_device, monkeypatch
-):
-    from pytest_sparse_mla.attention.reference import triton_forward_module
-
-    _triton_or_skip(sparse_mla_device)
-    if config is None and sparse_mla_device.type != "cuda":
-        pytest.skip("the shipped configuration's compiled code: CUDA only (the interpreter runs it in NumPy)")
-    module = triton_forward_module()
-    case = AttentionCase("v41-split", 3, 20, CacheCase(192, masked_fraction=0.25, topk_length=70),
-                         extra=CacheCase(128, page_block_size=2, num_pages=64),
-                         conventions=Conventions("dsv4_1"))  # fmt: skip
-    inputs = inputs_on(case, sparse_mla_generator, sparse_mla_device)
-    launch = module.sparse_mla
-    results = []
-    for split in (False, True):
-        monkeypatch.setattr(module, "sparse_mla", lambda *a, split=split, **k: launch(*a, **k, split=split,
-                                                                                        config=config))
-        results.append(inputs.run(sparse_mla_forward, backend="triton", return_fp32=True))
-    unsplit, split = results
-    assert torch.equal(split.output_fp32, unsplit.output_fp32) and torch.equal(split.lse, unsplit.lse)
-    assert torch.equal(split.out_of_range, unsplit.out_of_range)
 
 
 def test_v41_backend_default(sparse_mla_generator, sparse_mla_device):
