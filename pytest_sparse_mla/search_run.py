@@ -200,6 +200,7 @@ class SearchRun:
             self._warm.add(key)
             self.spent["warm-up"] += 1
             search_speed.warm(impl, inputs)
+            recording.begin_test()  # the warm-up is not a call of the test: no reproducer replays it
 
     def summary(self) -> dict[str, Any]:
         """``{"calls", "failed", "seed", "dims", "ends", "spent", "discrepancies"}``."""
