@@ -22,6 +22,7 @@ import torch
 from pytest_sparse_mla import formats
 from pytest_sparse_mla.attention import oracle_forward, sparse_mla_forward
 from pytest_sparse_mla.attention.cases import AttentionCase, CacheCase, Conventions
+from pytest_sparse_mla.envelope import ALL_FORMATS
 from pytest_sparse_mla.parametrize import case_params, inputs_on
 
 _FP32_CASES = (
@@ -226,7 +227,7 @@ def test_triton_backend_padding_and_head_count_are_bitwise_neutral(fmt, sparse_m
 
 
 @pytest.mark.parametrize("config", [(16, 4, 1, 64), None], ids=["chunk-64", "shipped"])
-@pytest.mark.parametrize("fmt", ["dsv4", "dsv3_2", "dsv4_1"])
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
 def test_triton_split_and_unsplit_launches_give_the_same_bits(
     fmt, config, sparse_mla_generator, sparse_mla_device, monkeypatch
 ):
