@@ -59,6 +59,8 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 
@@ -71,6 +73,7 @@ __all__ = [
     "FAULT_KEY",
     "KernelCall",
     "absorb_crash_report",
+    "COMPILE_SECONDS",
     "apply_timeouts",
     "begin_call",
     "begin_test",
@@ -87,6 +90,7 @@ __all__ = [
     "judge_report",
     "last_call",
     "note_timeout",
+    "untimed",
     "observe",
     "start_thread_timer",
     "summary_lines",
@@ -106,6 +110,10 @@ BASE_SECONDS = {"cuda": 120.0, "cpu": 600.0}
 #: (the suites run 40 examples).
 LARGE_CASE_FACTOR = 3.0
 HYPOTHESIS_FACTOR = 3.0
+#: The limit of one warm-up inside :func:`untimed`, in seconds: a Triton autotuner benchmarking
+#: every configuration of several kernels for one new shape (ptxas for each) takes tens of seconds on
+#: an H200; ten minutes is a hang.
+COMPILE_SECONDS = 600.0
 
 #: Text of a CUDA error after which the context is unusable (torch.AcceleratorError / RuntimeError).
 _DEAD_CONTEXT = re.compile(
@@ -499,6 +507,8 @@ def _main_frames() -> list[Any]:
 
 def _timeout_message(item: pytest.Item, seconds: float) -> str:
     kernel = _kernel_words(compiling_in(_main_frames()))
+    if getattr(item, "_sparse_mla_warming", False):
+        kernel = f"while warming the kernel on a new shape (a limit of its own, not the test's): {kernel}"
     worker = _is_worker(item.config)
     then = (
         "this xdist worker exits (pytest-timeout, thread method) and pytest-xdist starts a fresh one"
@@ -550,6 +560,35 @@ def _on_thread_timeout(item: pytest.Item, settings: Any) -> None:
     pytest_timeout.timeout_timer(item, settings)
 
 
+@dataclass
+class _TimerState:
+    """The thread timer of the test running in this process: its settings (``timeout``: the whole
+    limit), the seconds it had left when it was (re)started, and when."""
+
+    settings: Any
+    left: float
+    started: float = field(default_factory=time.monotonic)
+
+
+def _arm(item: pytest.Item, settings: Any, seconds: float, warming: bool = False) -> None:
+    """Start a timer of ``seconds`` that reports ``item`` as timed out (:func:`_on_thread_timeout`,
+    with ``settings``) and set ``item.cancel_timeout``, which pytest-timeout's cancel hook calls."""
+    timer = threading.Timer(seconds, _on_thread_timeout, (item, settings))
+    timer.name = f"pytest_timeout {item.nodeid}"
+    timer.daemon = True
+
+    def cancel() -> None:
+        timer.cancel()
+        if timer is not threading.current_thread():
+            timer.join()
+
+    item.cancel_timeout = cancel  # type: ignore[attr-defined]  # pytest-timeout's cancel hook calls it
+    item._sparse_mla_warming = warming  # type: ignore[attr-defined]
+    if not warming:
+        item._sparse_mla_timer = _TimerState(settings, seconds)  # type: ignore[attr-defined]
+    timer.start()
+
+
 def start_thread_timer(item: pytest.Item, settings: Any) -> bool | None:
     """``pytest_timeout_set_timer`` for the ``thread`` method (also the ``signal`` method outside
     the main thread, where pytest-timeout uses a thread too): pytest-timeout's timer with
@@ -558,17 +597,35 @@ def start_thread_timer(item: pytest.Item, settings: Any) -> bool | None:
     ``signal`` method in the main thread (pytest-timeout's own SIGALRM timer then runs)."""
     if settings.method == "signal" and threading.current_thread() is threading.main_thread():
         return None
-    timer = threading.Timer(settings.timeout, _on_thread_timeout, (item, settings))
-    timer.name = f"pytest_timeout {item.nodeid}"
-    timer.daemon = True
-
-    def cancel() -> None:
-        timer.cancel()
-        timer.join()
-
-    item.cancel_timeout = cancel  # type: ignore[attr-defined]  # pytest-timeout's cancel hook calls it
-    timer.start()
+    _arm(item, settings, settings.timeout)
     return True
+
+
+@contextmanager
+def untimed(item: pytest.Item, limit: float | None = None) -> Iterator[None]:
+    """Time spent inside is not ``item``'s: its thread timer (:func:`start_thread_timer`) stops, a
+    limit of ``limit`` seconds (default :data:`COMPILE_SECONDS`, times ``sanitizer.TIMEOUT_FACTOR``
+    under compute-sanitizer) runs instead, and on leaving the test's timer resumes with the seconds
+    it had left (module docstring). A no-op when the test has no thread timer (the ``signal``
+    method, no pytest-timeout, no limit).
+
+    A warm-up that runs past ``limit`` is reported as a timeout "while warming", with what the main
+    thread was compiling (:func:`compiling_in`)."""
+    state = getattr(item, "_sparse_mla_timer", None)
+    cancel = getattr(item, "cancel_timeout", None)
+    if state is None or cancel is None or getattr(item, "_sparse_mla_warming", False):
+        yield
+        return
+    cancel()
+    left = max(state.left - (time.monotonic() - state.started), 0.0)
+    if limit is None:
+        limit = COMPILE_SECONDS * (sanitizer.TIMEOUT_FACTOR if sanitizer.active() else 1.0)
+    _arm(item, state.settings._replace(timeout=limit), limit, warming=True)
+    try:
+        yield
+    finally:
+        item.cancel_timeout()  # type: ignore[attr-defined]
+        _arm(item, state.settings, max(left, 0.001))
 
 
 def _case_of(item: pytest.Item) -> Any:

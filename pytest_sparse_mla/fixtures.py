@@ -404,6 +404,8 @@ def sparse_mla_search(
     (``--sparse-mla-search-shards``, ``--sparse-mla-search-shard-group``) draws from ``seed + k``
     (derandomized: a distinct seed per shard, ``shards.hypothesis_seed``) and takes every ``k``-th
     covering call of all the matrix's shards.
+    On CUDA the kernel is warmed on each new shape outside the test's time limit, up to a warm-up
+    budget of the test's own limit (``search_run``, "Compiling is not judged time").
     The known regions are the ``# [KEY] region: ...`` lines of ``--sparse-mla-xfail-file``
     (``pytest_sparse_mla.regions``). What the run drew goes to the test's ``user_properties``
     (terminal summary "sparse-mla search", ``--sparse-mla-report-json`` ``"search"``). A test
@@ -415,7 +417,7 @@ def sparse_mla_search(
     Skips the test when hypothesis is not installed or the budget is 0.
     """
     pytest.importorskip("hypothesis")
-    from pytest_sparse_mla import regions, search_run
+    from pytest_sparse_mla import device_health, regions, search_run
 
     if sparse_mla_options.search_examples == 0:
         pytest.skip("--sparse-mla-search-examples=0: the search is off")
@@ -424,10 +426,13 @@ def sparse_mla_search(
         request.node.user_properties.append((key, value))
 
     known = regions.read_regions(sparse_mla_options.xfail_file) if sparse_mla_options.xfail_file else []
+    limit = request.node.get_closest_marker("timeout")
     return search_run.SearchRun(
         sparse_mla_options.search_examples, sparse_mla_options.search_seed, sparse_mla_search_shard, keep,
         shrink=not _expected_to_fail(request), known=known, confirm=_expected_to_fail(request),
         shards=sparse_mla_options.search_shards * (g.count if (g := sparse_mla_options.search_shard_group) else 1),
+        untimed=lambda: device_health.untimed(request.node),
+        warm_seconds=float(limit.args[0]) if limit is not None and limit.args and limit.args[0] else None,
     )  # fmt: skip
 
 

@@ -33,6 +33,14 @@ A test expected to fail (an xfail mark) whose xfail file names no region, and a 
 Hypothesis profile has no shrink phase (the wrong-kernel gate's inner runs, which read only the
 verdict), stop at their first failing call and raise it as it is.
 
+**Compiling is not judged time** (CUDA). The first call of each new shape (format, token and head
+counts, widths, page sizes, forms, strides, which keywords are given) is preceded by a warm-up
+(:meth:`SearchRun.warm`, ``search_speed.warm``) inside ``untimed``: the test's time limit stops while
+a Triton autotuner or JIT compiles (``device_health.untimed``). A kernel that autotunes per shape
+can spend minutes this way, so a run's warm-ups have a budget (``warm_seconds``, default the test's
+own limit): once it is spent, a call of a shape not yet warm is not made (``spent["cold-shape"]``)
+and the run goes on with the shapes it has compiled.
+
 What the run did goes to the test's ``user_properties`` (``summary``): calls made, the dimensions
 and ends drawn, the discrepancies, and where the calls went (``"spent"``: covering, random draws
 outside every region, confirmations inside known regions, region searches, draws not made).
@@ -51,12 +59,17 @@ from pytest_sparse_mla.covering import with_main
 from pytest_sparse_mla.envelope import Envelope
 from pytest_sparse_mla.errors import KnownDiscrepancy, NewDiscrepancy
 
-__all__ = ["Discrepancy", "MAX_DISCREPANCIES", "SearchRun", "moves"]
+__all__ = ["ColdShape", "Discrepancy", "MAX_DISCREPANCIES", "SearchRun", "moves"]
 
 #: A run stops looking once it holds this many distinct discrepancies.
 MAX_DISCREPANCIES = 8
 #: Seed offset between two rounds of one run (far above any shard index).
 ROUND_STRIDE = 1_000_003
+
+
+class ColdShape(Exception):  # noqa: N818 - a call not made, not an error
+    """A call of a shape the kernel has not been warmed on, met after the run's warm-up budget is
+    spent: the call is not made (module docstring, "Compiling is not judged time")."""
 
 
 @dataclass
@@ -163,7 +176,8 @@ class SearchRun:
 
     def __init__(
         self, examples: int, seed: int | None, shard: int, keep: Any, shrink: bool = True, shards: int = 1,
-        known: Sequence[regions.Region] = (), confirm: bool = True,
+        known: Sequence[regions.Region] = (), confirm: bool = True, untimed: Callable[[], Any] | None = None,
+        warm_seconds: float | None = None,
     ) -> None:  # fmt: skip
         self.examples, self.seed, self.shard, self.shards = examples, seed, shard, max(1, shards)
         self.keep, self.shrink, self.known = keep, shrink, list(known)
@@ -175,40 +189,65 @@ class SearchRun:
         self._confirm_left = {r.key: regions.CONFIRM_CALLS if confirm else 0 for r in self.known}
         self._phase = "random"
         self._warm: set[tuple[Any, ...]] = set()
+        self._untimed, self.warm_seconds, self.warm_spent = untimed, warm_seconds, 0.0
 
     # --- what the property reports ---------------------------------------------------------------
 
     def note(self, call: Any, inputs: Any = None) -> None:
-        """Record one built call (every call made: covering, drawn, shrunk, region searches)."""
+        """Record one built call (every call made: covering, drawn, shrunk, region searches).
+
+        Raises:
+            ColdShape: on CUDA, ``inputs`` has a shape not yet warmed and the warm-up budget is spent
+                (the call is not recorded and must not be made).
+        """
+        key = self._shape(inputs)
+        if key is not None and key not in self._warm and self._warm_budget_spent():
+            raise ColdShape(call.describe())
         self.drawn.append(search.record(call, inputs))
         for dim, labels in covering.ends_of(call).items():
             self.ends.setdefault(dim, Counter()).update(labels)
 
+    @staticmethod
+    def _shape(inputs: Any) -> tuple[Any, ...] | None:
+        """What a kernel compiles or autotunes for (CUDA inputs only; ``None`` on the CPU)."""
+        if inputs is None or inputs.q.device.type != "cuda":
+            return None
+        c = inputs.call
+        return (c.fmt, c.num_tokens, c.num_heads, c.main.width, c.main.page_block_size, c.main.form, c.main.stride,
+                None if c.extra is None else (c.extra.width, c.extra.page_block_size, c.extra.form, c.extra.stride),
+                tuple(sorted(k for k, v in inputs.kwargs.items() if v is not None)), c.strided_query)  # fmt: skip
+
+    def _warm_budget_spent(self) -> bool:
+        return self.warm_seconds is not None and self.warm_spent >= self.warm_seconds
+
     def warm(self, impl: Any, inputs: Any) -> None:
         """On CUDA, run ``impl`` once on copies of ``inputs`` when this run meets their shape for the
-        first time (``search_speed.warm``): a Triton kernel's compile or autotune for a new shape then
-        happens outside the judged call (``spent["warm-up"]`` counts them). Nothing on the CPU."""
-        if inputs.q.device.type != "cuda":
+        first time (``search_speed.warm``), outside the test's time limit (``untimed``): a Triton
+        kernel's compile or autotune for a new shape then happens outside the judged call
+        (``spent["warm-up"]`` counts them, ``warm_spent`` their seconds). Nothing on the CPU."""
+        key = self._shape(inputs)
+        if key is None or key in self._warm:
             return
+        import contextlib
+        import time
+
         from pytest_sparse_mla import search_speed
 
-        c = inputs.call
-        key = (c.fmt, c.num_tokens, c.num_heads, c.main.width, c.main.page_block_size, c.main.form, c.main.stride,
-               None if c.extra is None else (c.extra.width, c.extra.page_block_size, c.extra.form, c.extra.stride),
-               tuple(sorted(k for k, v in inputs.kwargs.items() if v is not None)), c.strided_query)  # fmt: skip
-        if key not in self._warm:
-            self._warm.add(key)
-            self.spent["warm-up"] += 1
+        self._warm.add(key)
+        self.spent["warm-up"] += 1
+        start = time.perf_counter()
+        with self._untimed() if self._untimed is not None else contextlib.nullcontext():
             search_speed.warm(impl, inputs)
-            recording.begin_test()  # the warm-up is not a call of the test: no reproducer replays it
+        self.warm_spent += time.perf_counter() - start
+        recording.begin_test()  # the warm-up is not a call of the test: no reproducer replays it
 
     def summary(self) -> dict[str, Any]:
-        """``{"calls", "failed", "seed", "dims", "ends", "spent", "discrepancies"}``."""
+        """``{"calls", "failed", "seed", "dims", "ends", "spent", "warm_seconds", "discrepancies"}``."""
         return {
             "calls": len(self.drawn), "failed": int(self.failed), "seed": self.seed,
             "dims": coverage.merge_dims(self.drawn),
             "ends": {dim: dict(c) for dim, c in sorted(self.ends.items())},
-            "spent": dict(self.spent),
+            "spent": dict(self.spent), "warm_seconds": round(self.warm_spent, 3),
             "discrepancies": [d.as_dict() for d in self.found],
         }  # fmt: skip
 
@@ -336,6 +375,8 @@ class SearchRun:
         recording.begin_test()  # the recording then holds this call only
         try:
             prop(call)
+        except ColdShape:  # not made: the caller counts it
+            raise
         except Exception as exc:  # a failure of the kernel
             return exc
         except BaseException as exc:  # pytest's outcomes: a refusal of the guard (pytest.fail) is a failure
@@ -348,22 +389,27 @@ class SearchRun:
         """Judge ``call`` unless it lies in a region: a found one (not made), a known one (made
         only to confirm it). Returns a failure outside every region, or ``None``."""
         region = self._inside(call)
+        confirming = region is not None and region.known and self._confirm_left.get(region.key, 0) > 0
+        if region is not None and not confirming:
+            self.spent["not-made-in-region"] += 1
+            for d in self.found:
+                if d.region is region:
+                    d.count += 1
+            return None
+        try:
+            exc = self._judge(prop, call)
+        except ColdShape:
+            self.spent["cold-shape"] += 1
+            return None
         if region is None:
             self.spent[self._phase] += 1
-            return self._judge(prop, call)
-        if region.known and self._confirm_left.get(region.key, 0) > 0:
-            self.spent["confirming-known"] += 1
-            exc = self._judge(prop, call)
-            if exc is None:
-                self._confirm_left[region.key] -= 1
-            else:
-                self._confirm_left[region.key] = 0
-                self.found.append(Discrepancy(region, call, _text(exc), recording.recorded_calls()))
-            return None
-        self.spent["not-made-in-region"] += 1
-        for d in self.found:
-            if d.region is region:
-                d.count += 1
+            return exc
+        self.spent["confirming-known"] += 1
+        if exc is None:
+            self._confirm_left[region.key] -= 1
+        else:
+            self._confirm_left[region.key] = 0
+            self.found.append(Discrepancy(region, call, _text(exc), recording.recorded_calls()))
         return None
 
     def _round(
@@ -381,12 +427,16 @@ class SearchRun:
             if self._inside(call) is not None:
                 if self._try(prop, call) is None:
                     reject()
+            try:
+                exc = self._judge(prop, call)
+            except ColdShape:
+                self.spent["cold-shape"] += 1
+                reject()
             if not state["failed"]:
                 state["made"] += 1
                 self.spent["random"] += 1
             else:
                 self.spent["shrinking"] += 1
-            exc = self._judge(prop, call)
             if exc is not None:
                 state["failed"] = True
                 state["last"] = (call, exc)
@@ -416,8 +466,13 @@ class SearchRun:
             fits = [a for a in alts if covering.fits(a, envelope, device)]
             failing, passing = [], set()
             for alt in fits:
+                try:
+                    verdict = self._judge(prop, alt)
+                except ColdShape:  # not made: neither keeps nor loses the failure
+                    self.spent["cold-shape"] += 1
+                    continue
                 self.spent["region-search"] += 1
-                if self._judge(prop, alt) is None:
+                if verdict is None:
                     passing.add(regions.features(alt)[dim] if dim is not None else "")
                 else:
                     failing.append(alt)
@@ -429,8 +484,12 @@ class SearchRun:
             merged = _merge(current, simplest, call) if simplest is not None and simplest in failing else current
             if covering.fits(merged, envelope, device) and self._inside(merged) is None:  # never into a known region
                 current = merged
-        final = self._judge(prop, current)
-        if final is None:  # the moves' merge lost the failure: keep the call as found
+        try:
+            final = self._judge(prop, current)
+        except ColdShape:
+            self.spent["cold-shape"] += 1
+            final = None
+        if final is None:  # the moves' merge lost the failure (or is a shape not warm): keep the call as found
             current, final = call, self._judge(prop, call) or exc
         self._phase = phase
         conditions = core or conditions  # the dimensions the failure needs alone, when there are some

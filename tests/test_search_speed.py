@@ -107,3 +107,86 @@ def test_warm_calls_the_implementation_once_on_copies_of_the_inputs() -> None:
     assert kv.untyped_storage().data_ptr() != pool.untyped_storage().data_ptr()
     assert torch.equal(q, inputs.q) and q.data_ptr() != inputs.q.data_ptr() and torch.equal(idx, inputs.indices)
     assert kwargs["sm_scale"] == 0.5 and torch.equal(kwargs["attn_sink"], torch.zeros(2))
+
+
+def _thread_settings(seconds: float) -> object:
+    import pytest_timeout
+
+    return pytest_timeout.Settings(timeout=seconds, method="thread", func_only=False, disable_debugger_detection=True)
+
+
+def test_time_inside_untimed_is_not_the_tests_and_the_test_resumes_with_what_it_had_left(monkeypatch) -> None:
+    """A test limited to 0.6 s spends 0.2 s, then 0.8 s warming (longer than its whole limit), then
+    0.2 s: its timer never fires; without ``untimed`` the same sequence times out."""
+    import time
+
+    fired: list[tuple[str, float]] = []
+    monkeypatch.setattr(device_health, "_on_thread_timeout", lambda item, s: fired.append((item.nodeid, s.timeout)))
+    item = SimpleNamespace(nodeid="t::warm")
+    assert device_health.start_thread_timer(item, _thread_settings(0.6)) is True
+    time.sleep(0.2)
+    with device_health.untimed(item, limit=5.0):
+        time.sleep(0.8)
+    time.sleep(0.2)
+    item.cancel_timeout()
+    assert fired == []
+    assert 0.1 < item._sparse_mla_timer.left < 0.45  # resumed with 0.6 - 0.2 s, not the whole limit
+
+    plain = SimpleNamespace(nodeid="t::plain")
+    device_health.start_thread_timer(plain, _thread_settings(0.6))
+    time.sleep(1.0)
+    plain.cancel_timeout()
+    assert fired == [("t::plain", 0.6)]
+
+
+def test_a_warm_up_past_its_own_limit_is_a_timeout_while_warming(monkeypatch) -> None:
+    import time
+
+    fired: list[float] = []
+    monkeypatch.setattr(device_health, "_on_thread_timeout", lambda item, s: fired.append(s.timeout))
+    item = SimpleNamespace(nodeid="t::hang", config=SimpleNamespace(workerinput={"workerid": "gw0"}))
+    device_health.start_thread_timer(item, _thread_settings(30.0))
+    with device_health.untimed(item, limit=0.2):
+        time.sleep(0.5)
+        assert item._sparse_mla_warming is True
+        monkeypatch.setattr(device_health, "_main_stack", lambda limit=12: "")
+        message = device_health._timeout_message(item, 0.2)
+    item.cancel_timeout()
+    assert fired == [0.2]
+    assert "while warming the kernel on a new shape" in message
+
+
+def test_untimed_is_a_no_op_without_a_thread_timer() -> None:
+    item = SimpleNamespace(nodeid="t::signal")
+    with device_health.untimed(item, limit=0.1):
+        pass
+    assert not hasattr(item, "cancel_timeout")
+
+
+def test_once_the_warm_up_budget_is_spent_calls_of_new_shapes_are_not_made(monkeypatch) -> None:
+    """``SearchRun.note``/``warm`` on CUDA-looking inputs (the shape key reads ``q.device``): each warm
+    takes 0.3 s against a budget of 0.5 s, so the third new shape is not made (``ColdShape``) while a
+    warm shape still is."""
+    import time
+
+    from pytest_sparse_mla import search_run
+
+    monkeypatch.setattr(search_speed, "warm", lambda impl, inputs: time.sleep(0.3) or 0.3)
+    monkeypatch.setattr(search_run.search, "record", lambda call, inputs: {"call": call.describe()})
+    monkeypatch.setattr(search_run.covering, "ends_of", lambda call: {})
+    run = search_run.SearchRun(4, None, 0, lambda *a: None, warm_seconds=0.5)
+
+    def inputs(heads: int) -> SimpleNamespace:
+        main = SimpleNamespace(width=64, page_block_size=64, form="3d", stride=None)
+        call = SimpleNamespace(fmt="dsv4", num_tokens=1, num_heads=heads, main=main, extra=None, strided_query=False,
+                               describe=lambda: f"heads={heads}")  # fmt: skip
+        return SimpleNamespace(q=SimpleNamespace(device=SimpleNamespace(type="cuda")), call=call, kwargs={})
+
+    for heads in (1, 2):
+        x = inputs(heads)
+        run.note(x.call, x)
+        run.warm(None, x)
+    with pytest.raises(search_run.ColdShape, match="heads=3"):
+        run.note(inputs(3).call, inputs(3))
+    run.note(inputs(2).call, inputs(2))  # a warm shape is still made
+    assert run.spent["warm-up"] == 2 and 0.55 < run.warm_spent < 1.5 and len(run.drawn) == 3
