@@ -56,10 +56,12 @@ FEATURES: dict[str, tuple[str, ...]] = {
     "empty_rows": ("none", "some", "all"),
     "index_pattern": ("uniform", "few", "ends", "one-page"),
     "stale_lanes": ("no-lengths", "1<<30", "poisoned-slot", "-1"),
+    "extra_stale_lanes": ("none", "no-lengths", "1<<30", "poisoned-slot", "-1"),
     "page_block_size": ("1-3", "4-63", "64", "65-255", "256+"),
     "extra_cache": ("none", "present"),
     "value_exponent": ("below-2**-20", "2**-20..2**20", "above-2**20"),
     "scale_end": ("none", "smallest", "largest"),
+    "extra_scale_end": ("none", "smallest", "largest"),
     "score_spread": ("0", "small", "large"),
     "score_offset": ("far-negative", "near-zero", "far-positive"),
     "peak": ("none", "peaked"),
@@ -126,10 +128,13 @@ def features(call: Any) -> dict[str, str]:
         "stale_lanes": m.stale if m.lengths is not None else "no-lengths",
         "page_block_size": _bucket(m.page_block_size, ((3, "1-3"), (63, "4-63"), (64, "64"), (255, "65-255")), "256+"),
         "extra_cache": "none" if call.extra is None else "present",
+        "extra_stale_lanes": "none" if call.extra is None
+        else (call.extra.stale if call.extra.lengths is not None else "no-lengths"),
         "value_exponent": "below-2**-20"
         if m.value_exponent < -20
         else ("above-2**20" if m.value_exponent > 20 else "2**-20..2**20"),
         "scale_end": getattr(m, "scale_end", "none"),
+        "extra_scale_end": "none" if call.extra is None else getattr(call.extra, "scale_end", "none"),
         "score_spread": "0" if call.score_spread == 0 else ("small" if call.score_spread <= 2 else "large"),
         "score_offset": "near-zero"
         if abs(call.score_offset) <= 30

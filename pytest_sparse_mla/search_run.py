@@ -151,6 +151,9 @@ def moves(call: Any, envelope: Envelope) -> list[tuple[str | None, list[Any]]]:
                            with_main(call, layer=1, num_layers=max(2, m.num_layers))])  # fmt: skip
     if call.extra is not None:
         add("extra_storage_offset", [rep(call, extra=dataclasses.replace(call.extra, layer=0, num_layers=1, canary=0))])
+        add("extra_stale_lanes", [rep(call, extra=dataclasses.replace(call.extra, stale=s))
+                                  for s in ("-1", "1<<30", "poisoned-slot")])  # fmt: skip
+        add("extra_scale_end", [rep(call, extra=dataclasses.replace(call.extra, scale_end="none"))])
     add("query_layout", [rep(call, strided_query=not call.strided_query)])
     add(None, [with_main(call, wide=False, rope_exponent=0), rep(call, seed=0)])
     return out
@@ -190,6 +193,10 @@ class SearchRun:
         self._phase = "random"
         self._warm: set[tuple[Any, ...]] = set()
         self._untimed, self.warm_seconds, self.warm_spent = untimed, warm_seconds, 0.0
+        #: Whether the property should explain a failure (``search.diagnose``: several more oracle
+        #: calls): only for the call a discrepancy is reported with, not for each call Hypothesis
+        #: shrinks through or the region search moves.
+        self.hints = True
 
     # --- what the property reports ---------------------------------------------------------------
 
@@ -209,13 +216,20 @@ class SearchRun:
 
     @staticmethod
     def _shape(inputs: Any) -> tuple[Any, ...] | None:
-        """What a kernel compiles or autotunes for (CUDA inputs only; ``None`` on the CPU)."""
+        """What a JIT kernel may specialise on (CUDA inputs only; ``None`` on the CPU): every tensor
+        argument's shape, strides, dtype and 16-byte alignment (Triton specialises integer arguments
+        equal to 1 or divisible by 16 and pointers aligned to 16 bytes; an autotuner keys on sizes),
+        which keywords are given, and the values of the non-numeric ones (``fmt``, conventions)."""
         if inputs is None or inputs.q.device.type != "cuda":
             return None
-        c = inputs.call
-        return (c.fmt, c.num_tokens, c.num_heads, c.main.width, c.main.page_block_size, c.main.form, c.main.stride,
-                None if c.extra is None else (c.extra.width, c.extra.page_block_size, c.extra.form, c.extra.stride),
-                tuple(sorted(k for k, v in inputs.kwargs.items() if v is not None)), c.strided_query)  # fmt: skip
+
+        def key(v: Any) -> Any:
+            if hasattr(v, "untyped_storage"):
+                return (tuple(v.shape), v.stride(), str(v.dtype), (v.storage_offset() * v.element_size()) % 16)
+            return v if isinstance(v, (str, bool)) or v is None else type(v).__name__
+
+        return (key(inputs.q), key(inputs.kv_cache), key(inputs.indices),
+                tuple(sorted((k, key(v)) for k, v in inputs.kwargs.items())))  # fmt: skip
 
     def _warm_budget_spent(self) -> bool:
         return self.warm_seconds is not None and self.warm_spent >= self.warm_seconds
@@ -323,6 +337,7 @@ class SearchRun:
 
     def _check(self, prop: Callable[[Any], None], envelope: Envelope, device: str, cover: bool, budget: int) -> None:
         verdict_only = self._verdict_only()
+        self.hints = verdict_only  # a verdict-only run raises its first failure as it is
         self._phase = "covering"
         for i, call in enumerate(covering.schedule(envelope, device) if cover else []):
             if i % self.shards != self.shard or len(self.found) >= MAX_DISCREPANCIES:
@@ -396,15 +411,18 @@ class SearchRun:
                 if d.region is region:
                     d.count += 1
             return None
+        hints, self.hints = self.hints, self.hints or confirming
         try:
             exc = self._judge(prop, call)
         except ColdShape:
             self.spent["cold-shape"] += 1
             return None
+        finally:
+            self.hints = hints
         if region is None:
             self.spent[self._phase] += 1
             return exc
-        self.spent["confirming-known"] += 1
+        self.spent["confirming-known"] += 1  # judged with its diagnosis: the call a known discrepancy is reported with
         if exc is None:
             self._confirm_left[region.key] -= 1
         else:
@@ -484,6 +502,7 @@ class SearchRun:
             merged = _merge(current, simplest, call) if simplest is not None and simplest in failing else current
             if covering.fits(merged, envelope, device) and self._inside(merged) is None:  # never into a known region
                 current = merged
+        self.hints = True  # the call the discrepancy is reported with: explained
         try:
             final = self._judge(prop, current)
         except ColdShape:
@@ -491,6 +510,7 @@ class SearchRun:
             final = None
         if final is None:  # the moves' merge lost the failure (or is a shape not warm): keep the call as found
             current, final = call, self._judge(prop, call) or exc
+        self.hints = False
         self._phase = phase
         conditions = core or conditions  # the dimensions the failure needs alone, when there are some
         exact = not conditions

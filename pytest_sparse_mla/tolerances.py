@@ -25,7 +25,9 @@ With ``A`` the result under test, ``E`` the oracle's float64 output, and per (to
     ``|dO| <= (e^{2 ds} - 1) M``, which is ``2 ds M`` for small ``ds`` (the exact form is used: FP8
     queries on wide-scale data give logit errors of several units); ``u_s`` is the relative
     rounding of the score inputs (keys dequantized to BF16 when the cache values are not exactly
-    BF16 numbers, queries quantized to E4M3 in FP8 compute);
+    BF16 numbers, queries quantized to E4M3 in FP8 compute); ``ds`` also holds the oracle's
+    ``flush_magnitude``: the products whose query or key element is a subnormal, which a
+    flush-to-zero kernel drops (keys dequantized with the smallest encodable scales are such);
   - ``u_o |E|``: rounding of the result to its dtype (BF16 ``2**-8``, fp32 ``2**-24``).
     ``tiny = (N + 2) * 2**-126`` lets a kernel flush subnormals to 0 (GPU fp32 arithmetic under
     flush-to-zero): each of the ``N`` products ``w_j V_j`` below ``2**-126`` may vanish, and so may
@@ -220,15 +222,21 @@ def _d_qk(fmt: Any) -> int:
     return int(formats.get_format(fmt).d_qk)
 
 
-def _score_error(profile: Profile, fmt: Any, score_magnitude: Any, key_magnitude: Any = None) -> Any:
+def _score_error(
+    profile: Profile, fmt: Any, score_magnitude: Any, key_magnitude: Any = None, flush_magnitude: Any = None
+) -> Any:  # fmt: skip
     """``ds`` per row: the worst-case logit error in natural-log units (relative rounding of each
-    product, plus the query quantization floor times the key magnitude where the profile has one)."""
+    product, plus the query quantization floor times the key magnitude where the profile has one,
+    plus the products of subnormal operands a flush-to-zero kernel drops: the oracle's
+    ``flush_magnitude``)."""
     u_s = profile.score_unit_roundoff
     if _fmt_bf16_exact(fmt) and not profile.score_rounding_on_bf16_exact:
         u_s = 0.0
     ds = (u_s + _d_qk(fmt) * U_FP32) * score_magnitude
     if profile.query_abs_floor and key_magnitude is not None:
         ds = ds + profile.query_abs_floor * key_magnitude
+    if flush_magnitude is not None:
+        ds = ds + flush_magnitude
     return ds
 
 
@@ -241,6 +249,7 @@ class _Scales:
     from_oracle: bool
     key_magnitude: Any = None  # [T, H] or None
     value_max: Any = None  # [T, H] or None
+    flush_magnitude: Any = None  # [T, H] or None
 
 
 def _scales_of(expected: Any, given: Any) -> _Scales:
@@ -254,6 +263,7 @@ def _scales_of(expected: Any, given: Any) -> _Scales:
             given.score_magnitude.to(torch.float64), int(given.max_candidates), True,
             None if getattr(given, "key_magnitude", None) is None else given.key_magnitude.to(torch.float64),
             None if getattr(given, "value_max", None) is None else given.value_max.to(torch.float64),
+            None if getattr(given, "flush_magnitude", None) is None else given.flush_magnitude.to(torch.float64),
         )  # fmt: skip
     e = expected
     row_max = e.abs().amax(dim=-1, keepdim=True).expand_as(e)
@@ -375,7 +385,7 @@ def output_bound(
     u_o = _unit_roundoff(output_dtype if output_dtype is not None else torch.bfloat16)
     if other_dtype is not None:
         u_o = max(u_o, _unit_roundoff(other_dtype))
-    ds = (_score_error(profile, fmt, sc.score_magnitude, sc.key_magnitude) if sc.from_oracle
+    ds = (_score_error(profile, fmt, sc.score_magnitude, sc.key_magnitude, sc.flush_magnitude) if sc.from_oracle
           else torch.zeros_like(sc.rms_weighted))  # fmt: skip
     factor = 2.0 if other_dtype is not None else 1.0
     m_coef = profile.p_roundings * profile.p_unit_roundoff + sc.max_candidates * U_FP32  # scalar
@@ -437,7 +447,7 @@ def compare_output(
     u_o = _unit_roundoff(actual.dtype)
     if pair:
         u_o = max(u_o, _unit_roundoff(expected.dtype))
-    ds = (_score_error(profile, fmt, sc.score_magnitude, sc.key_magnitude) if sc.from_oracle
+    ds = (_score_error(profile, fmt, sc.score_magnitude, sc.key_magnitude, sc.flush_magnitude) if sc.from_oracle
           else torch.zeros_like(sc.rms_weighted))  # fmt: skip
     factor = 2.0 if pair else 1.0
     score_term = torch.expm1(2.0 * ds)  # (e^{2 ds} - 1): the weights' worst relative change
@@ -569,7 +579,9 @@ def lse_bound(natural: Any, *, profile: Profile, fmt: Any = "dsv4", scales: Any 
     if scales is not None:
         keys = getattr(scales, "key_magnitude", None)
         keys = None if keys is None else keys.to(torch.float64).reshape(e.shape)
-        ds = _score_error(profile, fmt, scales.score_magnitude.to(torch.float64).reshape(e.shape), keys)
+        flush = getattr(scales, "flush_magnitude", None)
+        flush = None if flush is None else flush.to(torch.float64).reshape(e.shape)
+        ds = _score_error(profile, fmt, scales.score_magnitude.to(torch.float64).reshape(e.shape), keys, flush)
     factor = 2.0 if pair else 1.0
     return factor * (profile.lse_abs + ds + 2.0**-23 * e.abs().nan_to_num(posinf=0.0, neginf=0.0))
 

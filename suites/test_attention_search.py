@@ -71,7 +71,8 @@ def _judge(impl: Any, inputs: search.SearchInputs, tol: Any, run: Any = None) ->
     try:
         tol.check_result(res, oracle, fmt=call.fmt, what="drawn call")
     except AssertionError as exc:
-        hints = search.diagnose(res.output, inputs, oracle, oracle_forward)
+        hints = ([] if run is not None and not run.hints  # a call on the way to the reported one: no diagnosis
+                 else search.diagnose(res.output, inputs, oracle, oracle_forward))  # fmt: skip
         raise AssertionError("\n".join([str(exc), *hints, f"call: {call.describe()}"])) from None
 
 

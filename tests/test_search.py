@@ -193,7 +193,7 @@ def test_a_shrunk_search_failure_gets_a_standalone_reproducer(
     import inner_session
 
     repro_dir = tmp_path / "repro"
-    args = ["-p", "sparse_mla", str(ROOT / "suites" / "test_attention_search.py"), "-k", "matches",
+    args = ["-p", "sparse_mla", str(ROOT / "suites" / "test_attention_search.py"), "-k", "drawn_call_matches",
             "--sparse-mla-impl", "adversary_kernels:heads_over_128_unwritten", "--sparse-mla-device", "cpu",
             "--sparse-mla-repro-dir", str(repro_dir), "-p", "no:cacheprovider", "-p", "no:xdist", "-q"]  # fmt: skip
     code, output = inner_session.run(args, cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys)

@@ -176,11 +176,17 @@ def test_once_the_warm_up_budget_is_spent_calls_of_new_shapes_are_not_made(monke
     monkeypatch.setattr(search_run.covering, "ends_of", lambda call: {})
     run = search_run.SearchRun(4, None, 0, lambda *a: None, warm_seconds=0.5)
 
+    class CudaLooking(torch.Tensor):  # a CPU tensor whose device reads as CUDA: the shape key is all it feeds
+        @property
+        def device(self) -> SimpleNamespace:  # type: ignore[override]
+            return SimpleNamespace(type="cuda")
+
     def inputs(heads: int) -> SimpleNamespace:
-        main = SimpleNamespace(width=64, page_block_size=64, form="3d", stride=None)
-        call = SimpleNamespace(fmt="dsv4", num_tokens=1, num_heads=heads, main=main, extra=None, strided_query=False,
-                               describe=lambda: f"heads={heads}")  # fmt: skip
-        return SimpleNamespace(q=SimpleNamespace(device=SimpleNamespace(type="cuda")), call=call, kwargs={})
+        call = SimpleNamespace(describe=lambda: f"heads={heads}")
+        q = torch.zeros(1, heads, 512, dtype=torch.bfloat16).as_subclass(CudaLooking)
+        return SimpleNamespace(q=q, kv_cache=torch.zeros(1, 64, 584, dtype=torch.uint8),
+                               indices=torch.zeros(1, 64, dtype=torch.int32), call=call,
+                               kwargs={"sm_scale": 0.1, "fmt": "dsv4"})  # fmt: skip
 
     for heads in (1, 2):
         x = inputs(heads)

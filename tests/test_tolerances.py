@@ -271,3 +271,66 @@ def test_layer_views_sit_at_the_hand_computed_offsets() -> None:
     case = AttentionCase("l", 1, 1, CacheCase(64, layer=3, num_layers=4))
     inputs = make_inputs(case, torch.Generator().manual_seed(0))
     assert inputs.cache.packed.storage_offset() == 112_320 and inputs.cache.packed.stride(0) == 149_760
+
+
+def _placed_call(fmt: str, scale_end: str, value_exponent: int) -> object:
+    """A decode call whose stored scales are ``scale_end`` (``DrawnCache.scale_end``) and whose NoPE
+    values are about ``2**value_exponent``; the search places the queries so that the logits keep
+    their spread (large queries for small keys)."""
+    from pytest_sparse_mla import search
+
+    main = search.DrawnCache(width=128, page_block_size=64, num_pages=2, lengths=None, masked_fraction=0.0,
+                             mask_value=-1, scattered=False, pattern="uniform", stale="-1",
+                             value_exponent=value_exponent, rope_exponent=0, wide=False, form="3d", stride="tight",
+                             layer=0, num_layers=1, canary=0, scale_end=scale_end)  # fmt: skip
+    return search.DrawnCall(fmt=fmt, num_tokens=4, num_heads=8, main=main, extra=None, sm_scale=("1", 1.0),
+                            score_spread=0.3, score_offset=0.0, peak=0.0, sink=None, lse_convention="flashinfer",
+                            lse_scale=1.0, empty_fraction=0.0, strided_query=False, poison=0x7F, seed=0)  # fmt: skip
+
+
+def _values_below_zeroed(inputs: object, cut: float, monkeypatch: pytest.MonkeyPatch) -> object:
+    """The float64 oracle's result over ``inputs`` with every dequantized cache value below ``cut``
+    in magnitude read as 0 (a simulated kernel), rounded as a kernel returns it."""
+    from pytest_sparse_mla import formats
+
+    dequantize = formats.unpack_dequantize
+
+    def zeroed(*args, **kwargs):  # type: ignore[no-untyped-def]
+        values = dequantize(*args, **kwargs)
+        return values.masked_fill(values.abs() < cut, 0.0)
+
+    with monkeypatch.context() as m:
+        m.setattr(formats, "unpack_dequantize", zeroed)
+        out = oracle_forward(inputs.q, inputs.kv_cache, inputs.indices, **inputs.kwargs)
+    return SimpleNamespace(output=out.output.to(torch.bfloat16), lse=out.lse.to(torch.float32))
+
+
+def test_a_kernel_that_flushes_subnormal_keys_is_within_bound_and_one_that_drops_normal_ones_is_not(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Flush-to-zero (GPU fp32 arithmetic and tensor-core inputs, PTX ``.ftz``) reads a subnormal key
+    element as 0. With V4.1's smallest scales (UE8M0 byte 0, ``2**-127``) every NoPE key is a
+    subnormal and the placed queries are about ``2**120``: the flushed logits differ by up to 0.035
+    natural-log units in LSE, which the oracle's ``flush_magnitude`` admits (and nothing else would:
+    without it the same kernel fails). A kernel that zeroes normal keys (below ``2**-8`` on a call
+    whose values are about ``2**-6``) is still caught."""
+    import dataclasses
+
+    from pytest_sparse_mla import search
+    from pytest_sparse_mla.attention import oracle_forward
+
+    tol = tolerances.resolve("tight", {}, [])  # the reference's profile
+    inputs = search.build(_placed_call("dsv4_1", "smallest", -20), "cpu")
+    exact = oracle_forward(inputs.q, inputs.kv_cache, inputs.indices, **inputs.kwargs)
+    flushing = _values_below_zeroed(inputs, 2.0**-126, monkeypatch)
+    assert float((flushing.lse - exact.lse).abs().max()) > 1e-2  # the flush is visible
+    tol.check_result(flushing, exact, fmt="dsv4_1", what="flushing kernel")
+    without = dataclasses.replace(exact, scales=dataclasses.replace(exact.scales, flush_magnitude=None))
+    with pytest.raises(AssertionError, match="LSE"):
+        tol.check_result(flushing, without, fmt="dsv4_1", what="flushing kernel, no flush term")
+
+    small = search.build(_placed_call("dsv4_1", "none", -6), "cpu")
+    small_exact = oracle_forward(small.q, small.kv_cache, small.indices, **small.kwargs)
+    tol.check_result(_values_below_zeroed(small, 2.0**-126, monkeypatch), small_exact, fmt="dsv4_1")
+    with pytest.raises(AssertionError):
+        tol.check_result(_values_below_zeroed(small, 2.0**-8, monkeypatch), small_exact, fmt="dsv4_1")

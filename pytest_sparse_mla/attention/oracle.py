@@ -40,6 +40,10 @@ from typing import Any
 import torch
 
 from pytest_sparse_mla import formats
+
+#: The smallest normal fp32 (and BF16) magnitude: nonzero magnitudes below it are subnormals, which
+#: a flush-to-zero kernel reads or produces as 0 (``ErrorScales.flush_magnitude``).
+FP32_MIN_NORMAL = 2.0**-126
 from pytest_sparse_mla.attention.call import CALL_ARGUMENTS, Candidates, SparseMlaCall
 
 __all__ = ["ErrorScales", "OracleOutput", "memoized", "oracle_forward"]
@@ -67,6 +71,13 @@ class ErrorScales:
         value_max: ``[T, H]`` float64, ``max_j max_d |V_jd|`` over the valid lanes (0 for an empty
             row): a weight that flushes to zero in fp32 (``2**-126``) moves an output element by
             at most ``2**-126`` times this.
+        flush_magnitude: ``[T, H]`` float64, ``max_j |sm_scale| * sum_d |q_d| |K_jd|`` over the
+            dimensions where ``q_d`` or ``K_jd`` is an fp32/BF16 subnormal (nonzero, below
+            ``2**-126``), plus ``d_qk * 2**-126 * |sm_scale|`` (0 for an empty row): a kernel that
+            flushes subnormal operands to zero (GPU fp32 arithmetic and tensor-core inputs under
+            flush-to-zero, PTX ISA ``.ftz``) loses those products, so a logit moves by at most this.
+            The smallest encodable scales make such keys (an E4M3 code times ``2**-126`` or
+            ``2**-127``).
     """
 
     abs_weighted: torch.Tensor
@@ -75,6 +86,7 @@ class ErrorScales:
     max_candidates: int
     key_magnitude: torch.Tensor | None = None
     value_max: torch.Tensor | None = None
+    flush_magnitude: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -101,6 +113,7 @@ class OracleOutput:
             s.abs_weighted[tokens, heads], s.rms_weighted[tokens, heads], s.score_magnitude[tokens, heads],
             s.max_candidates, None if s.key_magnitude is None else s.key_magnitude[tokens, heads],
             None if s.value_max is None else s.value_max[tokens, heads],
+            None if s.flush_magnitude is None else s.flush_magnitude[tokens, heads],
         )  # fmt: skip
         return OracleOutput(self.output[tokens, heads], self.lse[tokens, heads], self.lse_convention,
                             self.lse_scale, scales)  # fmt: skip
@@ -248,6 +261,8 @@ def _oracle(call: SparseMlaCall) -> OracleOutput:
     score_magnitude = torch.zeros((num_tokens, num_heads), dtype=torch.float64, device=device)
     key_magnitude = torch.zeros((num_tokens, num_heads), dtype=torch.float64, device=device)
     value_max = torch.zeros((num_tokens, num_heads), dtype=torch.float64, device=device)
+    flush_magnitude = torch.zeros((num_tokens, num_heads), dtype=torch.float64, device=device)
+    q_tiny = q64.abs() * (q64.abs() < FP32_MIN_NORMAL)  # [T, H, d_qk]: subnormal query elements (else 0)
     max_candidates = int(counts.max()) if num_tokens else 0
     budget = BLOCK_BYTES["cpu" if device.type == "cpu" else "other"]
     block = max(1, budget // max(1, max_candidates * table.shape[1] * 8))
@@ -276,10 +291,16 @@ def _oracle(call: SparseMlaCall) -> OracleOutput:
         keys = rows[..., : f.d_nope].abs().sum(dim=2).amax(dim=1) * abs(sm_scale)  # [B]
         key_magnitude[tokens] = keys[:, None].expand(-1, num_heads)
         value_max[tokens] = values.abs().amax(dim=(1, 2))[:, None].expand(-1, num_heads)
+        tiny = rows.abs() * (rows.abs() < FP32_MIN_NORMAL)  # [B, L, d_qk]: subnormal keys (else 0)
+        flushed = (torch.bmm(q_tiny[tokens], rows.abs().transpose(1, 2))
+                   + torch.bmm(q64[tokens].abs(), tiny.transpose(1, 2)))  # fmt: skip
+        flush_magnitude[tokens] = torch.where(has, (flushed.amax(dim=2) + table.shape[1] * FP32_MIN_NORMAL)
+                                              * abs(sm_scale), 0.0)  # fmt: skip
     if lse_convention == "flashmla":
         lse = torch.where(torch.isinf(lse_e) & (lse_e < 0), math.inf, lse_e)
     else:
         lse_full = torch.logaddexp(lse_e, sink) if sink is not None else lse_e
         lse = lse_full / math.log(2.0) * lse_scale
-    scales = ErrorScales(abs_weighted, rms_weighted, score_magnitude, max_candidates, key_magnitude, value_max)
+    scales = ErrorScales(abs_weighted, rms_weighted, score_magnitude, max_candidates, key_magnitude, value_max,
+                         flush_magnitude)  # fmt: skip
     return OracleOutput(output, lse, lse_convention, lse_scale, scales)
