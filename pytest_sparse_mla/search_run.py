@@ -175,6 +175,10 @@ class SearchRun:
         confirm: make up to ``regions.CONFIRM_CALLS`` calls inside each known region, to report it
             under its key (a test the xfail file lists: it expects the discrepancy); ``False`` (a test
             not listed): calls inside a known region are never made.
+        untimed: a context manager factory under which a warm-up runs outside the test's time
+            limit (``device_health.untimed`` of the test's item); ``None``: warm-ups are timed.
+        warm_seconds: the run's warm-up budget in seconds (module docstring, "Compiling is not
+            judged time"); ``None``: unlimited.
     """
 
     def __init__(
@@ -256,12 +260,14 @@ class SearchRun:
         recording.begin_test()  # the warm-up is not a call of the test: no reproducer replays it
 
     def summary(self) -> dict[str, Any]:
-        """``{"calls", "failed", "seed", "dims", "ends", "spent", "warm_seconds", "discrepancies"}``."""
+        """``{"calls", "failed", "seed", "dims", "ends", "spent", "seconds", "discrepancies"}``
+        (``seconds``: whole seconds spent warming, outside the time limit; a dict of counts, so
+        ``shards.merge_summaries`` sums it)."""
         return {
             "calls": len(self.drawn), "failed": int(self.failed), "seed": self.seed,
             "dims": coverage.merge_dims(self.drawn),
             "ends": {dim: dict(c) for dim, c in sorted(self.ends.items())},
-            "spent": dict(self.spent), "warm_seconds": round(self.warm_spent, 3),
+            "spent": dict(self.spent), "seconds": {"warm-up": round(self.warm_spent)},
             "discrepancies": [d.as_dict() for d in self.found],
         }  # fmt: skip
 
