@@ -18,7 +18,6 @@ Shared by ``test_bench_search.py`` (calls per second, this checkout beside a bas
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_attention_reference import _triton_or_skip  # within tight of the oracle: _TRITON_CASES there
 
 from pytest_sparse_mla import formats
 from pytest_sparse_mla.attention import sparse_mla_forward
 from pytest_sparse_mla.attention.cases import AttentionCase, CacheCase, Conventions
 from pytest_sparse_mla.parametrize import inputs_on
-from test_attention_reference import _triton_or_skip  # within tight of the oracle: _TRITON_CASES there
-
 
 
 def _pages(cache: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ import torch
 from test_peer_adapters import FakeFlashMla, _assert_matches_oracle, _inputs, _kw  # noqa: I001
 
 from pytest_sparse_mla.attention import oracle_forward
-from pytest_sparse_mla.implementations import BUILTINS, _source, flaggems, flashinfer_reference, vllm_triton
+from pytest_sparse_mla.implementations import BUILTINS, _source, flaggems, vllm_triton
 
 NEW_PEERS = ("flaggems", "vllm-triton", "flashinfer-reference")
 

@@ -40,13 +40,13 @@ from typing import Any
 import torch
 
 from pytest_sparse_mla import formats
+from pytest_sparse_mla.attention.call import CALL_ARGUMENTS, Candidates, SparseMlaCall
+
+__all__ = ["ErrorScales", "OracleOutput", "memoized", "oracle_forward"]
 
 #: The smallest normal fp32 (and BF16) magnitude: nonzero magnitudes below it are subnormals, which
 #: a flush-to-zero kernel reads or produces as 0 (``ErrorScales.flush_magnitude``).
 FP32_MIN_NORMAL = 2.0**-126
-from pytest_sparse_mla.attention.call import CALL_ARGUMENTS, Candidates, SparseMlaCall
-
-__all__ = ["ErrorScales", "OracleOutput", "memoized", "oracle_forward"]
 
 
 @dataclass(frozen=True)
