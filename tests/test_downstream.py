@@ -89,6 +89,7 @@ def _assert_clean_pass(result: pytest.RunResult, at_least: int) -> dict[str, int
 # --- the example project ---------------------------------------------------------------------
 
 
+@pytest.mark.full_tier
 def test_example_project_passes_its_own_tests(pytester: pytest.Pytester) -> None:
     _copy_example(pytester.path)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-rs")
@@ -101,6 +102,7 @@ def test_example_project_passes_its_own_tests(pytester: pytest.Pytester) -> None
 # --- the shipped suites against the example's kernel -------------------------------------------
 
 
+@pytest.mark.full_tier
 def test_installed_suites_run_against_the_example_by_import_string(pytester: pytest.Pytester) -> None:
     _copy_example(pytester.path)
     result = pytester.runpytest_subprocess(
@@ -114,6 +116,7 @@ def test_installed_suites_run_against_the_example_by_import_string(pytester: pyt
     assert "test_lse_conventions[dsv4-sink-flashinfer-1.0] PASSED" in result.stdout.str()
 
 
+@pytest.mark.full_tier
 def test_installed_suites_run_against_an_entry_point_implementation(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -129,6 +132,7 @@ def test_installed_suites_run_against_an_entry_point_implementation(
     _assert_clean_pass(result, at_least=2)
 
 
+@pytest.mark.full_tier
 def test_installed_suites_run_against_a_hook_implementation(pytester: pytest.Pytester) -> None:
     _copy_example(pytester.path)  # its conftest.py registers chunked-odd (7-lane chunks)
     result = pytester.runpytest_subprocess(
@@ -320,6 +324,7 @@ def test_fixtures_listing_documents_every_plugin_fixture(pytester: pytest.Pytest
 # --- the wheel ---------------------------------------------------------------------------------
 
 
+@pytest.mark.full_tier
 def test_wheel_ships_suites_and_goldens_and_runs_them(
     pytester: pytest.Pytester, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -370,6 +375,7 @@ def _readme() -> str:
     return (ROOT / "README.md").read_text()
 
 
+@pytest.mark.full_tier
 @inner_session.WHOLE_SUITE_RUN
 def test_the_readme_example_run_of_every_suite_against_chunked_passes(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
