@@ -77,3 +77,21 @@ def test_the_fast_and_the_full_tier_select_every_test_exactly_once(tmp_path, mon
     # A whole-suite self-test (10 to 60 s each on 2 cores) would break the fast tier's time.
     long_in_fast = [node for node, (_, long) in fast.items() if long]
     assert long_in_fast == [], f"whole-suite self-tests without the full_tier marker: {long_in_fast}"
+
+
+def test_the_tox_lanes_select_the_tiers_as_the_readme_does() -> None:
+    """``tox -e cpu`` runs the fast tier and ``tox -e cpu-full`` the full one, with the README's
+    ``-m`` expressions and its peer wheels."""
+    import configparser
+
+    tox = configparser.ConfigParser(interpolation=None)
+    tox.read(ROOT / "tox.ini")
+    readme = (ROOT / "README.md").read_text()
+    fast_setup = readme[readme.index("<!-- test-command -->") :].split("```")[1]
+    for lane, marker in (("testenv:cpu", "test-command"), ("testenv:cpu-full", "full-test-command")):
+        args = readme_pytest_args(marker)
+        expression = args[args.index("-m") + 1]
+        command = shlex.split(tox[lane]["commands"])
+        assert command[command.index("-m") + 1] == expression, (lane, command)
+    wheels = tox["cpu"]["commands_pre"].split("--no-deps", 1)[1].split()
+    assert wheels and all(f" {wheel}" in fast_setup for wheel in wheels), wheels
