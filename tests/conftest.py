@@ -1,4 +1,5 @@
-"""Self-test settings: ``tests/`` is importable as a directory of helper modules, the
+"""Self-test settings: ``tests/`` is importable as a directory of helper modules, the checkout's
+two test tiers are told apart by a marker, the
 wrong-kernel gate's kill table is printed at the end of the session, and the longest self-tests
 (marked ``sparse_mla_selftest_long``: whole-suite runs of about 10 to 25 s each on the 2-core CPU
 machine) are collected first and ``-n`` distributes by work
@@ -10,6 +11,12 @@ thread per worker; default 20), and ``share``, a name for long tests whose in-pr
 share a worker's stored oracle results and drawn inputs (``tests/inner_session.py``): the tests of
 one ``share`` group run on one worker, one after the other, so only the first pays for the draws
 and the oracle (about 10 s per whole-suite run that a second worker would repeat).
+
+The tiers (README, "Set up and go"): a test marked ``full_tier`` runs in the full tier (the README's
+full-test command, ``-m full_tier``), every other test of ``suites/`` and ``tests/`` in the fast tier
+(the README's test command, ``-m "not full_tier"``). The marker is this checkout's own: registered
+here, never by the plugin, so another project's session never sees it. CONTRIBUTING.md says which
+tests carry it; ``tests/test_tiers.py`` checks that the two commands select every test exactly once.
 
 The gate (``test_wrong_implementations.py``) stores one row per catalogue kernel in the test's
 ``user_properties`` under ``sparse_mla_kill_row``; pytest-xdist carries ``user_properties`` from
@@ -26,10 +33,17 @@ import pytest
 
 _ROW_KEY = "sparse_mla_kill_row"
 _LONG = "sparse_mla_selftest_long"
+#: The marker of the full tier's tests (README's ``<!-- full-test-command -->``: ``-m full_tier``).
+FULL_TIER = "full_tier"
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", f"{_LONG}: a self-test that runs a whole suite (collected first)")
+    config.addinivalue_line(
+        "markers",
+        f"{FULL_TIER}: a test of the full tier (whole-suite runs, the example project, the CPU peer lanes, "
+        "wheel/sdist builds, pytest processes with xdist workers): README's full-test command, -m full_tier",
+    )
 
 
 def _long_marker_kwargs(item: pytest.Item) -> tuple[str | None, float]:

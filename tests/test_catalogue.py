@@ -169,6 +169,7 @@ def _tree(root: Path) -> dict[str, str]:
     }
 
 
+@pytest.mark.full_tier
 @pytest.mark.sparse_mla_selftest_long(seconds=15)
 def test_a_new_peer_is_an_adapter_its_xfail_file_and_one_entry(tmp_path: Path) -> None:
     checkout = tmp_path / "checkout"

@@ -227,6 +227,7 @@ def test_sparse_mla_timeout_needs_pytest_timeout(project, monkeypatch, capsys):
 # --- a subprocess under pytest-xdist -----------------------------------------------------------------
 
 
+@pytest.mark.full_tier
 @pytest.mark.sparse_mla_selftest_long(seconds=20)
 def test_under_xdist_a_crash_and_a_hang_each_cost_one_test_and_a_worker(project):
     report = project.path / "report.json"

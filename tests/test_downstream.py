@@ -1,7 +1,10 @@
 """Self-tests of downstream reuse: the example project, the shipped suites, entry points, id files.
 
-What a kernel library does with pytest-sparse-mla, each run in a fresh pytest process
-(``runpytest_subprocess``) the way a user runs it:
+What a kernel library does with pytest-sparse-mla, each run in a fresh pytest session: in this
+process (``inner_session.runpytest``: a fresh config, plugin manager and collection, the project's
+folder first on ``sys.path`` as a subprocess gets it on ``PYTHONPATH``) where what is tested is the
+session (the hook, an entry point, an import string), in a fresh process where it is the install
+(the wheel) or a run's own warnings (id files):
 
 * ``examples/downstream`` runs its own tests (its conftest registers implementations through the
   ``pytest_sparse_mla_implementations`` hook and builds inputs from the plugin's fixtures);
@@ -89,9 +92,12 @@ def _assert_clean_pass(result: pytest.RunResult, at_least: int) -> dict[str, int
 # --- the example project ---------------------------------------------------------------------
 
 
-def test_example_project_passes_its_own_tests(pytester: pytest.Pytester) -> None:
+@pytest.mark.full_tier
+def test_example_project_passes_its_own_tests(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     _copy_example(pytester.path)
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-rs")
+    result = inner_session.runpytest(pytester, "-p", "no:cacheprovider", "-rs", monkeypatch=monkeypatch, capsys=capsys)
     # Its default implementation is chunked-96, registered by its conftest through the hook.
     result.stdout.fnmatch_lines(["sparse-mla: device=* impl=chunked-96 *"])
     outcomes = _assert_clean_pass(result, at_least=8)
@@ -101,12 +107,16 @@ def test_example_project_passes_its_own_tests(pytester: pytest.Pytester) -> None
 # --- the shipped suites against the example's kernel -------------------------------------------
 
 
-def test_installed_suites_run_against_the_example_by_import_string(pytester: pytest.Pytester) -> None:
+@pytest.mark.full_tier
+def test_installed_suites_run_against_the_example_by_import_string(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     _copy_example(pytester.path)
-    result = pytester.runpytest_subprocess(
-        "--pyargs", ACCURACY, "pytest_sparse_mla.suites.test_attention_inputs",
+    result = inner_session.runpytest(
+        pytester, "--pyargs", ACCURACY, "pytest_sparse_mla.suites.test_attention_inputs",
         "--sparse-mla-impl", "chunked_mla:ChunkedSparseMla",
         "-k", f"({LSE_PAIR}) or zero_tokens or attn_sink or extra_indices", "-p", "no:cacheprovider", "-v",
+        monkeypatch=monkeypatch, capsys=capsys,
     )  # fmt: skip
     result.stdout.fnmatch_lines(["*impl=chunked_mla:ChunkedSparseMla*"])
     _assert_clean_pass(result, at_least=8)
@@ -114,25 +124,30 @@ def test_installed_suites_run_against_the_example_by_import_string(pytester: pyt
     assert "test_lse_conventions[dsv4-sink-flashinfer-1.0] PASSED" in result.stdout.str()
 
 
+@pytest.mark.full_tier
 def test_installed_suites_run_against_an_entry_point_implementation(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     site = pytester.mkdir("site")
     _fake_install(site)
-    monkeypatch.setenv("PYTHONPATH", _pythonpath(site))
+    monkeypatch.syspath_prepend(str(site))  # as site-packages: importlib.metadata reads sys.path
     # No conftest and no import string: the name comes from the installed entry point.
-    result = pytester.runpytest_subprocess(
-        "-p", "sparse_mla", "--pyargs", ACCURACY, "--sparse-mla-impl", "chunked",
-        "-k", LSE_PAIR, "-p", "no:cacheprovider",
+    result = inner_session.runpytest(
+        pytester, "-p", "sparse_mla", "--pyargs", ACCURACY, "--sparse-mla-impl", "chunked",
+        "-k", LSE_PAIR, "-p", "no:cacheprovider", monkeypatch=monkeypatch, capsys=capsys,
     )  # fmt: skip
     result.stdout.fnmatch_lines(["*impl=chunked *"])
     _assert_clean_pass(result, at_least=2)
 
 
-def test_installed_suites_run_against_a_hook_implementation(pytester: pytest.Pytester) -> None:
+@pytest.mark.full_tier
+def test_installed_suites_run_against_a_hook_implementation(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     _copy_example(pytester.path)  # its conftest.py registers chunked-odd (7-lane chunks)
-    result = pytester.runpytest_subprocess(
-        "--pyargs", ACCURACY, "--sparse-mla-impl", "chunked-odd", "-k", LSE_PAIR, "-p", "no:cacheprovider",
+    result = inner_session.runpytest(
+        pytester, "--pyargs", ACCURACY, "--sparse-mla-impl", "chunked-odd", "-k", LSE_PAIR, "-p", "no:cacheprovider",
+        monkeypatch=monkeypatch, capsys=capsys,
     )  # fmt: skip
     result.stdout.fnmatch_lines(["*impl=chunked-odd *"])
     _assert_clean_pass(result, at_least=2)
@@ -206,6 +221,8 @@ def test_id_files_excuse_installed_suite_ids_and_warn_on_unmatched(
     skips = pytester.path / "skips.txt"  # the id as a --pyargs run rooted in the package prints it
     skips.write_text("test_attention_accuracy.py::test_lse_conventions[dsv4-no-sink\n")
     monkeypatch.setenv("PYTHONPATH", _pythonpath(TESTS))
+    # A fresh process: the warning count is the run's own (in this process, pytest would add its
+    # "already imported, cannot be rewritten" warnings for the plugin).
     result = pytester.runpytest_subprocess(
         "-p", "sparse_mla", "--pyargs", ACCURACY, "--sparse-mla-impl", "kernel_catalogue:drops_sink",
         "--sparse-mla-xfail-file", str(xfails), "--sparse-mla-skip-file", str(skips),
@@ -320,6 +337,7 @@ def test_fixtures_listing_documents_every_plugin_fixture(pytester: pytest.Pytest
 # --- the wheel ---------------------------------------------------------------------------------
 
 
+@pytest.mark.full_tier
 def test_wheel_ships_suites_and_goldens_and_runs_them(
     pytester: pytest.Pytester, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -370,6 +388,7 @@ def _readme() -> str:
     return (ROOT / "README.md").read_text()
 
 
+@pytest.mark.full_tier
 @inner_session.WHOLE_SUITE_RUN
 def test_the_readme_example_run_of_every_suite_against_chunked_passes(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]

@@ -296,6 +296,7 @@ def test_a_refusal_inside_a_declared_envelope_fails_and_without_one_skips(_run: 
     assert "1 passed, 1 skipped" in _counts(undeclared.stdout), undeclared.stdout[-3000:]
 
 
+@pytest.mark.full_tier
 @inner_session.HEAD64_ENVELOPE_RUN  # on the worker of the gate's FlashMLA-envelope run, which shares its fitted cases
 def test_the_example_head64_kernel_runs_every_class_its_envelope_admits(
     tmp_path: Path, run_pytest: Callable[..., Run]

@@ -16,6 +16,9 @@ from pathlib import Path
 
 import pytest
 
+#: Whole pytest processes (xdist workers among them), as a CI runs them: the full tier (tests/conftest.py).
+pytestmark = pytest.mark.full_tier
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

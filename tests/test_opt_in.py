@@ -86,6 +86,7 @@ def _by_case(seen: dict[str, dict[str, str | None]]) -> dict[str, dict[str, str 
     return {name.rsplit("-", 1)[1]: env for name, env in seen.items()}
 
 
+@pytest.mark.full_tier  # pytest processes with xdist workers
 def test_a_foreign_project_sees_what_it_sees_without_the_package(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -117,6 +118,7 @@ def test_a_foreign_project_sees_what_it_sees_without_the_package(
         assert _without_plugins_line(installed, installed=True) == _without_plugins_line(absent), listing
 
 
+@pytest.mark.full_tier  # pytest processes with xdist workers
 def test_the_same_project_with_the_plugin_loaded_is_pinned_and_capped(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -190,6 +192,7 @@ def test_the_shipped_suites_with_the_plugin_turned_off_are_one_usage_error(pytes
     assert "fixture" not in result.stdout.str()
 
 
+@pytest.mark.full_tier  # pytest processes with xdist workers
 def test_an_inactive_session_gets_no_fixtures_markers_or_snapshot_guard(pytester: pytest.Pytester) -> None:
     """Not active: the plugin's fixtures and markers are not registered, and a syrupy user's
     ``--snapshot-update -n 2`` is syrupy's business, not refused by this plugin."""

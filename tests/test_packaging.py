@@ -98,6 +98,7 @@ def test_no_dependency_pytest_plugin_is_forced_on_other_projects(project: dict[s
     assert hard & plugins <= {"pytest-xdist", "syrupy"}
 
 
+@pytest.mark.full_tier
 @pytest.mark.skipif(importlib.util.find_spec("setuptools") is None, reason="needs setuptools to build the sdist")
 def test_the_sdist_holds_the_tests_and_everything_they_need(tmp_path: Path) -> None:
     """Build the sdist (setuptools' PEP 517 backend, no network) from a copy of the source and

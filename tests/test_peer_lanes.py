@@ -2,7 +2,7 @@
 
 SGLang's PyTorch decode (``sglang-torch``, the sglang 0.5.23 wheel) and FlashInfer's pure-torch
 references (``flashinfer-reference``, the flashinfer-python 0.7.2.post1 wheel) need no GPU, so the
-README's test command installs both (``--no-deps``) and this module runs the suites against each
+README's test command installs both (``--no-deps``) and this module (the full tier) runs the suites against each
 with the command the xfail file's header gives, in-process (``tests/inner_session.py``: a fresh
 pytest session whose oracle results and drawn inputs are shared with the worker's other whole-suite
 runs), with ``--tb=line`` (a listed xfail's traceback is not rendered with its source, which cost
@@ -19,6 +19,9 @@ import inner_session
 import pytest
 
 from pytest_sparse_mla import catalogue
+
+#: Whole-suite runs: the full tier (tests/conftest.py).
+pytestmark = pytest.mark.full_tier
 
 ROOT = Path(__file__).resolve().parents[1]
 XFAIL = ROOT / "pytest_sparse_mla" / "xfail"

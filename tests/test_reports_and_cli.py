@@ -141,11 +141,17 @@ def test_pytester_hints_name_the_setting_that_enables_it() -> None:
 # --- .ci/run --------------------------------------------------------------------------------------
 
 
-def _ci_repo(tmp_path: Path, command: str) -> Path:
+def _readme(fast: str, full: str | None) -> str:
+    """A README with the fast tier's command and, unless ``None``, the full tier's after it."""
+    text = f"# x\n\n<!-- test-command -->\n```bash\n{fast}\n```\n"
+    return text if full is None else text + f"\nThen:\n\n<!-- full-test-command -->\n```bash\n{full}\n```\n"
+
+
+def _ci_repo(tmp_path: Path, command: str, full: str | None = "true") -> Path:
     repo = tmp_path / "repo"
     (repo / ".ci").mkdir(parents=True)
     shutil.copy(ROOT / ".ci" / "run", repo / ".ci" / "run")
-    (repo / "README.md").write_text(f"# x\n\n<!-- test-command -->\n```bash\n{command}\n```\n")
+    (repo / "README.md").write_text(_readme(command, full))
     (repo / ".gitignore").write_text(".venv/\n")
     (repo / "tracked.txt").write_text("tracked\n")
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(repo)]
@@ -177,7 +183,47 @@ def test_ci_run_never_reuses_an_existing_venv(tmp_path: Path) -> None:
 def test_ci_run_fails_on_exit_5(tmp_path: Path) -> None:
     repo = _ci_repo(tmp_path, "exit 5")
     result = subprocess.run([str(repo / ".ci" / "run")], capture_output=True, text=True)
-    assert result.returncode == 5 and "collected no tests (exit 5)" in result.stderr
+    assert result.returncode == 5 and "collected no tests in the fast tier (exit 5)" in result.stderr
+    repo = _ci_repo(tmp_path / "full", "true", full="exit 5")
+    result = subprocess.run([str(repo / ".ci" / "run")], capture_output=True, text=True)
+    assert result.returncode == 5 and "collected no tests in the full tier (exit 5)" in result.stderr
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_ci_run_runs_both_tiers_in_one_copy_and_fails_when_either_fails(tmp_path: Path) -> None:
+    """The full tier runs after the fast one in the same fresh copy (it uses the ``.venv`` the
+    first command made), even when the fast tier failed; the status is the first non-zero one."""
+    log = tmp_path / "log"
+    fast = 'mkdir .venv && echo "fast $PWD" >> "$CI_LOG"'
+    full = 'test -d .venv && echo "full $PWD" >> "$CI_LOG"'
+    env = {**os.environ, "CI_LOG": str(log)}
+    result = subprocess.run([str(_ci_repo(tmp_path, fast, full) / ".ci" / "run")], capture_output=True, text=True,
+                            env=env)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    (fast_line, full_line) = log.read_text().splitlines()
+    assert fast_line.startswith("fast ") and full_line == "full " + fast_line.removeprefix("fast ")
+    for fast_status, full_status, expected in ((3, 0, 3), (0, 7, 7), (3, 7, 3)):
+        log.unlink()
+        repo = _ci_repo(tmp_path / f"{fast_status}-{full_status}", f'echo fast >> "$CI_LOG"; exit {fast_status}',
+                        f'echo full >> "$CI_LOG"; exit {full_status}')  # fmt: skip
+        result = subprocess.run([str(repo / ".ci" / "run")], capture_output=True, text=True, env=env)
+        assert result.returncode == expected and log.read_text().split() == ["fast", "full"], result.stderr
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_ci_run_refuses_a_readme_without_the_full_tier(tmp_path: Path) -> None:
+    repo = _ci_repo(tmp_path, "true", full=None)
+    result = subprocess.run([str(repo / ".ci" / "run")], capture_output=True, text=True)
+    assert result.returncode == 2 and "no test command found after <!-- full-test-command -->" in result.stderr
+
+
+def test_the_readme_gives_both_tiers_and_their_time_on_2_cores() -> None:
+    """The README's two commands are what ``.ci/run`` reads, and each says how long it takes."""
+    readme = (ROOT / "README.md").read_text()
+    for marker in ("<!-- test-command -->", "<!-- full-test-command -->"):
+        assert readme.count(marker) == 1, marker
+        before = readme[: readme.index(marker)].rstrip().rsplit("\n\n", 1)[-1]  # the paragraph that introduces it
+        assert re.search(r"about \d+ minutes?\s+of\s+pytest\s+on\s+2\s+cores", before), (marker, before)
 
 
 def test_ci_run_outside_git_copies_all_but_the_venv(tmp_path: Path) -> None:
@@ -185,9 +231,7 @@ def test_ci_run_outside_git_copies_all_but_the_venv(tmp_path: Path) -> None:
     repo = tmp_path / "unpacked"
     (repo / ".ci").mkdir(parents=True)
     shutil.copy(ROOT / ".ci" / "run", repo / ".ci" / "run")
-    (repo / "README.md").write_text(
-        "<!-- test-command -->\n```bash\ntest ! -e .venv && test -f kept.txt\n```\n"
-    )
+    (repo / "README.md").write_text(_readme("test ! -e .venv && test -f kept.txt", "test -f kept.txt"))
     (repo / "kept.txt").write_text("x\n")
     (repo / ".venv").mkdir()
     result = subprocess.run([str(repo / ".ci" / "run")], capture_output=True, text=True, cwd=tmp_path)

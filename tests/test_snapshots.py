@@ -366,6 +366,7 @@ def test_default_golden_dir_is_the_checkouts_golden() -> None:
 
 
 @needs_syrupy("5.5", "unused detection under pytest-xdist (syrupy PR #1132)")
+@pytest.mark.full_tier
 def test_goldens_under_xdist_are_checked_and_unused_ones_reported(project: pytest.Pytester) -> None:
     project.makepyfile(test_two=TWO_TESTS)
     run(project, "--snapshot-update").assert_outcomes(passed=2)

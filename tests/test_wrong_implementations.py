@@ -175,6 +175,7 @@ def _row(entry: catalogue.Entry, run: SuiteRun, outcome: str) -> dict[str, str]:
     }
 
 
+@pytest.mark.full_tier
 @pytest.mark.parametrize(
     "name",
     [  # an approximate kernel runs the whole suite (about 12 s, the first of a worker 20 s): collected first,
@@ -223,6 +224,7 @@ def _forward_kernels(kind: str) -> list[str]:
     return [n for n, e in catalogue.CATALOGUE.items() if e.kind == kind and "sparse_mla_forward" in e.capabilities]
 
 
+@pytest.mark.full_tier
 @pytest.mark.parametrize(
     "name",
     [n for n in _forward_kernels("wrong") if n not in catalogue.OUTSIDE_FLASHMLA]
@@ -285,6 +287,7 @@ def test_catalogue_has_the_promised_breadth() -> None:
         assert getattr(catalogue, entry.name).compute_mode in ("bf16", "fp8"), entry
 
 
+@pytest.mark.full_tier
 @pytest.mark.parametrize("name", adversary.SEARCH_ONLY)
 def test_a_kernel_only_the_search_catches_is_caught_by_it(
     name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], record_property

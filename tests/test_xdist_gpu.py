@@ -31,6 +31,7 @@ def test_round_robin_assignment_indexes_into_the_callers_list() -> None:
         xdist_gpu.assign_gpu("master", gpus)
 
 
+@pytest.mark.full_tier
 def test_each_worker_is_pinned_before_tests_run(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7,9")
     pytester.makepyfile(
@@ -55,6 +56,7 @@ def test_each_worker_is_pinned_before_tests_run(pytester: pytest.Pytester, monke
     assert {w: r["CUDA_VISIBLE_DEVICES"] for w, r in workers.items()} == {"gw0": "7", "gw1": "9"}
 
 
+@pytest.mark.full_tier
 def test_pinning_can_be_turned_off(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7,9")
     pytester.makepyfile(
@@ -74,6 +76,7 @@ def test_worker_cpu_threads_split_the_cores(workers: int, cores: int, expected: 
     assert xdist_gpu.worker_cpu_threads(workers, cores) == expected
 
 
+@pytest.mark.full_tier
 def test_workers_do_not_oversubscribe_the_cpu(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     pytester.makepyfile(
