@@ -86,7 +86,9 @@ def main() -> None:
         ms, fwd = 1e3 * (time.perf_counter() - start), 1e3 * kernel[0]
         by_fmt[call.fmt]["judged_ms"].append(ms)
         by_fmt[call.fmt]["forward_ms"].append(fwd)
-        per_call.append({"fmt": call.fmt, "T": call.num_tokens, "H": call.num_heads, "judged_ms": ms, "forward_ms": fwd})
+        per_call.append(
+            {"fmt": call.fmt, "T": call.num_tokens, "H": call.num_heads, "judged_ms": ms, "forward_ms": fwd}
+        )
     guard.GuardedImplementation.sparse_mla_forward = forward  # type: ignore[method-assign]
 
     n = len(calls)

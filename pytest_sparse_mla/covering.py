@@ -114,7 +114,9 @@ def required_ends(envelope: Envelope, device: str = "cpu") -> dict[str, set[str]
         lo, hi = _pages(envelope.extra_page_block_sizes, (1, 256))
         ends["page_block_size"] |= {f"extra:{lo}", f"extra:{hi}"}
         ends["extra_cache"] = {"none", "present"}
-        ends["scale_bytes"] |= {f"{formats.cache_formats(f)[1].name}:{e}" for f in extra for e in ("smallest", "largest")}
+        ends["scale_bytes"] |= {
+            f"{formats.cache_formats(f)[1].name}:{e}" for f in extra for e in ("smallest", "largest")
+        }
     if any(envelope.takes_lengths(f) for f in fmts):
         ends["topk_length"] = {"0", "topk"} | (
             {str(_INT32_MIN), str(_INT32_MAX)} if envelope.topk_length_range == "clamped" else set()
@@ -165,7 +167,8 @@ def ends_of(call: Any) -> dict[str, set[str]]:
     if m.lengths is not None:
         lo, hi = m.lengths
         out["topk_length"] = {str(lo)} if lo == hi and (lo <= 0 or reads[id(m)]) else set()  # a length
-        out["topk_length"] |= {"topk"} if lo == hi == m.width and reads[id(m)] else set()  # that admits lanes: some valid
+        # that admits lanes: some valid
+        out["topk_length"] |= {"topk"} if lo == hi == m.width and reads[id(m)] else set()
         out["stale_lanes"] = {m.stale}
     name, scale = call.sm_scale
     for label, value in _SM_SCALE_ENDS.items():
@@ -232,13 +235,15 @@ def fits(call: Any, envelope: Envelope, device: str) -> bool:
             continue
         if c.lengths is not None and not envelope.takes_lengths(f):
             return False
-        if c.lengths is not None and envelope.topk_length_range == "row" and not 0 <= c.lengths[0] <= c.lengths[1] <= c.width:
+        row = envelope.topk_length_range == "row"
+        if c.lengths is not None and row and not 0 <= c.lengths[0] <= c.lengths[1] <= c.width:
             return False
         if c.mask_value != -1 and envelope.masked_indices != "negative":
             return False
         if c.scale_end == "largest" and lanes > LARGEST_SCALE_LANES:
             return False
-        if c.stride == "tight" and (c.page_block_size * formats.cache_formats(f)[0 if c is m else 1].bytes_per_token) % 16:
+        record = formats.cache_formats(f)[0 if c is m else 1]
+        if c.stride == "tight" and (c.page_block_size * record.bytes_per_token) % 16:
             return False
         if c.num_pages * c.page_block_size < min(c.width, 64):
             return False

@@ -479,7 +479,9 @@ class SearchRun:
             return state["made"], (call, exc)  # type: ignore[return-value]
         return state["made"], None
 
-    def _discover(self, prop: Callable[[Any], None], call: Any, exc: Exception, envelope: Envelope, device: str) -> None:
+    def _discover(
+        self, prop: Callable[[Any], None], call: Any, exc: Exception, envelope: Envelope, device: str
+    ) -> None:  # fmt: skip
         """The region of a failure (module docstring, 3), then its smallest call's record."""
         phase, self._phase = self._phase, "region-search"
         original = regions.features(call)
@@ -537,7 +539,8 @@ class SearchRun:
         recording.restore_calls([c for d in self.found for c in d.recorded])
         new = [d for d in self.found if not d.region.known]
         head = (f"{len(self.found)} distinct discrepanc{'y' if len(self.found) == 1 else 'ies'} "
-                f"({len(new)} new, {len(self.found) - len(new)} in known regions) in {len(self.drawn)} calls:")  # fmt: skip
+                f"({len(new)} new, {len(self.found) - len(new)} in known regions) "
+                f"in {len(self.drawn)} calls:")  # fmt: skip
         text = "\n".join([head, *(d.text() for d in self.found)])
         raise (NewDiscrepancy if new else KnownDiscrepancy)(text)
 

@@ -141,7 +141,9 @@ def test_a_call_sequence_on_the_same_buffers_matches_fresh_calls(
             try:
                 _judge(sparse_mla_impl, search.rewritten_in_place(buffers, fresh), sparse_mla_tolerances)
             except AssertionError as exc:
-                raise AssertionError(f"call {step + 1} of a sequence on the same buffers (call 1 passed): {exc}") from None
+                raise AssertionError(
+                    f"call {step + 1} of a sequence on the same buffers (call 1 passed): {exc}"
+                ) from None
 
     sparse_mla_search.check(drawn, sparse_mla_envelope, sparse_mla_device.type, covering=False,
                             examples=max(1, sparse_mla_search.examples // 4))  # three calls per draw

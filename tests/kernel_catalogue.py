@@ -128,7 +128,9 @@ OUTSIDE_FLASHMLA: dict[str, str] = {
     "extra_only_minus_one_masked": "the envelope itself declares masked_indices='minus_one' (FlashMLA's decode)",
     "partial_tile_dropped": "the envelope takes widths that are multiples of 64 only: no row has a partial tile",
     "main_length_unclamped": "the envelope declares topk_length_range='row': no length lies beyond its row",
-    "length_near_int32_max_wraps": "the envelope declares topk_length_range='row': no length lies near the int32 limits",
+    "length_near_int32_max_wraps": (
+        "the envelope declares topk_length_range='row': no length lies near the int32 limits"
+    ),
 }
 #: Suffix of the module attribute that gives a catalogue kernel with FlashMLA's envelope.
 FLASHMLA_SUFFIX = "__flashmla"
@@ -979,7 +981,8 @@ class cache_reused_by_address(_WrapsReference):
         self._seen: dict[tuple[Any, ...], torch.Tensor] = {}
 
     def sparse_mla_forward(self, q, kv_cache, indices, **kw):
-        key = (kv_cache.data_ptr(), tuple(kv_cache.shape), tuple(kv_cache.stride()), kv_cache.untyped_storage().nbytes())
+        storage = kv_cache.untyped_storage().nbytes()
+        key = (kv_cache.data_ptr(), tuple(kv_cache.shape), tuple(kv_cache.stride()), storage)
         if key not in self._seen:
             if len(self._seen) >= 4:
                 self._seen.pop(next(iter(self._seen)))

@@ -209,8 +209,9 @@ def test_triton_backend_padding_and_head_count_are_bitwise_neutral(fmt, sparse_m
     the interpreted kernel runs on the CPU too); DSV4 rows read by the gather kernel, V4.1 records
     gathered by torch operations (``_triton_forward.gather_records``)."""
     _triton_or_skip(sparse_mla_device)
-    case = AttentionCase("tri-inv", 2, 24, CacheCase(64, masked_fraction=0.25),
-                         extra=CacheCase(64, page_block_size=2, num_pages=64), conventions=Conventions(fmt))  # fmt: skip
+    extra = CacheCase(64, page_block_size=2, num_pages=64)
+    main = CacheCase(64, masked_fraction=0.25)
+    case = AttentionCase("tri-inv", 2, 24, main, extra=extra, conventions=Conventions(fmt))
     inputs = inputs_on(case, sparse_mla_generator, sparse_mla_device)
     base = inputs.run(sparse_mla_forward, backend="triton")
     pad = torch.full((2, 64), -1, dtype=torch.int32, device=sparse_mla_device)

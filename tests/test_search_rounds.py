@@ -38,8 +38,9 @@ def _run(args, tmp_path, monkeypatch, capsys):
 
 def test_one_default_run_reports_both_bugs_of_a_kernel_with_two(tmp_path, monkeypatch, capsys) -> None:
     report = tmp_path / "run.json"
-    code, output = _run(["-k", "matches_the", "--sparse-mla-impl", "kernel_catalogue:two_bugs_strided_q_and_partial_head_tile",
-                         f"--sparse-mla-report-json={report}"], tmp_path, monkeypatch, capsys)  # fmt: skip
+    impl = "kernel_catalogue:two_bugs_strided_q_and_partial_head_tile"
+    code, output = _run(["-k", "matches_the", "--sparse-mla-impl", impl, f"--sparse-mla-report-json={report}"],
+                        tmp_path, monkeypatch, capsys)  # fmt: skip
     assert code == 1, output[-3000:]
     found = json.loads(report.read_text())["search"]["discrepancies"]
     texts = [d["region"] for d in found]
