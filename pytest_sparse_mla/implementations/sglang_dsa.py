@@ -1,26 +1,32 @@
 """Built-ins ``sglang-dsa-triton`` and ``sglang-dsa-tilelang``: adapters over the sparse-MLA kernels
 SGLang 0.5.23 serves DeepSeek-V3.2 (DSA) with through its ``triton`` and ``tilelang`` DSA
-implementations, executed from the installed ``sglang`` wheel (``pip install --no-deps sglang==0.5.23``).
+implementations, executed from the installed ``sglang`` wheel (``pip install --no-deps
+sglang==0.5.23``).
 
-What runs (sgl-project/sglang, files of the installed package, ``sglang/kernels/ops/attention/dsa/``):
+What runs (sgl-project/sglang, files of the installed package,
+``sglang/kernels/ops/attention/dsa/``):
 
-* ``sglang-dsa-triton``: for a decode call (``num_tokens <= 64``) ``triton_sparse_mla_decode_splitk``
+* ``sglang-dsa-triton``: for a decode call (``num_tokens <= 64``)
+``triton_sparse_mla_decode_splitk``
   of ``triton_sparse_mla_decode.py``, as ``DSABackend._forward_triton_decode`` calls it
-  (``sglang/srt/layers/attention/dsa_backend.py`` lines 3474-3496, from ``forward_decode`` line 2689);
+  (``sglang/srt/layers/attention/dsa_backend.py`` lines 3474-3496, from ``forward_decode`` line
+2689);
   for a prefill call ``triton_sparse_mla_fwd`` of ``triton_sparse_mla.py``, as ``forward_extend``
   calls it for ``dsa_impl == "triton"`` (lines 2361-2379). Both are Triton kernels (a fused
   single-pass kernel, or split-K partials + a reduce kernel) over BF16 (or FP8 per-tensor) latents.
 * ``sglang-dsa-tilelang``: ``tilelang_sparse_fwd`` of ``tilelang_kernel.py``, as
   ``DSABackend._forward_tilelang`` calls it (lines 3440-3471, from ``forward_decode`` line 2682 and
   ``forward_extend`` line 2354); with a BF16 cache on CUDA it runs
-  ``sparse_attention_fwd_kernel_v2`` (a TileLang kernel over blocks of 64 lanes; needs ``tilelang`` 0.1.15).
+  ``sparse_attention_fwd_kernel_v2`` (a TileLang kernel over blocks of 64 lanes; needs ``tilelang``:
+  SGLang 0.5.23 pins 0.1.12, the H200 run of 2026-12-03 judged it with 0.1.15).
 
 What the caller passes, and how the adapters copy it. SGLang's DSA backend runs these kernels over
 the token pool's key buffer ``kv_cache`` ``[N, 1, 576]`` (``get_key_buffer``: one latent per token
 slot, BF16 for a BF16 KV cache) and index rows ``page_table_1`` ``[T, topk]`` int32 of token slots
 (``transform_index_page_table_decode`` / ``_prefill`` with ``page_size=1``; ``-1`` pads a row), no
 ``topk_length`` (``topk_length=None``), no sink, no extra cache. The project's calls hold packed
-DSV3.2 caches (656 B/token): the adapters hand the kernels the BF16 table a BF16 KV cache would hold,
+DSV3.2 caches (656 B/token): the adapters hand the kernels the BF16 table a BF16 KV cache would
+hold,
 ``_peer.virtual_table`` (the packed cache dequantized, exact: an E4M3 code times a power of two is a
 BF16 number), with lanes past ``topk_length`` turned into ``-1`` (the caller's rows carry their
 length that way) and rows padded with ``-1`` to a multiple of 64 (``_forward_tilelang``'s padding,
@@ -28,7 +34,8 @@ line 3450; the Triton kernels take any width). The queries are passed as the cal
 ``q_nope = q[..., :512]`` and ``q_rope = q[..., 512:]``, two strided views of one ``[T, H, 576]``
 tensor (lines 2601-2618: ``q_all = q.contiguous().view(...)``; the kernels read row strides,
 ``_row_strides``), or the whole contiguous ``q`` for TileLang (``concat_mla_absorb_q_general``'s
-output); ``indices`` is ``rows.unsqueeze(1)`` ``[T, 1, topk]``; ``sm_scale``; ``d_v=512``; the decode kernel gets the backend's grow-only split-K
+output); ``indices`` is ``rows.unsqueeze(1)`` ``[T, 1, topk]``; ``sm_scale``; ``d_v=512``; the
+decode kernel gets the backend's grow-only split-K
 ``workspace`` (a list the adapter keeps per instance, as the backend keeps one per stream), the
 prefill kernel ``topk_length=None`` and ``max_topk_length=min(max_seq_len_k, topk)`` (the table's
 token count for ``max_seq_len_k``; it is read only on AMD gfx950). Each kernel returns
@@ -45,7 +52,8 @@ lines 305-316). TileLang's kernel also asserts that the row holds an even number
 multiple of 64 only: a row of 64 * odd lanes from the caller fails that assert (the DSA top-k of
 2048 never does). The TileLang envelope takes widths that are multiples of 128 (the kernel's limit).
 
-Loading: as ``sglang_dsv4`` (``_source.stubs_for("sglang-kernels")``): ``triton_sparse_mla_decode.py``
+Loading: as ``sglang_dsv4`` (``_source.stubs_for("sglang-kernels")``):
+``triton_sparse_mla_decode.py``
 imports ``triton_sparse_mla.py``, which imports ``kernels/ops/attention/metadata.py`` (both run from
 the wheel) and reads ``is_fp8_fnuz``, ``is_gfx95_supported`` and ``get_device_core_count``
 (answered as on a CUDA build).
@@ -184,7 +192,10 @@ class _DsaBase(PeerAdapter):
             and "tilelang" in self._files
             and importlib.util.find_spec("tilelang") is None
         ):
-            return f"{self.name} adapter: needs tilelang (pip install tilelang==0.1.15; scripts/peers_env.sh)"
+            return (
+                f"{self.name} adapter: needs tilelang (sglang 0.5.23 pins 0.1.12; judged with 0.1.15; "
+                "scripts/peers_env.sh)"
+            )
         for which in self._files:
             reason = source_skip_reason(
                 self.name, capability, device, missing=_missing(which), devices=self.devices,
@@ -195,9 +206,24 @@ class _DsaBase(PeerAdapter):
         return None
 
     def _table(self, call: PeerCall) -> tuple[Any, Any, Any, Any]:
-        """``(q, kv, indices)`` as the caller passes them, plus the table's token count."""
+        """``(q, kv, indices)`` as the caller passes them, plus the table's token count.
+
+        Raises:
+            TypeError: index rows that are not int32 (the adapter rebuilds the rows as int32 and does
+                not convert another dtype; the kernel's own handling of them is not measured).
+            ValueError, TypeError: the lengths the adapter folds (``_peer.check_folded_lengths``).
+        """
+        import torch
+
         c = call.call
         check_folded_lengths(c)
+        for source in c.sources:  # the rows are rebuilt as int32 (virtual_table): another dtype is not mapped
+            if source.indices.dtype != torch.int32:
+                _, name, _ = source.names
+                raise TypeError(
+                    f"{name}.dtype={source.indices.dtype}: expected torch.int32 (SGLang's DSA backend passes "
+                    "int32 page_table_1 rows; the adapter does not convert them)"
+                )
         kv, rows, _ = virtual_table(c, row_multiple=ROW_MULTIPLE, fold_lengths=True)
         # the caller's q_all is contiguous (q.contiguous().view(...), or concat_mla_absorb_q_general's output)
         return c.q.contiguous(), kv, rows.unsqueeze(1), int(kv.shape[0])

@@ -11,7 +11,8 @@ What runs (sgl-project/sglang, files of the installed package, ``sglang/kernels/
   (``..._dual_scope_low_overhead``) or not (``..._dual_scope``) by ``_should_use_fused_splitk``;
   every kernel ``@triton.autotune``'d).
 * ``sglang-dsv4-tilelang``: ``dpsk_v4_fp8_attention_fwd`` of ``dsv4/tilelang_fp8_attention.py``
-  (a TileLang partial kernel over 32-lane blocks and a combine kernel; needs ``tilelang`` 0.1.15).
+  (a TileLang partial kernel over 32-lane blocks and a combine kernel; needs ``tilelang`` 0.1.12, the
+  release SGLang 0.5.23 pins: under 0.1.15 the kernel does not compile, :func:`_tilelang_reason`).
 
 The caller, and how the adapters copy it. Both are the ``"triton"`` / ``"tilelang"`` branches of
 ``flash_mla_with_kvcache_entrypoint`` (``sglang/srt/layers/attention/hip_flash_mla.py``, lines
@@ -176,6 +177,32 @@ def load(which: str) -> Any:
     return getattr(module, function)
 
 
+#: The TileLang release SGLang 0.5.23 requires (its METADATA: ``Requires-Dist: tilelang==0.1.12``).
+TILELANG_PIN = "0.1.12"
+
+
+def _tilelang_reason() -> str | None:
+    """Why the TileLang DSV4 kernel cannot be judged here: TileLang missing, or another release than
+    SGLang's pin. Measured on the H200 (2026-12-03) with tilelang 0.1.15: every call fails while
+    compiling ``dpsk_v4_fp8_partial_kernel`` (``tvm.error.InternalError``: "two statements with buffer
+    access dependency in the same stage of the software pipeline cannot be reordered",
+    ``tilelang_fp8_attention.py`` lines 238 and 580), a toolchain mismatch rather than a verdict on
+    the kernel, so the adapter asks for the pinned release."""
+    from importlib import metadata
+
+    try:
+        version = metadata.version("tilelang")
+    except metadata.PackageNotFoundError:
+        return f"needs tilelang=={TILELANG_PIN}, the release sglang 0.5.23 pins (scripts/peers_env.sh)"
+    if version != TILELANG_PIN:
+        return (
+            f"sglang 0.5.23 pins tilelang=={TILELANG_PIN}; tilelang {version} is installed, under which its DSV4 "
+            "kernel does not compile (tilelang 0.1.15 on the H200: InternalError 'two statements with buffer "
+            "access dependency in the same stage of the software pipeline cannot be reordered')"
+        )
+    return None
+
+
 class _Dsv4Base(PeerAdapter):
     """The mapping both DSV4 adapters share (module docstring)."""
 
@@ -184,16 +211,13 @@ class _Dsv4Base(PeerAdapter):
     _which = "triton"
 
     def skip_reason(self, capability: str, device: str) -> str | None:
-        """Why the kernel cannot run here: sglang (or its kernel file) missing, Triton or TileLang
-        missing, not CUDA, or executing the file fails."""
-        import importlib.util
-
-        if (
-            capability == "sparse_mla_forward"
-            and self._which == "tilelang"
-            and importlib.util.find_spec("tilelang") is None
-        ):
-            return f"{self.name} adapter: needs tilelang (pip install tilelang==0.1.15; scripts/peers_env.sh)"
+        """Why the kernel cannot run here: sglang (or its kernel file) missing, Triton missing, for
+        TileLang another release than SGLang's pin (:func:`_tilelang_reason`), not CUDA, or executing
+        the file fails."""
+        if capability == "sparse_mla_forward" and self._which == "tilelang":
+            reason = _tilelang_reason()
+            if reason is not None:
+                return f"{self.name} adapter: {reason}"
         return source_skip_reason(
             self.name, capability, device, missing=_missing(self._which), devices=self.devices,
             load=lambda: load(self._which),
