@@ -65,6 +65,7 @@ import functools
 from typing import Any
 
 from pytest_sparse_mla.envelope import Envelope, Widths, route_of
+from pytest_sparse_mla.implementations import _sglang_kernels
 from pytest_sparse_mla.implementations._peer import (
     PeerAdapter,
     PeerCall,
@@ -90,7 +91,6 @@ FILES: dict[str, tuple[str, str]] = {
     "triton-prefill": (f"{_DSA}/triton_sparse_mla.py", "triton_sparse_mla_fwd"),
     "tilelang": (f"{_DSA}/tilelang_kernel.py", "tilelang_sparse_fwd"),
 }
-_HINT = "pip install --no-deps sglang==0.5.23"
 #: ``_forward_tilelang`` pads index rows with -1 to a multiple of 64 (dsa_backend.py line 3450).
 ROW_MULTIPLE = 64
 #: DeepSeek-V3.2's 128 query heads over 1, 2, 4 and 8 tensor-parallel ranks.
@@ -144,35 +144,15 @@ TILELANG_ENVELOPE = Envelope(
 )
 
 
-def _source_of(which: str) -> dict[str, Any]:
-    return {"kind": "file", "package": "sglang", "path": FILES[which][0], "stubs": "sglang-kernels"}
-
-
-def _missing(which: str) -> str | None:
-    from pytest_sparse_mla.implementations._source import find_source
-
-    if find_source("sglang", FILES[which][0]) is None:
-        return f"the installed sglang has no {FILES[which][0]} ({_HINT})"
-    return None
-
-
-@functools.cache
 def load(which: str) -> Any:
     """The entry point of ``FILES[which]``, its file executed with the ``"sglang-kernels"``
-    stand-ins (module docstring).
+    stand-ins (``_sglang_kernels.load_entry``; module docstring).
 
     Raises:
         ImportError: sglang (or triton, or tilelang) is not installed, or the file is missing.
         KeyError: another ``which``.
     """
-    from pytest_sparse_mla.implementations._source import exec_source, find_source, stubs_for
-
-    path, function = FILES[which]
-    found = find_source("sglang", path)
-    if found is None:
-        raise ImportError(f"the installed sglang has no {path} ({_HINT})")
-    module = exec_source(f"_sparse_mla_peer_sglang_dsa_{which.replace('-', '_')}", found, stubs_for("sglang-kernels"))
-    return getattr(module, function)
+    return _sglang_kernels.load_entry(f"_sparse_mla_peer_sglang_dsa_{which.replace('-', '_')}", *FILES[which])
 
 
 class _DsaBase(PeerAdapter):
@@ -198,7 +178,7 @@ class _DsaBase(PeerAdapter):
             )
         for which in self._files:
             reason = source_skip_reason(
-                self.name, capability, device, missing=_missing(which), devices=self.devices,
+                self.name, capability, device, missing=_sglang_kernels.missing(FILES[which][0]), devices=self.devices,
                 load=functools.partial(load, which),
             )  # fmt: skip
             if reason is not None:
@@ -263,7 +243,7 @@ class SglangDsaTritonImplementation(_DsaBase):
         else:
             which = "triton-prefill"
             kwargs |= {"topk_length": None, "max_topk_length": min(num_slots, int(indices.shape[-1]))}
-        out = call_peer(_source_of(which), FILES[which][1], load(which), (), kwargs)
+        out = call_peer(_sglang_kernels.source_of(FILES[which][0]), FILES[which][1], load(which), (), kwargs)
         return PeerResult(out.squeeze(0), None, route, f"sglang {FILES[which][1]}")
 
 
@@ -287,5 +267,6 @@ class SglangDsaTileLangImplementation(_DsaBase):
         """
         q, kv, indices, _ = self._table(call)
         kwargs = {"q": q, "kv": kv, "indices": indices, "sm_scale": float(call.call.sm_scale), "d_v": 512}
-        out = call_peer(_source_of("tilelang"), FILES["tilelang"][1], load("tilelang"), (), kwargs)
-        return PeerResult(out.squeeze(0), None, None, f"sglang {FILES['tilelang'][1]}")
+        path, function = FILES["tilelang"]
+        out = call_peer(_sglang_kernels.source_of(path), function, load("tilelang"), (), kwargs)
+        return PeerResult(out.squeeze(0), None, None, f"sglang {function}")

@@ -64,10 +64,10 @@ else of SGLang is stubbed. The TileLang file imports ``dsa/tilelang_kernel.py`` 
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 from pytest_sparse_mla.envelope import Envelope, Widths
+from pytest_sparse_mla.implementations import _sglang_kernels
 from pytest_sparse_mla.implementations._peer import (
     PeerAdapter,
     PeerCall,
@@ -91,7 +91,6 @@ FILES: dict[str, tuple[str, str]] = {
     "triton": (f"{_ATTENTION}/dsv4/triton_sparse_decode/__init__.py", "triton_fp8_attention_fwd"),
     "tilelang": (f"{_ATTENTION}/dsv4/tilelang_fp8_attention.py", "dpsk_v4_fp8_attention_fwd"),
 }
-_HINT = "pip install --no-deps sglang==0.5.23"
 
 _CALLER = "SGLang's caller (deepseek_v4_backend_hip_radix.py lines 3393-3400)"
 _COMMON_NOTES = (
@@ -146,35 +145,15 @@ TILELANG_ENVELOPE = Envelope(
 )
 
 
-def _source_of(which: str) -> dict[str, Any]:
-    return {"kind": "file", "package": "sglang", "path": FILES[which][0], "stubs": "sglang-kernels"}
-
-
-def _missing(which: str) -> str | None:
-    from pytest_sparse_mla.implementations._source import find_source
-
-    if find_source("sglang", FILES[which][0]) is None:
-        return f"the installed sglang has no {FILES[which][0]} ({_HINT})"
-    return None
-
-
-@functools.cache
 def load(which: str) -> Any:
     """The entry point of ``FILES[which]`` (``"triton"`` or ``"tilelang"``), its file executed with
-    the ``"sglang-kernels"`` stand-ins (module docstring).
+    the ``"sglang-kernels"`` stand-ins (``_sglang_kernels.load_entry``; module docstring).
 
     Raises:
         ImportError: sglang (or triton, or tilelang) is not installed, or the file is missing.
         KeyError: another ``which``.
     """
-    from pytest_sparse_mla.implementations._source import exec_source, find_source, stubs_for
-
-    path, function = FILES[which]
-    found = find_source("sglang", path)
-    if found is None:
-        raise ImportError(f"the installed sglang has no {path} ({_HINT})")
-    module = exec_source(f"_sparse_mla_peer_sglang_dsv4_{which}", found, stubs_for("sglang-kernels"))
-    return getattr(module, function)
+    return _sglang_kernels.load_entry(f"_sparse_mla_peer_sglang_dsv4_{which}", *FILES[which])
 
 
 #: The TileLang release SGLang 0.5.23 requires (its METADATA: ``Requires-Dist: tilelang==0.1.12``).
@@ -219,7 +198,7 @@ class _Dsv4Base(PeerAdapter):
             if reason is not None:
                 return f"{self.name} adapter: {reason}"
         return source_skip_reason(
-            self.name, capability, device, missing=_missing(self._which), devices=self.devices,
+            self.name, capability, device, missing=_sglang_kernels.missing(FILES[self._which][0]), devices=self.devices,
             load=lambda: load(self._which),
         )  # fmt: skip
 
@@ -253,7 +232,7 @@ class _Dsv4Base(PeerAdapter):
             "extra_topk_length": c.extra_topk_length,
         }
         function = FILES[self._which][1]
-        out, lse = call_peer(_source_of(self._which), function, load(self._which), (), kwargs)
+        out, lse = call_peer(_sglang_kernels.source_of(FILES[self._which][0]), function, load(self._which), (), kwargs)
         lse = lse_to_convention(
             lse[:, 0],
             sink_included=False,
