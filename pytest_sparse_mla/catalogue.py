@@ -101,7 +101,7 @@ class Builtin:
 _HERE = "pytest_sparse_mla.implementations"
 _SGLANG = Source(
     key="sglang", label="SGLang", line="SGLang {} (wheel from PyPI, installed --no-deps)", missing="not installed",
-    dist="sglang",
+    dist="sglang", carried=".peers/sglang",
 )  # fmt: skip
 
 #: The built-ins, in ``--help`` and report order.
@@ -141,6 +141,22 @@ BUILTINS: tuple[Builtin, ...] = (
             key="flashinfer_reference_source", label="FlashInfer", line="FlashInfer references: {}",
             file=".peers/flashinfer/SOURCE", carried=".peers/flashinfer",
         ),
+    ),
+    Builtin(
+        "sglang-dsv4-triton", f"{_HERE}.sglang_dsv4:SglangDsv4TritonImplementation", source=_SGLANG,
+        wheel="sglang==0.5.23",
+    ),
+    Builtin(
+        "sglang-dsv4-tilelang", f"{_HERE}.sglang_dsv4:SglangDsv4TileLangImplementation", source=_SGLANG,
+        wheel="sglang==0.5.23",
+    ),
+    Builtin(
+        "sglang-dsa-triton", f"{_HERE}.sglang_dsa:SglangDsaTritonImplementation", source=_SGLANG,
+        wheel="sglang==0.5.23",
+    ),
+    Builtin(
+        "sglang-dsa-tilelang", f"{_HERE}.sglang_dsa:SglangDsaTileLangImplementation", source=_SGLANG,
+        wheel="sglang==0.5.23",
     ),
     # A new built-in is one entry here (CONTRIBUTING.md, "Add a peer").
 )  # fmt: skip

@@ -1,4 +1,4 @@
-# Make the peers importable for `--sparse-mla-impl sglang-triton|sglang-torch|flashmla` on a CUDA
+# Make the peers importable for `--sparse-mla-impl sglang-*|flashmla|...` on a CUDA
 # machine without network access. Source it from the repository root:
 #
 #     source scripts/peers_env.sh
@@ -7,7 +7,21 @@
 #   .whl/sglang-0.5.23-cp312-*.whl   the SGLang wheel for the target Python (pip download --no-deps
 #                                    sglang==0.5.23); installed --no-deps into $PEERS_DIR/site: the
 #                                    adapters execute two of its files and never import `sglang`
-#   .whl/*.whl                        other wheels the run needs (syrupy for the golden suite)
+#   .whl/*.whl                        other wheels the run needs (syrupy for the golden suite; for
+#                                    sglang-dsa-tilelang: tilelang==0.1.15 (judged with it on the H200),
+#                                    apache-tvm-ffi==0.1.12, torch-c-dlpack-ext==0.1.5, z3-solver==4.15.4.0;
+#                                    sglang-dsv4-tilelang needs SGLang's pins tilelang==0.1.12 and
+#                                    apache-tvm-ffi==0.1.11 (its kernel does not compile under 0.1.15);
+#                                    pip download --no-deps --only-binary=:all: --python-version 3.12
+#                                    --implementation cp --platform manylinux_2_28_x86_64 ...; about 83 MB)
+#   .peers/*-site.tar.xz              already-unpacked wheels, xz-compressed, unpacked into $PEERS_DIR/site
+#                                    (the four TileLang wheels above fit a 64 MiB carry only this way:
+#                                    about 38 MB; z3's libz3.so once, libz3.so.4.15 a link to it, its
+#                                    .data copy left out); made from the wheels with
+#                                    d=$(mktemp -d); for w in *.whl; do unzip -q -o -d "$d" "$w"; done;
+#                                    tar -C "$d" -cf - . | xz -T0 -8 > .peers/tilelang-site.tar.xz
+#   .peers/sglang/                    instead of the SGLang wheel: the files of it the adapters execute and
+#                                    its METADATA (python scripts/carry_sglang.py), put on PYTHONPATH
 #   .peers/flash_mla-ext.tar.xz       a FlashMLA build (flash_mla/ with its cuda*.so, PEER_SOURCE.txt),
 #                                    unpacked into $PEERS_DIR/flashmla; without it FlashMLA is built from
 #   .peers/flashmla-src.tar.xz        FlashMLA's source with CUTLASS's include trees (FlashMLA/):
@@ -37,6 +51,12 @@ peers_install_wheels() {  # every carried wheel, one at a time (one bad wheel do
     [ -f "$w" ] || continue
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target "$PEERS_DIR/site" "$w" >/dev/null 2>&1 || peers_log "could not install $w"
+  done
+  for w in .peers/*-site.tar.xz; do  # unpacked wheels (the TileLang stack), see the header; once per $PEERS_DIR
+    [ -f "$w" ] || continue
+    [ -f "$PEERS_DIR/site/.$(basename "$w").done" ] && continue
+    tar -xJf "$w" -C "$PEERS_DIR/site" && touch "$PEERS_DIR/site/.$(basename "$w").done" \
+      || peers_log "could not unpack $w"
   done
 }
 

@@ -39,7 +39,17 @@ def stubs_for(kind: Any) -> dict[str, dict[str, Any]]:
     the three ``sglang.srt`` names ``flash_mla_sm120.py`` reads (``environ.envs`` with
     ``SGLANG_SM120_FLASHMLA_BACKEND.get() == "torch"``, ``utils.is_hip() == False``,
     ``runtime_context.get_resources`` with an empty ``buffers`` dict: the adapter binds the
-    caller's registry instead). ``None``: none.
+    caller's registry instead). ``"sglang-kernels"``: for the files under SGLang's
+    ``kernels/ops/attention/`` that import other kernel files of the wheel by absolute name
+    (``dsv4/triton_sparse_decode/``, ``dsv4/tilelang_fp8_attention.py``, ``dsa/*.py``): the packages
+    ``sglang.kernels``, ``.ops``, ``.ops.attention``, ``.attention.dsa`` and ``.attention.dsv4`` as
+    empty stand-ins whose ``__path__`` is the installed directory (their files load from the wheel,
+    their ``__init__.py`` never runs), and the four SGLang platform queries those files read, each
+    answering as SGLang 0.5.23 does on a CUDA build (``python/sglang/srt/utils/common.py``,
+    ``kernels/ops/quantization/fp8_kernel.py``): ``srt.utils.is_hip``, ``is_gfx95_supported``,
+    ``common.is_gfx942_supported`` (``False``), ``fp8_kernel.is_fp8_fnuz`` (``False``), and
+    ``srt.utils.get_device_core_count(i)`` (the CUDA device's multiprocessor count, 0 without CUDA).
+    ``None``: none.
 
     Raises:
         ValueError: another ``kind``.
@@ -50,7 +60,6 @@ def stubs_for(kind: Any) -> dict[str, dict[str, Any]]:
     if kind is None:
         return {}
     if kind == "sglang":
-
         resources = types.SimpleNamespace(buffers={})  # the split's persistent buffers (a fresh dict)
 
         def get_resources() -> Any:
@@ -64,6 +73,35 @@ def stubs_for(kind: Any) -> dict[str, dict[str, Any]]:
             "sglang.srt.utils": {"is_hip": lambda: False},
             "sglang.srt.runtime_context": {"get_resources": get_resources},
         }
+    if kind == "sglang-kernels":
+        anchor = find_source("sglang", "kernels/ops/attention/dsa/triton_sparse_mla.py")
+        if anchor is None:
+            raise ImportError("sglang/kernels/ops/attention/dsa/triton_sparse_mla.py is not on sys.path")
+        attention = anchor.parent.parent
+
+        def get_device_core_count(device_id: int = 0) -> int:
+            import torch
+
+            return torch.cuda.get_device_properties(device_id).multi_processor_count if torch.cuda.is_available() else 0
+
+        def no() -> bool:
+            return False
+
+        return {
+            "sglang": {"__path__": []},
+            "sglang.kernels": {"__path__": [str(attention.parent.parent)]},
+            "sglang.kernels.ops": {"__path__": [str(attention.parent)]},
+            "sglang.kernels.ops.attention": {"__path__": [str(attention)]},
+            "sglang.kernels.ops.attention.dsa": {"__path__": [str(attention / "dsa")]},
+            "sglang.kernels.ops.attention.dsv4": {"__path__": [str(attention / "dsv4")]},
+            "sglang.kernels.ops.quantization": {},
+            "sglang.kernels.ops.quantization.fp8_kernel": {"is_fp8_fnuz": no},
+            "sglang.srt": {},
+            "sglang.srt.utils": {
+                "is_hip": no, "is_gfx95_supported": no, "get_device_core_count": get_device_core_count,
+            },
+            "sglang.srt.utils.common": {"is_gfx942_supported": no},
+        }  # fmt: skip
     if kind == "flaggems":
         return {
             "flag_gems": {},
@@ -78,7 +116,7 @@ def stubs_for(kind: Any) -> dict[str, dict[str, Any]]:
             "vllm": {},
             "vllm.triton_utils": {"LOG2E": math.log2(math.e), "LOGE2": math.log(2.0), "tl": tl, "triton": triton},
         }
-    raise ValueError(f"stubs_for({kind!r}): expected None, 'flaggems', 'vllm' or 'sglang'")
+    raise ValueError(f"stubs_for({kind!r}): expected None, 'flaggems', 'vllm', 'sglang' or 'sglang-kernels'")
 
 
 def stubbed(stubs: dict[str, dict[str, Any]]) -> Any:
@@ -95,8 +133,8 @@ def stubbed(stubs: dict[str, dict[str, Any]]) -> Any:
         for key, attrs in stubs.items():
             if key not in sys.modules:
                 stub = types.ModuleType(key)
+                stub.__path__ = []  # a package, so dotted stubs below it resolve (or the given __path__)
                 stub.__dict__.update(attrs)
-                stub.__path__ = []  # a package, so dotted stubs below it resolve
                 sys.modules[key] = stub
                 added.append(key)
         try:
@@ -113,7 +151,9 @@ def exec_source(name: str, path: Any, stubs: dict[str, dict[str, Any]]) -> Any:
 
     For peers whose kernels live in a package too heavy (or too device-specific) to import in a
     test session: the file runs as it is, only the modules in ``stubs`` (module name -> attributes)
-    are replaced while it executes; ``sys.modules`` entries of those names are restored afterwards.
+    are replaced while it executes; ``sys.modules`` entries of those names are restored afterwards,
+    and modules the file imported below a stand-in (a peer's own files, found through a stand-in's
+    ``__path__``) are removed again.
     The module stays registered under ``name`` (Triton's JIT reads its functions' source from it).
 
     Raises:
@@ -131,11 +171,12 @@ def exec_source(name: str, path: Any, stubs: dict[str, dict[str, Any]]) -> Any:
     if name in sys.modules:
         return sys.modules[name]
     saved = {key: sys.modules.get(key) for key in stubs}
+    before = set(sys.modules)
     try:
         for key, attrs in stubs.items():
             stub = types.ModuleType(key)
+            stub.__path__ = []  # a package, so dotted stubs below it resolve (or the given __path__)
             stub.__dict__.update(attrs)
-            stub.__path__ = []  # a package, so dotted stubs below it resolve
             sys.modules[key] = stub
         spec = importlib.util.spec_from_file_location(name, path)
         if spec is None or spec.loader is None:
@@ -154,3 +195,6 @@ def exec_source(name: str, path: Any, stubs: dict[str, dict[str, Any]]) -> Any:
                 sys.modules.pop(key, None)
             else:
                 sys.modules[key] = old
+        for key in set(sys.modules) - before - {name}:  # the peer's own files, loaded below a stand-in
+            if any(key.startswith(stub + ".") for stub in stubs):
+                del sys.modules[key]
