@@ -262,7 +262,9 @@ def _oracle(call: SparseMlaCall) -> OracleOutput:
     key_magnitude = torch.zeros((num_tokens, num_heads), dtype=torch.float64, device=device)
     value_max = torch.zeros((num_tokens, num_heads), dtype=torch.float64, device=device)
     flush_magnitude = torch.zeros((num_tokens, num_heads), dtype=torch.float64, device=device)
-    q_tiny = q64.abs() * (q64.abs() < FP32_MIN_NORMAL)  # [T, H, d_qk]: subnormal query elements (else 0)
+    q_abs = q64.abs()
+    q_tiny = q_abs * (q_abs < FP32_MIN_NORMAL)  # [T, H, d_qk]: subnormal query elements (else 0)
+    subnormals = bool(q_tiny.any()) or bool(((table != 0) & (table.abs() < FP32_MIN_NORMAL)).any())
     max_candidates = int(counts.max()) if num_tokens else 0
     budget = BLOCK_BYTES["cpu" if device.type == "cpu" else "other"]
     block = max(1, budget // max(1, max_candidates * table.shape[1] * 8))
@@ -284,18 +286,20 @@ def _oracle(call: SparseMlaCall) -> OracleOutput:
         values = rows[..., : f.d_v]
         output[tokens] = torch.bmm(w, values)
         lse_e[tokens] = torch.where(has, shift + torch.log(total), -math.inf)
-        abs_weighted[tokens] = torch.bmm(w, values.abs())
+        rows_abs = rows.abs()
+        abs_weighted[tokens] = torch.bmm(w, rows_abs[..., : f.d_v])
         rms_weighted[tokens] = torch.bmm(w * w, (values * values).sum(dim=2, keepdim=True))[..., 0].sqrt()
-        magnitude = torch.bmm(q64[tokens].abs(), rows.abs().transpose(1, 2)) * abs(sm_scale)  # invalid lanes 0
+        magnitude = torch.bmm(q_abs[tokens], rows_abs.transpose(1, 2)) * abs(sm_scale)  # invalid lanes 0
         score_magnitude[tokens] = magnitude.amax(dim=2)
-        keys = rows[..., : f.d_nope].abs().sum(dim=2).amax(dim=1) * abs(sm_scale)  # [B]
+        keys = rows_abs[..., : f.d_nope].sum(dim=2).amax(dim=1) * abs(sm_scale)  # [B]
         key_magnitude[tokens] = keys[:, None].expand(-1, num_heads)
-        value_max[tokens] = values.abs().amax(dim=(1, 2))[:, None].expand(-1, num_heads)
-        tiny = rows.abs() * (rows.abs() < FP32_MIN_NORMAL)  # [B, L, d_qk]: subnormal keys (else 0)
-        flushed = (torch.bmm(q_tiny[tokens], rows.abs().transpose(1, 2))
-                   + torch.bmm(q64[tokens].abs(), tiny.transpose(1, 2)))  # fmt: skip
-        flush_magnitude[tokens] = torch.where(has, (flushed.amax(dim=2) + table.shape[1] * FP32_MIN_NORMAL)
-                                              * abs(sm_scale), 0.0)  # fmt: skip
+        value_max[tokens] = rows_abs[..., : f.d_v].amax(dim=(1, 2))[:, None].expand(-1, num_heads)
+        flushed = table.shape[1] * FP32_MIN_NORMAL  # products of two normal numbers below 2**-126
+        if subnormals:  # the products with a subnormal operand (keys below 2**-126 too, else 0)
+            tiny = rows_abs * (rows_abs < FP32_MIN_NORMAL)
+            flushed = flushed + (torch.bmm(q_tiny[tokens], rows_abs.transpose(1, 2))
+                                 + torch.bmm(q_abs[tokens], tiny.transpose(1, 2))).amax(dim=2)  # fmt: skip
+        flush_magnitude[tokens] = torch.where(has, flushed * abs(sm_scale), 0.0)
     if lse_convention == "flashmla":
         lse = torch.where(torch.isinf(lse_e) & (lse_e < 0), math.inf, lse_e)
     else:
