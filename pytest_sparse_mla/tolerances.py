@@ -243,11 +243,42 @@ class _Scales:
     value_max: Any = None  # [T, H] or None
 
 
-def _scales_of(expected: Any, given: Any) -> _Scales:
+def _check_shape(what: str, name: str, got: Any, want: tuple[int, ...]) -> None:
+    """Raise a :class:`ValueError` naming ``what``'s ``name`` and both shapes unless ``got`` has ``want``."""
+    if tuple(got) != tuple(want):
+        raise ValueError(
+            f"{what}: {name} has shape {list(got)}, expected {list(want)} (the shapes of the compared tensors and of "
+            "the oracle's ErrorScales must agree: output [num_tokens, num_heads, d_v], LSE [num_tokens, num_heads])"
+        )
+
+
+def _check_scales(what: str, expected_shape: tuple[int, ...], given: Any) -> None:
+    """The oracle's ``ErrorScales`` describe the rows of ``expected_shape`` (``[T, H, d_v]``):
+    ``abs_weighted`` of that shape, the per-row scales ``[T, H]``.
+
+    Raises:
+        ValueError: a scale of another shape (names it and both shapes).
+    """
+    if given is None:
+        return
+    rows = tuple(expected_shape[:-1])
+    _check_shape(what, "scales.abs_weighted", given.abs_weighted.shape, tuple(expected_shape))
+    for name in ("rms_weighted", "score_magnitude", "key_magnitude", "value_max"):
+        value = getattr(given, name, None)
+        if value is not None:
+            _check_shape(what, f"scales.{name}", value.shape, rows)
+
+
+def _scales_of(expected: Any, given: Any, what: str = "output") -> _Scales:
     """The oracle's error scales, or, for a bare expected tensor, the row's own magnitude
-    (``M = max_d |E_rd|`` broadcast, ``R = ||E_r||``; no score term)."""
+    (``M = max_d |E_rd|`` broadcast, ``R = ||E_r||``; no score term).
+
+    Raises:
+        ValueError: scales whose shapes are not those of ``expected``'s rows (:func:`_check_scales`).
+    """
     import torch
 
+    _check_scales(what, tuple(expected.shape), given)
     if given is not None:
         return _Scales(
             given.abs_weighted.to(torch.float64), given.rms_weighted.to(torch.float64),
@@ -365,6 +396,9 @@ def output_bound(
         expected: ``[T, H, D]`` (or ``[T, D]``) the oracle's float64 output.
         profile, fmt, scales: as :func:`compare_output`.
         output_dtype: the dtype of the result judged (``None``: BF16).
+
+    Raises:
+        ValueError: ``scales`` describe other rows than ``expected`` (names the scale and both shapes).
     """
     import torch
 
@@ -421,14 +455,16 @@ def compare_output(
         a :class:`ComparisonReport` (``.ok``, ``.message()``).
 
     Raises:
-        ValueError: shapes differ.
+        ValueError: before any arithmetic, the result's shape is not the expected one, or the
+            oracle's scales describe other rows (the message names the tensor and both shapes).
     """
     import torch
 
-    if tuple(actual.shape) != tuple(expected.shape):
-        raise ValueError(f"{what}: actual shape {tuple(actual.shape)} != expected {tuple(expected.shape)}")
+    _check_shape(what, "the result", actual.shape, tuple(expected.shape))
     if actual.numel() == 0:  # num_tokens = 0: nothing to compare, nothing wrong
         return ComparisonReport(what, [f"{what}: no elements (num_tokens = 0)"], [], [])
+    _check_scales(what, tuple(expected.shape) if expected.dim() == 3 else (expected.shape[0], 1, expected.shape[-1]),
+                  scales)  # fmt: skip
     a = actual.to(torch.float64)
     e = expected.to(torch.float64)
     if a.dim() == 2:  # [T, D] -> one head
@@ -559,13 +595,33 @@ def _lse_causes(a: Any, e: Any, bad: Any, convention: str, lse_scale: float, num
     return causes
 
 
+def _check_lse_scales(what: str, lse_shape: tuple[int, ...], scales: Any) -> None:
+    """The oracle's per-row scales cover the LSE's rows (``[T, H]``, or ``[T]`` for one head).
+
+    Raises:
+        ValueError: a per-row scale with another number of rows (names it and both shapes).
+    """
+    if scales is None:
+        return
+    rows = math.prod(lse_shape)
+    for name in ("score_magnitude", "key_magnitude"):
+        value = getattr(scales, name, None)
+        if value is not None and math.prod(value.shape) != rows:
+            _check_shape(what, f"scales.{name}", value.shape, lse_shape)
+
+
 def lse_bound(natural: Any, *, profile: Profile, fmt: Any = "dsv4", scales: Any = None, pair: bool = False) -> Any:
     """The bound of :func:`compare_lse` for an oracle LSE ``natural`` (``[T, H]``, natural-log units):
-    ``factor * (lse_abs + ds + 2**-23 |lse|)`` natural-log units, ``factor`` 2 with ``pair``."""
+    ``factor * (lse_abs + ds + 2**-23 |lse|)`` natural-log units, ``factor`` 2 with ``pair``.
+
+    Raises:
+        ValueError: ``scales`` describe another number of rows (names the scale and both shapes).
+    """
     import torch
 
     e = natural.to(torch.float64)
     ds = torch.zeros_like(e)
+    _check_lse_scales("lse", tuple(e.shape), scales)
     if scales is not None:
         keys = getattr(scales, "key_magnitude", None)
         keys = None if keys is None else keys.to(torch.float64).reshape(e.shape)
@@ -598,14 +654,15 @@ def compare_lse(
         a :class:`ComparisonReport`.
 
     Raises:
-        ValueError: shapes differ.
+        ValueError: before any arithmetic, the result's shape is not the expected one, or the
+            oracle's scales describe other rows (the message names the tensor and both shapes).
     """
     import torch
 
-    if tuple(actual.shape) != tuple(expected.shape):
-        raise ValueError(f"{what}: actual shape {tuple(actual.shape)} != expected {tuple(expected.shape)}")
+    _check_shape(what, "the result", actual.shape, tuple(expected.shape))
     if actual.numel() == 0:  # num_tokens = 0: nothing to compare, nothing wrong
         return ComparisonReport(what, [f"{what}: no elements (num_tokens = 0)"], [], [])
+    _check_lse_scales(what, tuple(expected.shape), scales)
     a = _to_natural(actual, lse_convention, lse_scale)
     e = _to_natural(expected, lse_convention, lse_scale)
     if a.dim() == 1:

@@ -271,3 +271,28 @@ def test_layer_views_sit_at_the_hand_computed_offsets() -> None:
     case = AttentionCase("l", 1, 1, CacheCase(64, layer=3, num_layers=4))
     inputs = make_inputs(case, torch.Generator().manual_seed(0))
     assert inputs.cache.packed.storage_offset() == 112_320 and inputs.cache.packed.stride(0) == 149_760
+
+
+def test_a_shape_mismatch_is_a_clear_error_before_any_arithmetic() -> None:
+    """A result ``[T, H*512]`` for ``[T, H, 512]``, and a pair of such results compared with the
+    oracle's scales of ``[T, H, 512]`` rows (an invariance check: both sides share the wrong shape),
+    raise a ``ValueError`` naming the tensor and both shapes, never torch's broadcasting error."""
+    e = torch.randn((2, 4, 512), generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    rms = torch.ones((2, 4), dtype=torch.float64)
+    scales = _scales(e.abs(), rms)
+    flat = e.reshape(2, -1).to(torch.bfloat16)
+    with pytest.raises(ValueError, match=re.escape("output: the result has shape [2, 2048], expected [2, 4, 512]")):
+        tolerances.compare_output(flat, e, profile=KERNEL, scales=scales)
+    with pytest.raises(
+        ValueError, match=re.escape("output: scales.abs_weighted has shape [2, 4, 512], expected [2, 1, 2048]")
+    ):
+        tolerances.compare_output(flat, flat, profile=KERNEL, scales=scales, pair=True)
+    with pytest.raises(ValueError, match=re.escape("scales.abs_weighted has shape [2, 4, 512], expected [2, 1, 2048]")):
+        tolerances.output_bound(flat, profile=KERNEL, scales=scales)
+    lse = torch.zeros((2, 4), dtype=torch.float32)
+    with pytest.raises(ValueError, match=re.escape("lse: the result has shape [4, 2], expected [2, 4]")):
+        tolerances.compare_lse(lse.t(), lse, profile=KERNEL, scales=scales)
+    with pytest.raises(ValueError, match=re.escape("lse: scales.score_magnitude has shape [2, 4], expected [2, 2]")):
+        tolerances.compare_lse(lse[:, :2], lse[:, :2], profile=KERNEL, scales=scales, pair=True)
+    with pytest.raises(ValueError, match=re.escape("scales.score_magnitude has shape [2, 4], expected [2, 2]")):
+        tolerances.lse_bound(lse[:, :2], profile=KERNEL, scales=scales)
