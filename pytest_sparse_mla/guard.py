@@ -386,6 +386,7 @@ class GuardedImplementation:
                     pytest.fail(f"{self._name} refused a call inside its declared envelope: {exc}", pytrace=False)
                 pytest.skip(f"{self._name} refused the call: {exc}")
             except Exception as exc:
+                recording.note_error(rec, exc)  # the implementation's error, not the outcome the guard makes of it
                 self._judge_adapter_error(exc, bad_input=None)
                 raise
             finally:
