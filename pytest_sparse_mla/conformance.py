@@ -80,9 +80,20 @@ def read_junit(path: Path) -> list[dict[str, Any]]:
         file, node = junit_test_id(case)
         kind, message = junit_outcome(case)
         rows.append(
-            {"file": file, "id": node, "outcome": kind, "message": message, "seconds": float(case.get("time", 0))}
-        )
+            {"file": file, "id": node, "outcome": kind, "message": message, "seconds": float(case.get("time", 0)),
+             **_diagnosis_of(kind, message)}
+        )  # fmt: skip
     return rows
+
+
+def _diagnosis_of(outcome: str, message: str) -> dict[str, str | None]:
+    """``cause_key``, ``cause`` and ``evidence`` of a failed, errored or xfailed test's full message
+    (``diagnosis.read``), all ``None`` for another outcome."""
+    from pytest_sparse_mla import diagnosis
+
+    if outcome not in ("failed", "error", "xfailed", "xpassed") or not message:
+        return diagnosis.Diagnosis().as_dict()
+    return diagnosis.read(message).as_dict()
 
 
 def read_xfail_file(path: Path) -> dict[str, Any]:
@@ -167,6 +178,7 @@ def summarize(
                 "id": r["id"],
                 "outcome": r["outcome"],
                 "message": _short(_gist(r["message"]), 600),
+                **{k: r.get(k) for k in ("cause_key", "cause", "evidence")},
                 "explanation": next(
                     (
                         n["explanation"]
@@ -266,6 +278,30 @@ def _search_lines(impls: dict[str, Any]) -> list[str]:
                 count = f" ({d['count']} x)" if "count" in d else ""
                 region = f": {_short(str(d['region']), 200)}" if d.get("region") is not None else ""
                 out.append(f"  * discrepancy `{d['key']}`{count}{region}")
+    return out
+
+
+def _cause_lines(impls: dict[str, Any]) -> list[str]:
+    """The "Failures by likely cause" section: per implementation, each cause key the failures'
+    messages name (``diagnosis``), how many tests, the first test's cause and evidence; the
+    failures that name no cause, counted."""
+    out = ["", "## Failures by likely cause", ""]
+    any_fail = False
+    for name, s in impls.items():
+        groups: dict[str | None, list[dict[str, Any]]] = {}
+        for f in s["failures"]:
+            if f["outcome"] in ("failed", "error"):
+                groups.setdefault(f.get("cause_key") if f.get("cause") else None, []).append(f)
+        for key, fs in groups.items():
+            any_fail = True
+            if key is None:
+                out.append(f"* `{name}`: {len(fs)} test(s) whose failure names no likely cause")
+                continue
+            first = fs[0]
+            evidence = f"; evidence: {_short(str(first['evidence']), 300)}" if first.get("evidence") else ""
+            out.append(f"* `{name}` `[{key}]` ({len(fs)} test(s)): {_short(str(first['cause']), 300)}{evidence}")
+    if not any_fail:
+        out.append("None.")
     return out
 
 
@@ -388,13 +424,21 @@ def markdown(doc: dict[str, Any]) -> str:
             for name, ids in missing.items():
                 out += [f"* `{name}`: " + ", ".join(f"`{i.split('::', 1)[-1]}`" for i in ids)]
     out += _search_lines(impls)
+    out += _cause_lines(impls)
     out += ["", "## Failures not listed in an xfail file", ""]
     any_fail = False
     for name, s in impls.items():
         for f in s["failures"]:
             any_fail = True
-            why = f" **Explained:** {f['explanation']}" if f.get("explanation") else " **Not yet explained.**"
-            out.append(f"* `{name}` {f['outcome']} `{f['id']}`: {f['message']}{why}")
+            if f.get("explanation"):
+                why = f" **Explained:** {f['explanation']}"
+            elif f.get("cause"):
+                why = f" **Likely cause** `[{f.get('cause_key')}]`: {_short(str(f['cause']), 400)}"
+            else:
+                why = " **Not yet explained.**"
+            evidence = f" Evidence: {_short(str(f['evidence']), 400)}" if f.get("evidence") else ""
+            message = f["message"].split(" | likely cause")[0] if f.get("cause") else f["message"]
+            out.append(f"* `{name}` {f['outcome']} `{f['id']}`: {message}{why}{evidence}")
     if not any_fail:
         out.append("None.")
     out += ["", "## Skips, most frequent reasons", ""]
@@ -455,12 +499,14 @@ class Rows:
         """One phase report: ``when`` (``setup`` / ``call`` / ``teardown``), pytest's ``outcome``
         (``passed`` / ``failed`` / ``skipped``), its message, whether it carries ``wasxfail``."""
         row = self._rows.setdefault(
-            test_id, {"file": test_id.split("::")[0], "id": test_id, "outcome": "passed", "message": "", "seconds": 0.0}
-        )
+            test_id, {"file": test_id.split("::")[0], "id": test_id, "outcome": "passed", "message": "", "seconds": 0.0,
+                      "cause_key": None, "cause": None, "evidence": None}
+        )  # fmt: skip
         row["seconds"] = round(row["seconds"] + seconds, 6)
         if when == "teardown":
             if outcome == "failed" and row["outcome"] in ("passed", "xpassed"):
                 row["outcome"], row["message"] = "error", message[:600]
+                row.update(_diagnosis_of("error", message))
             return
         if when == "setup" and outcome == "passed":
             return
@@ -471,6 +517,7 @@ class Rows:
         else:
             kind = "xpassed" if wasxfail else "passed"
         row["outcome"], row["message"] = kind, message[:600]
+        row.update(_diagnosis_of(kind, message))  # read from the whole message (the cause line is near its end)
 
     def rows(self) -> list[dict[str, Any]]:
         """One dict per test (as :func:`read_junit`), in the order the tests first reported."""

@@ -145,9 +145,8 @@ def _expectation(rec: RecordedCall, profile: Any) -> dict[str, Any] | None:
     dtype = rec.output.dtype if rec.output is not None else torch.bfloat16
     out = {
         "expected_output": oracle.output.to(torch.float64),
-        "output_bound": tolerances.output_bound(
-            oracle.output, profile=profile, fmt=fmt, scales=oracle.scales, output_dtype=dtype
-        ),  # fmt: skip
+        "output_bound": tolerances.output_bound(oracle.output, profile=profile, fmt=fmt, scales=oracle.scales,
+                                                output_dtype=dtype),  # fmt: skip
         "lse_convention": oracle.lse_convention,
         "lse_scale": float(oracle.lse_scale),
     }

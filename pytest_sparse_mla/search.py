@@ -39,6 +39,7 @@ import torch
 from hypothesis import strategies as st
 
 from pytest_sparse_mla import formats, input_space
+from pytest_sparse_mla.diagnosis import LANE_KEYS, MATCHED, cause_keys, cause_line
 from pytest_sparse_mla.envelope import Envelope
 
 __all__ = [
@@ -775,40 +776,89 @@ def diagnose(
     f = formats.cache_formats(call.fmt)[0]
     kw = dict(inputs.kwargs)
     truth = _relative(output, oracle)
-    candidates: dict[str, dict[str, Any]] = {}
+    candidates: dict[str, tuple[str, dict[str, Any]]] = {}
     if call.sm_scale[1] != f.d_qk**-0.5:
-        candidates[f"sm_scale ignored (d_qk ** -0.5 = {f.d_qk**-0.5:.4g} used instead of {call.sm_scale[1]:.4g})"] = {
-            **kw, "sm_scale": f.d_qk**-0.5}  # fmt: skip
+        candidates[f"sm_scale ignored (d_qk ** -0.5 = {f.d_qk**-0.5:.4g} used instead of {call.sm_scale[1]:.4g})"] = (
+            "sm_scale-ignored", {**kw, "sm_scale": f.d_qk**-0.5})  # fmt: skip
     if call.sm_scale[1] != 512**-0.5 and f.d_qk != 512:
-        candidates["sm_scale ignored (512 ** -0.5 used)"] = {**kw, "sm_scale": 512**-0.5}
+        candidates["sm_scale ignored (512 ** -0.5 used)"] = ("sm_scale-ignored", {**kw, "sm_scale": 512**-0.5})
     if "attn_sink" in kw:
-        candidates["attn_sink ignored"] = {k: v for k, v in kw.items() if k != "attn_sink"}
-        candidates["attn_sink taken as a log2 logit (times ln 2)"] = {**kw, "attn_sink": kw["attn_sink"] * math.log(2)}
-        candidates["attn_sink taken as a natural logit scaled by log2(e)"] = {
-            **kw, "attn_sink": kw["attn_sink"] / math.log(2)}  # fmt: skip
+        candidates["attn_sink ignored"] = ("attn_sink-ignored", {k: v for k, v in kw.items() if k != "attn_sink"})
+        candidates["attn_sink taken as a log2 logit (times ln 2)"] = (
+            "attn_sink-as-log2", {**kw, "attn_sink": kw["attn_sink"] * math.log(2)})  # fmt: skip
+        candidates["attn_sink taken as a natural logit scaled by log2(e)"] = (
+            "attn_sink-scaled-by-log2e", {**kw, "attn_sink": kw["attn_sink"] / math.log(2)})  # fmt: skip
     if "extra_kv_cache" in kw:
-        candidates["extra cache ignored"] = {
+        candidates["extra cache ignored"] = ("extra-cache-ignored", {
             k: v for k, v in kw.items() if k not in ("extra_kv_cache", "extra_indices", "extra_topk_length")
-        }
+        })  # fmt: skip
     if "topk_length" in kw or "extra_topk_length" in kw:
         full = {k: v for k, v in kw.items() if k not in ("topk_length", "extra_topk_length")}
         if call.main.stale == "-1" and (call.extra is None or call.extra.stale == "-1"):
-            candidates["topk_length ignored (lanes past it read)"] = full
+            candidates["topk_length ignored (lanes past it read)"] = ("topk_length-ignored", full)
+    zero_main = bool((inputs.indices == 0).any())
+    zero_extra = "extra_indices" in kw and bool((kw["extra_indices"] == 0).any())
+    if zero_main or zero_extra:
+        sentinel = {**kw}
+        if zero_extra:
+            sentinel["extra_indices"] = torch.where(kw["extra_indices"] == 0, -1, kw["extra_indices"])
+        candidates["index value 0 taken for the mask sentinel (lanes of index 0 masked)"] = (
+            "index-0-treated-as-invalid", {**sentinel, "indices": torch.where(inputs.indices == 0, -1, inputs.indices)},
+        )  # fmt: skip
     if call.sm_scale[1] != 0.0:
-        candidates["scores scaled twice by sm_scale"] = {**kw, "sm_scale": call.sm_scale[1] ** 2}
-        candidates["sm_scale applied in base 2 (times log2 e)"] = {**kw, "sm_scale": call.sm_scale[1] / math.log(2)}
+        candidates["scores scaled twice by sm_scale"] = (
+            "sm_scale-applied-twice",
+            {**kw, "sm_scale": call.sm_scale[1] ** 2},
+        )
+        candidates["sm_scale applied in base 2 (times log2 e)"] = (
+            "sm_scale-in-base-2", {**kw, "sm_scale": call.sm_scale[1] / math.log(2)})  # fmt: skip
     lines: list[str] = []
-    for words, args in candidates.items():
+    for words, (key, args) in candidates.items():
+        indices = args.pop("indices", inputs.indices)
         try:
-            alt = oracle_forward(inputs.q, inputs.kv_cache, inputs.indices, **args)
+            alt = oracle_forward(inputs.q, inputs.kv_cache, indices, **args)
         except (ValueError, TypeError):
             continue
         err = _relative(output, alt)
         if err < tolerance and err < truth / 4:
-            lines.append(f"likely cause: {words} (the output matches that call's oracle: relative error "
-                         f"{err:.2e}, {truth:.2e} against the true oracle)")  # fmt: skip
+            lines.append(cause_line(key, f"{words} ({MATCHED}: relative error {err:.2e}, {truth:.2e} against "
+                                         "the true oracle)"))  # fmt: skip
     lines += _where(output, inputs, oracle)
     return lines
+
+
+def describe_call(inputs: SearchInputs, failure: str) -> str:
+    """The drawn call in one line (``DrawnCall.describe``), with its index values
+    (:func:`index_words`) when a likely cause named in ``failure`` is about lanes
+    (``diagnosis.LANE_KEYS``: which lanes a kernel reads is what tells it)."""
+    line = inputs.call.describe()
+    if set(cause_keys(failure)) & LANE_KEYS:
+        line += "; " + index_words(inputs)
+    return line
+
+
+def index_words(inputs: SearchInputs, tokens: int = 4, lanes: int = 16) -> str:
+    """The call's index values: ``indices`` (and ``topk_length``, ``extra_indices``,
+    ``extra_topk_length`` when given), the first ``tokens`` rows and ``lanes`` lanes of each
+    (``...`` marks what is left out)."""
+
+    def rows(t: torch.Tensor) -> str:
+        out = []
+        for row in t.reshape(t.shape[0], -1)[:tokens].tolist():
+            out.append("[" + ", ".join(str(int(v)) for v in row[:lanes]) + (", ..." if len(row) > lanes else "") + "]")
+        return "[" + ", ".join(out) + (", ..." if t.shape[0] > tokens else "") + "]"
+
+    def vector(t: torch.Tensor) -> str:
+        values = [str(int(v)) for v in t.flatten()[: tokens * 4].tolist()]
+        return "[" + ", ".join(values) + (", ..." if t.numel() > tokens * 4 else "") + "]"
+
+    parts = [f"indices={rows(inputs.indices.cpu())}"]
+    kw = inputs.kwargs
+    for name in ("topk_length", "extra_indices", "extra_topk_length"):
+        value = kw.get(name)
+        if isinstance(value, torch.Tensor):
+            parts.append(f"{name}={rows(value.cpu()) if name == 'extra_indices' else vector(value.cpu())}")
+    return " ".join(parts)
 
 
 def _where(output: torch.Tensor, inputs: SearchInputs, oracle: Any) -> list[str]:
@@ -827,11 +877,14 @@ def _where(output: torch.Tensor, inputs: SearchInputs, oracle: Any) -> list[str]
     if bool(nonfinite.any()):
         finite = inputs.scores[torch.isfinite(inputs.scores)].cpu()
         largest = float(finite.abs().max()) if finite.numel() else 0.0
-        lines.append(f"{int(nonfinite.sum())} rows hold NaN/Inf: a poisoned byte (an unreferenced slot, page "
-                     "padding, another layer, a stale lane past topk_length) or a masked lane was read, or "
-                     f"exp overflowed (largest |logit| {largest:.3g})")  # fmt: skip
+        lines.append(cause_line("masked-or-stale-lane-read", f"{int(nonfinite.sum())} rows hold NaN/Inf: a "
+                                "poisoned byte (an unreferenced slot, page padding, another layer, a stale lane "
+                                "past topk_length) or a masked lane was read, or exp overflowed (largest |logit| "
+                                f"{largest:.3g})"))  # fmt: skip
     if bool(empty.any()) and bool(bad[empty].any()):
-        lines.append("rows without a valid lane are wrong (expected output exactly 0)")
+        lines.append(
+            cause_line("empty-row-not-zero", "rows without a valid lane are wrong (expected output exactly 0)")
+        )
     tokens = bad.any(-1).nonzero().flatten().tolist()
     heads = bad.any(0).nonzero().flatten().tolist()
     if call.num_tokens > 64 and tokens and min(tokens) > 0:

@@ -72,7 +72,8 @@ def _judge(impl: Any, inputs: search.SearchInputs, tol: Any, run: Any = None) ->
         tol.check_result(res, oracle, fmt=call.fmt, what="drawn call")
     except AssertionError as exc:
         hints = search.diagnose(res.output, inputs, oracle, oracle_forward)
-        raise AssertionError("\n".join([str(exc), *hints, f"call: {call.describe()}"])) from None
+        text = "\n".join([str(exc), *hints])
+        raise AssertionError(f"{text}\ncall: {search.describe_call(inputs, text)}") from None
 
 
 def _built(call: search.DrawnCall, device: torch.device, run: Any) -> search.SearchInputs:

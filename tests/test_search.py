@@ -154,7 +154,7 @@ def test_the_hint_names_an_ignored_sm_scale() -> None:
     kw = {**inputs.kwargs, "sm_scale": 512**-0.5}  # the kernel's bug: d_qk ** -0.5 whatever it is given
     wrong = sparse_mla_forward(inputs.q, inputs.kv_cache, inputs.indices, **kw)
     hints = search.diagnose(wrong.output, inputs, oracle, oracle_forward)
-    assert any(h.startswith("likely cause: sm_scale ignored (d_qk ** -0.5") for h in hints), hints
+    assert any(h.startswith("likely cause [sm_scale-ignored]: sm_scale ignored (d_qk ** -0.5") for h in hints), hints
     right = sparse_mla_forward(inputs.q, inputs.kv_cache, inputs.indices, **inputs.kwargs)
     assert not any(h.startswith("likely cause") for h in search.diagnose(right.output, inputs, oracle, oracle_forward))
 

@@ -67,6 +67,10 @@ class ErrorScales:
         value_max: ``[T, H]`` float64, ``max_j max_d |V_jd|`` over the valid lanes (0 for an empty
             row): a weight that flushes to zero in fp32 (``2**-126``) moves an output element by
             at most ``2**-126`` times this.
+        slot0_weight: ``[T, H]`` float64, ``sum_j w_j`` over the valid lanes whose index value is 0
+            (row 0 of the main or of the extra cache; 0 for a row that reads no index 0): which rows
+            a kernel that takes index 0 for the mask sentinel gets wrong
+            (``tolerances`` names that cause when exactly those rows are wrong).
     """
 
     abs_weighted: torch.Tensor
@@ -75,6 +79,7 @@ class ErrorScales:
     max_candidates: int
     key_magnitude: torch.Tensor | None = None
     value_max: torch.Tensor | None = None
+    slot0_weight: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -101,6 +106,7 @@ class OracleOutput:
             s.abs_weighted[tokens, heads], s.rms_weighted[tokens, heads], s.score_magnitude[tokens, heads],
             s.max_candidates, None if s.key_magnitude is None else s.key_magnitude[tokens, heads],
             None if s.value_max is None else s.value_max[tokens, heads],
+            None if s.slot0_weight is None else s.slot0_weight[tokens, heads],
         )  # fmt: skip
         return OracleOutput(self.output[tokens, heads], self.lse[tokens, heads], self.lse_convention,
                             self.lse_scale, scales)  # fmt: skip
@@ -227,6 +233,7 @@ def _oracle(call: SparseMlaCall) -> OracleOutput:
 
     num_tokens, num_heads = q.shape[0], q.shape[1]
     flat, valid = _lane_mask(call.main, device)
+    zero = flat == 0  # lanes whose index value is 0 (row 0 of their own cache)
     past_main = f"indices: token {{}} references a row past the {main.shape[0]}-token cache"
     _check_in_range(flat, valid, main.shape[0], past_main)
     if call.extra is not None:
@@ -235,8 +242,10 @@ def _oracle(call: SparseMlaCall) -> OracleOutput:
                         "extra_indices: token {} references a row past the extra cache")  # fmt: skip
         flat = torch.cat([flat, extra_flat + main.shape[0]], dim=1)
         valid = torch.cat([valid, extra_valid], dim=1)
+        zero = torch.cat([zero, extra_flat == 0], dim=1)
     order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)  # each row's valid lanes first
     valid = valid.gather(1, order)
+    zero = zero.gather(1, order) & valid
     flat = torch.where(valid, flat.gather(1, order), 0)  # an invalid lane reads row 0, then zeroed below
     counts = valid.sum(dim=1)
     q64 = q.to(torch.float64)
@@ -248,6 +257,7 @@ def _oracle(call: SparseMlaCall) -> OracleOutput:
     score_magnitude = torch.zeros((num_tokens, num_heads), dtype=torch.float64, device=device)
     key_magnitude = torch.zeros((num_tokens, num_heads), dtype=torch.float64, device=device)
     value_max = torch.zeros((num_tokens, num_heads), dtype=torch.float64, device=device)
+    slot0_weight = torch.zeros((num_tokens, num_heads), dtype=torch.float64, device=device)
     max_candidates = int(counts.max()) if num_tokens else 0
     budget = BLOCK_BYTES["cpu" if device.type == "cpu" else "other"]
     block = max(1, budget // max(1, max_candidates * table.shape[1] * 8))
@@ -276,10 +286,13 @@ def _oracle(call: SparseMlaCall) -> OracleOutput:
         keys = rows[..., : f.d_nope].abs().sum(dim=2).amax(dim=1) * abs(sm_scale)  # [B]
         key_magnitude[tokens] = keys[:, None].expand(-1, num_heads)
         value_max[tokens] = values.abs().amax(dim=(1, 2))[:, None].expand(-1, num_heads)
+        slot0_weight[tokens] = (w * zero[tokens, :width][:, None, :]).sum(dim=2)
     if lse_convention == "flashmla":
         lse = torch.where(torch.isinf(lse_e) & (lse_e < 0), math.inf, lse_e)
     else:
         lse_full = torch.logaddexp(lse_e, sink) if sink is not None else lse_e
         lse = lse_full / math.log(2.0) * lse_scale
-    scales = ErrorScales(abs_weighted, rms_weighted, score_magnitude, max_candidates, key_magnitude, value_max)
+    scales = ErrorScales(
+        abs_weighted, rms_weighted, score_magnitude, max_candidates, key_magnitude, value_max, slot0_weight
+    )
     return OracleOutput(output, lse, lse_convention, lse_scale, scales)
