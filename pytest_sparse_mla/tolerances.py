@@ -264,6 +264,8 @@ def _check_scales(what: str, expected_shape: tuple[int, ...], given: Any) -> Non
         return
     rows = tuple(expected_shape[:-1])
     _check_shape(what, "scales.abs_weighted", given.abs_weighted.shape, tuple(expected_shape))
+    if getattr(given, "slot0_output", None) is not None:
+        _check_shape(what, "scales.slot0_output", given.slot0_output.shape, tuple(expected_shape))
     for name in ("rms_weighted", "score_magnitude", "key_magnitude", "value_max", "slot0_weight"):
         value = getattr(given, name, None)
         if value is not None:
@@ -358,24 +360,61 @@ def _slot0_rows(scales: Any, shape: tuple[int, ...]) -> Any:
     return weight > 0
 
 
-def _slot0_cause(bad: Any, reads0: Any, nonzero: Any) -> tuple[str, str] | None:
-    """The index-0 cause when every wrong row reads index value 0 and a row with a nonzero
-    expectation that reads no index 0 came out right (so the rows are told apart by index 0 alone)."""
+_SLOT0_WORDS = (
+    "index 0 taken for the mask sentinel (a validity test `index > 0` where `index >= 0` is meant, or 0 used as "
+    "the 'no candidate' value)?"
+)
+
+
+def _slot0_cause(bad: Any, reads0: Any, nonzero: Any, matches: Any = None) -> tuple[str, str] | None:
+    """The index-0 cause when every wrong row reads index value 0 and either the wrong rows match the
+    oracle's output with those lanes masked (``matches``: ``[T, H]`` bool or ``None``), or a row with a
+    nonzero expectation that reads no index 0 came out right (the rows are told apart by index 0)."""
     if reads0 is None or not bool(bad.any()) or not bool(reads0[bad].all()):
         return None
+    n_bad, n_reads = int(bad.sum()), int((reads0 & nonzero).sum())
+    if matches is not None and bool(matches[bad].all()):
+        return (
+            "index-0-treated-as-invalid",
+            f"the {n_bad} wrong (token, head) rows all read index value 0 and match the oracle's output with every "
+            f"lane of index 0 masked: {_SLOT0_WORDS}",
+        )
     if not bool((~reads0 & nonzero & ~bad).any()):
         return None
-    n_bad, n_reads = int(bad.sum()), int((reads0 & nonzero).sum())
     return (
         "index-0-treated-as-invalid",
         f"every wrong row reads index value 0 ({n_bad} wrong of {n_reads} (token, head) rows that read it; every "
-        "row that reads no index 0 is right): index 0 taken for the mask sentinel (a validity test `index > 0` "
-        "where `index >= 0` is meant, or 0 used as the 'no candidate' value)?",
+        f"row that reads no index 0 is right): {_SLOT0_WORDS}",
     )
 
 
+def _slot0_matches(a: Any, e: Any, scales: Any, row_bound: Any) -> Any:
+    """``[T, H]`` bool: rows where ``a`` lies within ``row_bound`` (or a twentieth of its error
+    against ``e``) of the oracle's output with every lane of index value 0 masked,
+    ``(E - slot0_output) / (1 - slot0_weight)`` (0 where those were all the row's weight); ``None``
+    when the scales do not carry it."""
+    import torch
+
+    w0 = getattr(scales, "slot0_weight", None)
+    s0 = getattr(scales, "slot0_output", None)
+    if w0 is None or s0 is None or tuple(s0.shape) != tuple(e.shape):
+        return None
+    w0 = w0.to(torch.float64)
+    rest = (1.0 - w0).unsqueeze(-1)
+    masked = torch.where(rest > 1e-12, (e - s0.to(torch.float64)) / rest.clamp_min(1e-12), torch.zeros_like(e))
+    off = torch.linalg.vector_norm(a - masked, dim=-1)
+    return off <= torch.maximum(row_bound, 0.05 * torch.linalg.vector_norm(a - e, dim=-1))
+
+
 def _output_causes(
-    a: Any, e: Any, row_err: Any, row_bound: Any, num_tokens: int, elem_rows: Any = None, reads0: Any = None
+    a: Any,
+    e: Any,
+    row_err: Any,
+    row_bound: Any,
+    num_tokens: int,
+    elem_rows: Any = None,
+    reads0: Any = None,
+    slot0_matches: Any = None,
 ) -> list[tuple[str, str]]:
     """Heuristics naming the likely bug behind an output mismatch (``(key, text)``, ``CAUSE_KEYS``).
 
@@ -385,6 +424,7 @@ def _output_causes(
         elem_rows: ``[T, H]`` rows with an element past its elementwise bound (or ``None``): wrong
             rows too, when no row's norm is past its bound.
         reads0: ``[T, H]`` rows that read index value 0 (:func:`_slot0_rows`), or ``None``.
+        slot0_matches: ``[T, H]`` rows that match the oracle with index 0 masked (:func:`_slot0_matches`).
     """
     import torch
 
@@ -397,7 +437,7 @@ def _output_causes(
     if elem_rows is not None:
         bad = bad | elem_rows
     nonzero = e.abs().amax(dim=-1) > 0  # [T, H]
-    slot0 = _slot0_cause(bad, reads0, nonzero)
+    slot0 = _slot0_cause(bad, reads0, nonzero, slot0_matches)
     if slot0 is not None:  # the rows are told apart by their index values: the other patterns would mislead
         return [slot0]
     if float(a.abs().max()) == 0.0 and float(e.abs().max()) > 0.0:
@@ -640,11 +680,11 @@ def compare_output(
                 violations.append(f"overall normwise relative error {rel:.3g} > {rel_bound:.3g}")
             if 1.0 - cos > cos_bound:
                 violations.append(f"cosine similarity {cos:.8f}: 1 - cos = {1.0 - cos:.3g} > {cos_bound:.3g}")
-    causes = (
-        _output_causes(a, e, row_err, row_bound, num_tokens, over.any(dim=-1), _slot0_rows(scales, tuple(e.shape[:2])))
-        if violations
-        else []
-    )
+    causes: list[tuple[str, str]] = []
+    if violations:
+        reads0 = _slot0_rows(scales, tuple(e.shape[:2]))
+        matches = _slot0_matches(a, e, scales, row_bound)  # against the other result when ``pair``
+        causes = _output_causes(a, e, row_err, row_bound, num_tokens, over.any(dim=-1), reads0, matches)
     return ComparisonReport(what, lines, violations, causes)
 
 
@@ -657,14 +697,22 @@ def _to_natural(lse: Any, convention: str, lse_scale: float) -> Any:
 
 
 def _lse_causes(
-    a: Any, e: Any, bad: Any, convention: str, lse_scale: float, num_tokens: int, reads0: Any = None
+    a: Any,
+    e: Any,
+    bad: Any,
+    convention: str,
+    lse_scale: float,
+    num_tokens: int,
+    reads0: Any = None,
+    slot0_matches: Any = None,
 ) -> list[tuple[str, str]]:
     """Heuristics naming the likely bug behind an LSE mismatch (``(key, text)``, ``CAUSE_KEYS``);
-    ``reads0``: ``[T, H]`` rows that read index value 0 (:func:`_slot0_rows`), or ``None``."""
+    ``reads0``: ``[T, H]`` rows that read index value 0 (:func:`_slot0_rows`), or ``None``;
+    ``slot0_matches``: rows that match the LSE with those lanes masked (:func:`_slot0_lse_matches`)."""
     import torch
 
     causes: list[tuple[str, str]] = []
-    slot0 = _slot0_cause(bad, reads0, torch.isfinite(e)) if bool(bad.any()) else None
+    slot0 = _slot0_cause(bad, reads0, torch.isfinite(e), slot0_matches) if bool(bad.any()) else None
     if slot0 is not None:  # the rows are told apart by their index values: the other patterns would mislead
         return [slot0]
     both = torch.isfinite(a) & torch.isfinite(e) & (e.abs() > 1e-3)
@@ -696,6 +744,21 @@ def _lse_causes(
             causes.append(("empty-row-sentinel", "infinite where finite (or the reverse): the empty-row sentinel "
                            "(-inf, +inf or the sink)?"))  # fmt: skip
     return causes
+
+
+def _slot0_lse_matches(a: Any, e: Any, scales: Any, bound: Any, convention: str) -> Any:
+    """``[T, H]`` bool: rows where the natural-log LSE ``a`` lies within ``bound`` of the LSE with every
+    lane of index value 0 masked, ``e + log(1 - slot0_weight)`` (the FlashInfer convention only: its
+    denominator holds the sink, as ``slot0_weight``'s does); ``None`` otherwise."""
+    import torch
+
+    w0 = getattr(scales, "slot0_weight", None)
+    if convention != "flashinfer" or w0 is None or math.prod(w0.shape) != math.prod(a.shape):
+        return None
+    rest = (1.0 - w0.to(torch.float64).reshape(a.shape)).clamp_min(0.0)
+    masked = e + torch.log(rest)  # -inf where index 0 held the whole row
+    same_inf = torch.isinf(a) & torch.isinf(masked) & (torch.sign(a) == torch.sign(masked))
+    return same_inf | ((a - masked).abs() <= bound)
 
 
 def _check_lse_scales(what: str, lse_shape: tuple[int, ...], scales: Any) -> None:
@@ -796,8 +859,11 @@ def compare_lse(
             f"actual {float(actual.reshape(a.shape)[idx]):.7g}, expected {float(e[idx] * conv):.7g} (returned units); "
             f"{float(diff[idx]):.3g} > {float(bound[idx]):.3g} natural-log units"
         )
-    reads0 = _slot0_rows(scales, tuple(a.shape)) if a.dim() == 2 else None
-    causes = _lse_causes(a, e, bad, lse_convention, lse_scale, num_tokens, reads0) if violations else []
+    causes: list[tuple[str, str]] = []
+    if violations:
+        reads0 = _slot0_rows(scales, tuple(a.shape))
+        matches = _slot0_lse_matches(a, e, scales, bound, lse_convention)
+        causes = _lse_causes(a, e, bad, lse_convention, lse_scale, num_tokens, reads0, matches)
     return ComparisonReport(what, lines, violations, causes)
 
 

@@ -296,3 +296,45 @@ def test_a_shape_mismatch_is_a_clear_error_before_any_arithmetic() -> None:
         tolerances.compare_lse(lse[:, :2], lse[:, :2], profile=KERNEL, scales=scales, pair=True)
     with pytest.raises(ValueError, match=re.escape("scales.score_magnitude has shape [2, 4], expected [2, 2]")):
         tolerances.lse_bound(lse[:, :2], profile=KERNEL, scales=scales)
+
+
+def _slot0_case() -> tuple[object, object]:
+    """A DSV4 case of 6 tokens and 4 heads whose tokens 2 and 4 read slot 0 (index value 0) among
+    their valid lanes; the others read no index 0; no sink."""
+    inputs = make_inputs(AttentionCase("slot0", 6, 4, CacheCase(64, num_pages=4)), torch.Generator().manual_seed(5))
+    rows = inputs.indices.clone()
+    rows[rows == 0] = 1
+    rows[2, 3] = 0
+    rows[4, 0] = 0
+    return inputs, rows
+
+
+def test_a_kernel_that_masks_index_0_gets_that_cause_and_no_other() -> None:
+    """``kernel_catalogue.index0_masked`` (every lane of index value 0 masked): exactly the rows that
+    read slot 0 are wrong; the comparison names that cause, from the oracle's ``slot0_weight`` and
+    ``slot0_output``, not "token tiling or batch stride", "the output is all zero" or "a per-head
+    constant offset" (the hints this kernel used to get); the LSE too. The bundled reference and a
+    kernel that drops the sink get no such hint."""
+    from kernel_catalogue import drops_sink, index0_masked
+
+    inputs, rows = _slot0_case()
+    kw = inputs.kwargs()
+    oracle = oracle_forward(inputs.q, inputs.cache.packed, rows, **kw)
+    assert oracle.scales.slot0_weight[[2, 4]].gt(0).all() and oracle.scales.slot0_weight[[0, 1, 3, 5]].eq(0).all()
+    wrong = index0_masked.sparse_mla_forward(inputs.q, inputs.cache.packed, rows, **kw)
+    out = tolerances.compare_output(wrong.output, oracle.output, profile=KERNEL, scales=oracle.scales)
+    text = out.message()
+    assert not out.ok and [k for k, _ in out.causes] == ["index-0-treated-as-invalid"], text
+    assert (
+        "likely cause [index-0-treated-as-invalid]: the 8 wrong (token, head) rows all read index value 0 and "
+        "match the oracle's output with every lane of index 0 masked: index 0 taken for the mask sentinel" in text
+    )
+    lse = tolerances.compare_lse(wrong.lse, oracle.lse, profile=KERNEL, scales=oracle.scales)
+    assert [k for k, _ in lse.causes] == ["index-0-treated-as-invalid"], lse.message()
+    for bystander in (drops_sink, None):
+        kw_s = {**kw, "attn_sink": torch.linspace(-1.0, 2.0, 4)}
+        ref = oracle_forward(inputs.q, inputs.cache.packed, rows, **kw_s)
+        res = (bystander.sparse_mla_forward if bystander else sparse_mla_forward)(inputs.q, inputs.cache.packed, rows,
+                                                                                   **kw_s)  # fmt: skip
+        report = tolerances.compare_output(res.output, ref.output, profile=KERNEL, scales=ref.scales)
+        assert "index-0" not in report.message(), report.message()

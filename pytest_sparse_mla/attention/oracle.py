@@ -71,6 +71,9 @@ class ErrorScales:
             (row 0 of the main or of the extra cache; 0 for a row that reads no index 0): which rows
             a kernel that takes index 0 for the mask sentinel gets wrong
             (``tolerances`` names that cause when exactly those rows are wrong).
+        slot0_output: ``[T, H, d_v]`` float64, ``sum_j w_j V_j`` over the same lanes: with it the
+            output of the call with those lanes masked is ``(output - slot0_output) / (1 - slot0_weight)``
+            (the counterfactual ``tolerances`` compares a wrong result with).
     """
 
     abs_weighted: torch.Tensor
@@ -80,6 +83,7 @@ class ErrorScales:
     key_magnitude: torch.Tensor | None = None
     value_max: torch.Tensor | None = None
     slot0_weight: torch.Tensor | None = None
+    slot0_output: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -107,6 +111,7 @@ class OracleOutput:
             s.max_candidates, None if s.key_magnitude is None else s.key_magnitude[tokens, heads],
             None if s.value_max is None else s.value_max[tokens, heads],
             None if s.slot0_weight is None else s.slot0_weight[tokens, heads],
+            None if s.slot0_output is None else s.slot0_output[tokens, heads],
         )  # fmt: skip
         return OracleOutput(self.output[tokens, heads], self.lse[tokens, heads], self.lse_convention,
                             self.lse_scale, scales)  # fmt: skip
@@ -258,6 +263,7 @@ def _oracle(call: SparseMlaCall) -> OracleOutput:
     key_magnitude = torch.zeros((num_tokens, num_heads), dtype=torch.float64, device=device)
     value_max = torch.zeros((num_tokens, num_heads), dtype=torch.float64, device=device)
     slot0_weight = torch.zeros((num_tokens, num_heads), dtype=torch.float64, device=device)
+    slot0_output = torch.zeros_like(output)
     max_candidates = int(counts.max()) if num_tokens else 0
     budget = BLOCK_BYTES["cpu" if device.type == "cpu" else "other"]
     block = max(1, budget // max(1, max_candidates * table.shape[1] * 8))
@@ -286,13 +292,18 @@ def _oracle(call: SparseMlaCall) -> OracleOutput:
         keys = rows[..., : f.d_nope].abs().sum(dim=2).amax(dim=1) * abs(sm_scale)  # [B]
         key_magnitude[tokens] = keys[:, None].expand(-1, num_heads)
         value_max[tokens] = values.abs().amax(dim=(1, 2))[:, None].expand(-1, num_heads)
-        slot0_weight[tokens] = (w * zero[tokens, :width][:, None, :]).sum(dim=2)
+        zero_lanes = zero[tokens, :width]
+        if bool(zero_lanes.any()):  # most blocks read no index 0: nothing to add
+            w0 = w * zero_lanes[:, None, :]
+            slot0_weight[tokens] = w0.sum(dim=2)
+            slot0_output[tokens] = torch.bmm(w0, values)
     if lse_convention == "flashmla":
         lse = torch.where(torch.isinf(lse_e) & (lse_e < 0), math.inf, lse_e)
     else:
         lse_full = torch.logaddexp(lse_e, sink) if sink is not None else lse_e
         lse = lse_full / math.log(2.0) * lse_scale
     scales = ErrorScales(
-        abs_weighted, rms_weighted, score_magnitude, max_candidates, key_magnitude, value_max, slot0_weight
-    )
+        abs_weighted, rms_weighted, score_magnitude, max_candidates, key_magnitude, value_max, slot0_weight,
+        slot0_output,
+    )  # fmt: skip
     return OracleOutput(output, lse, lse_convention, lse_scale, scales)
