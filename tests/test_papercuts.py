@@ -256,3 +256,30 @@ def test_a_misspelt_attribute_gets_a_did_you_mean(pytester: pytest.Pytester, spe
     assert result.ret == pytest.ExitCode.USAGE_ERROR, result.stdout.str()[-2000:]
     err = result.stderr.str()
     assert "has no attribute" in err and hint in err, err[-2000:]
+
+
+def test_the_report_labels_a_kernel_one_way(tmp_path, monkeypatch, capsys) -> None:
+    """``--sparse-mla-impl mykernel:MyKernel`` of a kernel named ``my-kernel``: the Markdown report
+    calls it ``my-kernel`` everywhere (title, tables, failures, skips), as its skips and failures
+    do; ``mykernel:MyKernel`` appears only in the command; the machine line says ``CUDA build none``
+    as the skips do, never ``CUDA None``. The JSON report records both (``implementation``)."""
+    import json
+    from pathlib import Path
+
+    import inner_session
+
+    root = Path(__file__).resolve().parents[1]
+    (tmp_path / "mykernel.py").write_text(MISSPELT_CLASS)
+    md, report = tmp_path / "run.md", tmp_path / "run.json"
+    args = ["-p", "sparse_mla", str(root / "suites" / "test_attention_accuracy.py"), "-k", "fi-decode-h8-k1024",
+            "--sparse-mla-impl", "mykernel:MyKernel", "--sparse-mla-device", "cpu", "-p", "no:cacheprovider",
+            "-p", "no:xdist", "-q", "--basetemp", str(tmp_path / "b"), "--sparse-mla-report-md", str(md),
+            "--sparse-mla-report-json", str(report)]  # fmt: skip
+    code, out = inner_session.run(args, cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys, syspath=[tmp_path])
+    assert code == 0, out[-2000:]
+    page = md.read_text()
+    assert page.startswith("# Conformance of my-kernel\n") and "| `my-kernel` |" in page, page[:1500]
+    command = next(line for line in page.splitlines() if line.startswith("Command: "))
+    assert page.count("mykernel:MyKernel") == command.count("mykernel:MyKernel"), page[:1500]  # the command only
+    assert "CUDA None" not in page and ("CUDA build none" in page or "CUDA build 1" in page), page[:600]
+    assert json.loads(report.read_text())["implementation"] == {"name": "my-kernel", "spec": "mykernel:MyKernel"}
