@@ -740,7 +740,16 @@ def _lse_causes(
         tokens = bad.any(dim=1).nonzero().flatten().tolist()
         if tokens and min(tokens) >= 64 and num_tokens > 64:
             causes.append(("prefill-path", "only tokens past 64 are wrong: the prefill path?"))
-        if bool((torch.isinf(a) != torch.isinf(e))[bad].any()):
+        flipped = torch.isinf(a) != torch.isinf(e)
+        lost = flipped & torch.isneginf(a) & torch.isfinite(e)  # -inf returned where the oracle's LSE is finite
+        if convention == "flashinfer" and bool(lost[bad].any()) and not bool((flipped & ~lost)[bad].any()):
+            causes.append((
+                "sink-or-normaliser",
+                f"the LSE is -inf where the oracle's is finite ({int((lost & bad).sum())} rows): in the FlashInfer "
+                "convention the sink is part of the LSE, and a row without a valid lane has the sink as its LSE, so "
+                "the sink is missing from those rows (dropped, or an empty-row -inf written over it)?",
+            ))  # fmt: skip
+        elif bool(flipped[bad].any()):
             causes.append(("empty-row-sentinel", "infinite where finite (or the reverse): the empty-row sentinel "
                            "(-inf, +inf or the sink)?"))  # fmt: skip
     return causes

@@ -338,3 +338,17 @@ def test_a_kernel_that_masks_index_0_gets_that_cause_and_no_other() -> None:
                                                                                    **kw_s)  # fmt: skip
         report = tolerances.compare_output(res.output, ref.output, profile=KERNEL, scales=ref.scales)
         assert "index-0" not in report.message(), report.message()
+
+
+def test_an_lse_of_minus_inf_where_the_sink_is_expected_names_the_sink() -> None:
+    """FlashInfer convention: a row without a valid lane has its sink as LSE (log2 units here); a
+    kernel that drops the sink returns -inf there: the sink is named, not the empty-row sentinel.
+    FlashMLA convention (sink excluded): such a row's LSE is +inf, and a finite 0 there is the sentinel."""
+    sink_lse = torch.tensor([[1.5, 0.25], [1.5, 0.25]], dtype=torch.float64) / math.log(2.0)
+    dropped = torch.tensor([[1.5 / math.log(2.0), -math.inf], [1.5 / math.log(2.0), -math.inf]])
+    report = tolerances.compare_lse(dropped, sink_lse, profile=KERNEL, lse_convention="flashinfer")
+    assert [k for k, _ in report.causes] == ["sink-or-normaliser"], report.message()
+    assert "the LSE is -inf where the oracle's is finite (2 rows)" in report.message()
+    empty = torch.full((2, 2), math.inf, dtype=torch.float64)
+    sentinel = tolerances.compare_lse(torch.zeros(2, 2), empty, profile=KERNEL, lse_convention="flashmla")
+    assert [k for k, _ in sentinel.causes] == ["empty-row-sentinel"], sentinel.message()
