@@ -389,8 +389,9 @@ def _slot0_cause(bad: Any, reads0: Any, nonzero: Any, matches: Any = None) -> tu
 
 
 def _slot0_matches(a: Any, e: Any, scales: Any, row_bound: Any) -> Any:
-    """``[T, H]`` bool: rows where ``a`` lies within ``row_bound`` (or a twentieth of its error
-    against ``e``) of the oracle's output with every lane of index value 0 masked,
+    """``[T, H]`` bool: rows where ``a`` lies within ``row_bound`` and within half its error against
+    ``e`` (a row index 0 barely moves matches neither way) of the oracle's output with every lane of
+    index value 0 masked,
     ``(E - slot0_output) / (1 - slot0_weight)`` (0 where those were all the row's weight); ``None``
     when the scales do not carry it."""
     import torch
@@ -403,7 +404,7 @@ def _slot0_matches(a: Any, e: Any, scales: Any, row_bound: Any) -> Any:
     rest = (1.0 - w0).unsqueeze(-1)
     masked = torch.where(rest > 1e-12, (e - s0.to(torch.float64)) / rest.clamp_min(1e-12), torch.zeros_like(e))
     off = torch.linalg.vector_norm(a - masked, dim=-1)
-    return off <= torch.maximum(row_bound, 0.05 * torch.linalg.vector_norm(a - e, dim=-1))
+    return off <= torch.minimum(row_bound, 0.5 * torch.linalg.vector_norm(a - e, dim=-1))
 
 
 def _output_causes(
