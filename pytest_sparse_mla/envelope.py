@@ -123,6 +123,18 @@ class Widths:
         return min(drawn, row), row
 
 
+def _expected_tuple(name: str, value: Any, expected: str, example: Any) -> str:
+    """The message of a tuple field of :class:`Envelope` given a wrong value: the field, the value,
+    what was expected, and for a lone value (a str or a number, not a tuple) how to write a tuple."""
+    shown = sorted(value, key=str) if isinstance(value, (set, frozenset)) else value
+    text = f"Envelope({name}={shown!r}): expected {expected}"
+    if isinstance(value, (str, int)) and not isinstance(value, bool):
+        text += f", got a {type(value).__name__} (a tuple of one is written with a trailing comma: ({example!r},))"
+    elif not isinstance(value, (tuple, frozenset, set)) and value is not None:
+        text += f", got a {type(value).__name__}"
+    return text
+
+
 @dataclass(frozen=True)
 class Envelope:
     """The calls a ``sparse_mla_forward`` serves and the conventions it follows.
@@ -186,13 +198,15 @@ class Envelope:
         for name in ("formats", "extra_cache_formats", "topk_length_formats", "sink_formats"):
             value = getattr(self, name)
             if not isinstance(value, tuple) or not set(value) <= set(ALL_FORMATS):
-                raise ValueError(f"Envelope({name}={value!r}): expected a tuple of {sorted(ALL_FORMATS)}")
+                raise ValueError(_expected_tuple(name, value, f"a tuple of {sorted(ALL_FORMATS)}", "dsv4"))
         if not self.formats:
             raise ValueError("Envelope(formats=()): expected at least one format")
         for name in ("num_heads", "page_block_sizes", "extra_page_block_sizes"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, tuple) or not value or min(value) < 1):
-                raise ValueError(f"Envelope({name}={value!r}): expected None or a tuple of positive ints")
+            if value is not None and (
+                not isinstance(value, tuple) or not value or not all(isinstance(v, int) and v >= 1 for v in value)
+            ):
+                raise ValueError(_expected_tuple(name, value, "None or a tuple of positive ints", 64))
         for name in ("topk", "extra_topk"):
             if not isinstance(getattr(self, name), Widths):
                 raise TypeError(f"Envelope({name}={getattr(self, name)!r}): expected a Widths")
@@ -204,13 +218,21 @@ class Envelope:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"Envelope({name}={getattr(self, name)!r}): expected one of {allowed}")
-        if not set(self.lse_conventions) <= {"flashinfer", "flashmla"}:
-            raise ValueError(f"Envelope(lse_conventions={self.lse_conventions!r}): expected 'flashinfer'/'flashmla'")
-        if not set(self.bitwise_invariance) <= set(INVARIANCE_CLAIMS):
+        if not isinstance(self.lse_conventions, tuple) or not set(self.lse_conventions) <= {"flashinfer", "flashmla"}:
             raise ValueError(
-                f"Envelope(bitwise_invariance={sorted(self.bitwise_invariance)}): "
-                f"expected a subset of {INVARIANCE_CLAIMS}"
+                _expected_tuple(
+                    "lse_conventions", self.lse_conventions, "a tuple of 'flashinfer'/'flashmla'", "flashmla"
+                )
             )
+        claims = self.bitwise_invariance
+        if not isinstance(claims, (frozenset, set, tuple)) or not set(claims) <= set(INVARIANCE_CLAIMS):
+            raise ValueError(
+                _expected_tuple(
+                    "bitwise_invariance", claims, f"a frozenset (or tuple) of {INVARIANCE_CLAIMS}", "padding"
+                )
+            )
+        if not isinstance(self.notes, tuple) or not all(isinstance(n, str) for n in self.notes):
+            raise ValueError(_expected_tuple("notes", self.notes, "a tuple of str", "a fact, with its source"))
         if self.min_tokens < 0 or (self.max_tokens is not None and self.max_tokens < max(self.min_tokens, 1)):
             raise ValueError(f"Envelope(min_tokens={self.min_tokens}, max_tokens={self.max_tokens}): bad range")
 

@@ -15,8 +15,10 @@ selected implementation. Its ``sparse_mla_forward``:
   (the call lies inside the envelope the implementation declared);
 * accepts FlashMLA's ``(output, lse)`` tuple, a bare output tensor (no LSE) or a result object
   with ``output`` / ``lse`` / ``route``, and gives back a :class:`ForwardResult`;
-* fails a result of another form (no output, an output that is not a BF16 tensor, no LSE although
-  the envelope declares LSE conventions) with :class:`ResultFormError`: the plugin then stops the
+* fails a result of another form (no output, an output that is not a BF16 tensor, an output that
+  is not ``[num_tokens, num_heads, d_v]`` or an LSE that is not ``[num_tokens, num_heads]`` for the
+  call's queries and ``fmt`` (:func:`expected_shapes`), no LSE although the envelope declares LSE
+  conventions) with :class:`ResultFormError`: the plugin then stops the
   run and reports it once as a usage error (exit status 4), since every test would fail alike.
 
 Its ``page_split`` runs with uninitialised memory poisoned (:func:`uninitialised_memory_poisoned`):
@@ -61,6 +63,7 @@ __all__ = [
     "GuardedImplementation",
     "call_reason",
     "check_result_shapes",
+    "expected_shapes",
     "peer_was_not_asked",
     "envelope_of",
     "read_call",
@@ -130,6 +133,10 @@ def _form_error(name: str, what: str) -> ResultFormError:
     )
 
 
+def _dims(shape: Any) -> str:
+    return "[" + ", ".join(str(int(d)) for d in shape) + "]"
+
+
 def _looks_like_lse(x: Any) -> bool:
     return str(getattr(x, "dtype", "")) == "torch.float32" and len(getattr(x, "shape", ())) == 2
 
@@ -157,12 +164,43 @@ def check_result_shapes(result: ForwardResult, num_tokens: int, num_heads: int) 
         )
 
 
-def result_of(res: Any, env: Envelope, name: str) -> ForwardResult:
+def expected_shapes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """The shapes the protocol gives the result of the call ``(args, kwargs)``: output
+    ``[num_tokens, num_heads, d_v]`` and LSE ``[num_tokens, num_heads]``, from the queries
+    (``q``: ``[num_tokens, num_heads, d_qk]``) and the call format (``fmt``, default ``"dsv4"``;
+    ``d_v`` of its main record format, ``formats.cache_formats``: 512 for every format). ``None``
+    for a call whose ``q`` is not a 3-D tensor or whose ``fmt`` is unknown (a malformed call, which
+    the implementation under test is left to refuse)."""
+    from pytest_sparse_mla import formats
+
+    q = args[0] if args else kwargs.get("q")
+    shape = getattr(q, "shape", None)
+    if shape is None or len(shape) != 3:
+        return None
+    try:
+        d_v = int(formats.cache_formats(kwargs.get("fmt", "dsv4"))[0].d_v)
+    except (TypeError, ValueError, KeyError):
+        return None
+    t, h = int(shape[0]), int(shape[1])
+    return (t, h, d_v), (t, h)
+
+
+def result_of(
+    res: Any,
+    env: Envelope,
+    name: str,
+    shapes: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
+) -> ForwardResult:
     """``res`` (an object with ``output``, an ``(output, lse)`` pair or a bare tensor) as a
     :class:`ForwardResult`.
 
+    Args:
+        shapes: the output's and the LSE's expected shapes (:func:`expected_shapes`), or ``None``
+            (not checked).
+
     Raises:
-        ResultFormError: no output, an output that is not a BF16 tensor, a tuple or list that is
+        ResultFormError: no output, an output that is not a BF16 tensor, an output or an LSE whose
+            shape is not the one of ``shapes`` (e.g. ``[T, H*512]`` for ``[T, H, 512]``), a tuple or list that is
             not a pair (FlashMLA's ``(output, max_logits, lse)`` triple would have ``max_logits``
             judged as the LSE), a pair in the order ``(lse, output)``, or no LSE although ``env``
             declares LSE conventions.
@@ -192,6 +230,8 @@ def result_of(res: Any, env: Envelope, name: str) -> ForwardResult:
         got = f"an output of type {type(output).__name__}" if dtype is None else f"a {dtype} output"
         shape = getattr(output, "shape", None)
         raise _form_error(name, got if shape is None else f"{got} of shape {tuple(shape)}")
+    if shapes is not None and tuple(output.shape) != shapes[0]:
+        raise _form_error(name, f"an output of shape {_dims(output.shape)} for a call that needs {_dims(shapes[0])}")
     if not env.returns_lse:
         lse = None
     elif lse is None:
@@ -199,6 +239,10 @@ def result_of(res: Any, env: Envelope, name: str) -> ForwardResult:
             f"{name}.sparse_mla_forward returned no LSE, but its envelope declares "
             f"lse_conventions={env.lse_conventions} (declare lse_conventions=() for an output-only kernel)"
         )
+    lse_shape = getattr(lse, "shape", None)
+    if shapes is not None and lse is not None and (lse_shape is None or tuple(lse_shape) != shapes[1]):
+        got = f"of type {type(lse).__name__}" if lse_shape is None else f"of shape {_dims(lse_shape)}"
+        raise _form_error(name, f"an LSE {got} for a call that needs {_dims(shapes[1])}")
     return ForwardResult(output, lse, route if isinstance(route, str) else None)
 
 
@@ -342,11 +386,12 @@ class GuardedImplementation:
                     pytest.fail(f"{self._name} refused a call inside its declared envelope: {exc}", pytrace=False)
                 pytest.skip(f"{self._name} refused the call: {exc}")
             except Exception as exc:
+                recording.note_error(rec, exc)  # the implementation's error, not the outcome the guard makes of it
                 self._judge_adapter_error(exc, bad_input=None)
                 raise
             finally:
                 device_health.end_call(running)
-            result = result_of(res, env, self._name)
+            result = result_of(res, env, self._name, expected_shapes(args, kwargs))
             recording.set_result(rec, result.output, result.lse)
         return result
 

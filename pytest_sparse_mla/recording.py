@@ -29,6 +29,7 @@ __all__ = [
     "judged_call",
     "record_native",
     "recorded_calls",
+    "note_error",
     "restore_calls",
     "set_result",
 ]
@@ -189,11 +190,20 @@ def judged_call(
     try:
         yield rec
     except BaseException as exc:
-        rec.error = f"{type(exc).__name__}: {exc}"
+        if rec.error is None:  # the implementation's own error, when note_error kept it, stays
+            rec.error = f"{type(exc).__name__}: {exc}"
         raise
     finally:
         _NATIVE = None
         _CALLS.append(rec)
+
+
+def note_error(rec: Any, exc: BaseException) -> None:
+    """Record the error the implementation raised (``"Type: message"``; no-op for ``None``), before
+    the guard turns it into the test's outcome (a peer adapter's ``UnsafeForPeer`` refusal becomes
+    a ``pytest.fail``): the reproducer then judges the implementation's error, not pytest's."""
+    if rec is not None:
+        rec.error = f"{type(exc).__name__}: {exc}"
 
 
 def set_result(rec: Any, output: Any, lse: Any) -> None:

@@ -25,8 +25,11 @@ What counts as wrong is what the script itself checks (:func:`_judge`, whose sou
 carries): a non-finite or out-of-bound output element, an out-of-bound LSE (protocol calls only: a
 peer's native LSE is in its own convention), an error raised by a call the suite expected to
 succeed, or no ``TypeError``/``ValueError`` naming the argument for a deliberately bad call. A test
-whose failure is a relation between calls (two results that must be equal bit for bit) and none
-of whose calls is wrong by itself gets a ``NO-REPRO.txt`` saying so.
+none of whose calls is wrong by itself (its failure compares calls with each other, as an invariance
+does, or with a stored golden; or its call never reached the implementation's own function, as when
+a peer adapter refuses an input the peer would read out of bounds) gets a ``NO-REPRO.txt`` instead:
+each call and why it gets no script, the comparison that failed (the test's own failure text), the
+command that reruns the test, and ``calls.pt`` (every call's arguments and result or error).
 
 The calls come from :mod:`pytest_sparse_mla.recording` (the guard records each call of the
 implementation, the peer adapters the peer call they make for it); :func:`write_for_report` is what
@@ -102,6 +105,8 @@ def _judge_bytes(expected: Any, got: Any, what: str) -> list[str]:
 
 # --- writing ------------------------------------------------------------------------------------
 
+#: The protocol's three leading arguments, positional or keyword (``sparse_mla_forward(q, kv_cache, indices, ...)``).
+_CALL_TENSORS = ("q", "kv_cache", "indices")
 _ORACLE_KEYS = (
     "sm_scale", "fmt", "page_block_size", "topk_length", "attn_sink", "extra_kv_cache", "extra_indices",
     "extra_topk_length", "extra_page_block_size", "lse_convention", "lse_scale",
@@ -130,7 +135,8 @@ def _expectation(rec: RecordedCall, profile: Any) -> dict[str, Any] | None:
             return None
         return {"expected_split": split.clone()}
 
-    kwargs = {k: v for k, v in rec.kwargs.items() if k in _ORACLE_KEYS}
+    # q, kv_cache and indices may come as keywords (the golden suite calls sparse_mla_forward(**inputs)).
+    kwargs = {k: v for k, v in rec.kwargs.items() if k in _ORACLE_KEYS or k in _CALL_TENSORS[len(rec.args) :]}
     try:
         oracle = oracle_forward(*rec.args, **kwargs)
     except (TypeError, ValueError):
@@ -221,6 +227,8 @@ def write_reproducers(
     outcome: str,
     calls: list[RecordedCall] | None = None,
     impl_spec: str | None = None,
+    failure: str | None = None,
+    rerun: str | None = None,
 ) -> list[Path]:
     """Write one reproducer per wrong call of a failed or xfailed test (module docstring).
 
@@ -232,6 +240,8 @@ def write_reproducers(
         outcome: ``"failed"`` or ``"xfailed"`` (recorded in the index).
         calls: the calls (default: this test's recorded calls).
         impl_spec: the ``module:attribute`` the script imports (default: the implementation's class).
+        failure: the test's failure text (``NO-REPRO.txt`` quotes it: the comparison that failed).
+        rerun: the command that reruns the test (``NO-REPRO.txt`` gives it).
 
     Returns:
         The folders written (none when no call is wrong by itself: ``NO-REPRO.txt`` says why).
@@ -248,7 +258,7 @@ def write_reproducers(
         expect = None if rec.expect_error is not None else _expectation(rec, profile)
         verdict = _verdict(rec, expect)
         if not verdict:
-            reasons.append(f"call {k}: within the bound by itself")
+            reasons.append(f"call {k}: {_why_not_wrong(rec, expect)}")
             continue
         folder = base / f"call{k}"
         folder.mkdir(parents=True, exist_ok=True)
@@ -281,12 +291,53 @@ def write_reproducers(
                              "scripts": [str(p / "repro.py") for p in written]}) + "\n")  # fmt: skip
     if not written:
         base.mkdir(parents=True, exist_ok=True)
+        torch.save(
+            [{"args": c.args, "kwargs": c.kwargs, "capability": c.capability, "output": c.output, "lse": c.lse,
+              "error": c.error} for c in calls],
+            base / "calls.pt",
+        )  # fmt: skip
         (base / "NO-REPRO.txt").write_text(
-            f"{nodeid} ({outcome}): no call is wrong by itself ({'; '.join(reasons)}); the failure is a "
-            "relation between calls (e.g. two results that must be equal bit for bit). Run the test itself.\n",
-            encoding="utf-8",
+            _no_repro_text(nodeid, outcome, reasons, failure, rerun, len(calls)), encoding="utf-8"
         )
     return written
+
+
+def _why_not_wrong(rec: RecordedCall, expect: dict[str, Any] | None) -> str:
+    """Why :func:`_verdict` found nothing wrong with ``rec`` by itself, in words."""
+    if rec.error is not None:
+        first = rec.error.splitlines()[0][:300]
+        if " was not run: " in rec.error:
+            return f"the implementation's own function was never called, so there is nothing of it to rerun ({first})"
+        return f"it did not return a result to judge ({first})"
+    if rec.expect_error is not None:
+        return "it raised the error the test expected"
+    if rec.output is None:
+        return "it returned no result to judge"
+    if expect is None:
+        return "the float64 oracle cannot evaluate its arguments"
+    return "its output and LSE lie within the bound of the float64 oracle"
+
+
+def _no_repro_text(
+    nodeid: str, outcome: str, reasons: list[str], failure: str | None, rerun: str | None, calls: int
+) -> str:
+    """``NO-REPRO.txt``: the comparison that failed (the test's own failure text), why no call of the
+    test gets a script, and what reruns the comparison."""
+    lines = [f"{nodeid} ({outcome}): no standalone repro.py, since no call of the implementation is wrong when "
+             "judged alone against the float64 oracle:"]  # fmt: skip
+    lines += [f"  {r}" for r in reasons]
+    if failure:
+        lines += ["", "The comparison that failed (the test's failure):"]
+        lines += [f"  {ln}" for ln in failure.strip().splitlines()[:12]]
+    lines += [
+        "",
+        "What failed is a comparison the test makes beyond one call and the oracle (two calls that must agree, "
+        "a stored golden, a byte or buffer check) or a call that did not run. To rerun it:",
+        f"  {rerun}" if rerun else "  the test itself (its id above)",
+        f"The {calls} call(s) as the implementation received them, with what each returned or raised, are in "
+        "calls.pt beside this file (torch.load(path, weights_only=False)).",
+    ]
+    return "\n".join(lines) + "\n"
 
 
 def write_for_report(item: Any, report: Any) -> None:
@@ -321,9 +372,12 @@ def write_for_report(item: Any, report: Any) -> None:
     model = tol.model if tol is not None else fallback
     outcome = "xfailed" if hasattr(report, "wasxfail") else "failed"
     spec = opts.impl if ":" in opts.impl else None  # an import string names the object itself
+    crash = getattr(report.longrepr, "reprcrash", None)
+    failure = str(getattr(crash, "message", None) or getattr(report, "wasxfail", None) or report.longrepr or "")
+    rerun = f"pytest -p sparse_mla '{item.nodeid}' --sparse-mla-impl {opts.impl} --sparse-mla-device {opts.device}"
     written, error = write_safely(
         opts.repro_dir, item.nodeid, impl.unguarded, model, outcome, impl_spec=spec,
-        context_error=device_health.context_error_of(report),
+        context_error=device_health.context_error_of(report), failure=failure, rerun=rerun,
     )  # fmt: skip
     if error is not None:
         report.sections.append(("sparse-mla reproducers", f"not written: {error}"))
@@ -339,6 +393,8 @@ def write_safely(
     outcome: str,
     impl_spec: str | None = None,
     context_error: str | None = None,
+    failure: str | None = None,
+    rerun: str | None = None,
 ) -> tuple[list[Path], str | None]:
     """:func:`write_reproducers` for the plugin's report hook: an error while writing (a full disk,
     an oracle that refuses the inputs, anything) is returned as ``"Type: message"`` and warned about
@@ -359,7 +415,9 @@ def write_safely(
     if context_error and calls and not any(c.error for c in calls):
         calls[-1] = dataclasses.replace(calls[-1], error=f"{context_error} (the CUDA context was dead after this call)")
     try:
-        return write_reproducers(directory, nodeid, impl, profile, outcome, calls=calls, impl_spec=impl_spec), None
+        written = write_reproducers(directory, nodeid, impl, profile, outcome, calls=calls, impl_spec=impl_spec,
+                                    failure=failure, rerun=rerun)  # fmt: skip
+        return written, None
     except Exception as exc:  # noqa: BLE001 - reported on the test, never an INTERNALERROR
         error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
         try:

@@ -1,7 +1,9 @@
 """The run's reports: ``--sparse-mla-report-json PATH`` and ``--sparse-mla-report-md PATH`` (the
 logic behind the hooks in :mod:`pytest_sparse_mla.plugin`; controller side, or a run without xdist).
 
-The JSON document holds versions (``capabilities``), the options (the search's budget among them:
+The JSON document holds versions (``capabilities``), the implementation's label
+(``implementation``: ``name``, the one label the reports use, and ``spec``, the
+``--sparse-mla-impl`` value), the options (the search's budget among them:
 ``search_examples``, ``search_seed``, ``search_shards``, the machine's ``search_shard_group`` ``"I/N"``
 or ``null`` and the ``search_global_shards`` it ran), the device of every xdist worker
 (``workers``, from ``xdist_gpu``), the declared ``envelope``, the error-class ``coverage``, the
@@ -92,6 +94,8 @@ def document(config: pytest.Config, session: pytest.Session, workers: dict[str, 
             "search_global_shards": list(shards.session_shards(opts.search_shards, opts.search_shard_group)),
         },  # fmt: skip
         "workers": workers,
+        # the implementation's one label (its name, as its skips and failures say it) and how it was selected
+        "implementation": {"name": implementations.implementation_name(impl, opts.impl), "spec": opts.impl},
         "envelope": {"declared": implementations.declared_envelope(impl) is not None, **envelope.as_dict()},
         "coverage": coverage.get(config).rows(),
         "device_faults": device_health.fault_entries(config),
@@ -117,6 +121,6 @@ def write(config: pytest.Config, session: pytest.Session, workers: dict[str, Any
 
         report = conformance.build(
             [conformance.row_of(doc)], machine=conformance.machine_of(doc), command=doc["command"],
-            title=f"Conformance of {opts.impl}", generated_by="--sparse-mla-report-md",
+            title=f"Conformance of {conformance.label_of(doc)}", generated_by="--sparse-mla-report-md",
         )  # fmt: skip
         opts.report_md.write_text(conformance.markdown(report))

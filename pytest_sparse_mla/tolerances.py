@@ -108,6 +108,7 @@ from typing import Any
 from pytest_sparse_mla.errors import ToleranceSpecError
 
 __all__ = [
+    "CAUSE_KEYS",
     "COMPUTE_MODES",
     "DEFAULT_PROFILES",
     "PARAMETERS",
@@ -252,11 +253,44 @@ class _Scales:
     flush_magnitude: Any = None  # [T, H] or None
 
 
-def _scales_of(expected: Any, given: Any) -> _Scales:
+def _check_shape(what: str, name: str, got: Any, want: tuple[int, ...]) -> None:
+    """Raise a :class:`ValueError` naming ``what``'s ``name`` and both shapes unless ``got`` has ``want``."""
+    if tuple(got) != tuple(want):
+        raise ValueError(
+            f"{what}: {name} has shape {list(got)}, expected {list(want)} (the shapes of the compared tensors and of "
+            "the oracle's ErrorScales must agree: output [num_tokens, num_heads, d_v], LSE [num_tokens, num_heads])"
+        )
+
+
+def _check_scales(what: str, expected_shape: tuple[int, ...], given: Any) -> None:
+    """The oracle's ``ErrorScales`` describe the rows of ``expected_shape`` (``[T, H, d_v]``):
+    ``abs_weighted`` of that shape, the per-row scales ``[T, H]``.
+
+    Raises:
+        ValueError: a scale of another shape (names it and both shapes).
+    """
+    if given is None:
+        return
+    rows = tuple(expected_shape[:-1])
+    _check_shape(what, "scales.abs_weighted", given.abs_weighted.shape, tuple(expected_shape))
+    if getattr(given, "slot0_output", None) is not None:
+        _check_shape(what, "scales.slot0_output", given.slot0_output.shape, tuple(expected_shape))
+    for name in ("rms_weighted", "score_magnitude", "key_magnitude", "value_max", "slot0_weight"):
+        value = getattr(given, name, None)
+        if value is not None:
+            _check_shape(what, f"scales.{name}", value.shape, rows)
+
+
+def _scales_of(expected: Any, given: Any, what: str = "output") -> _Scales:
     """The oracle's error scales, or, for a bare expected tensor, the row's own magnitude
-    (``M = max_d |E_rd|`` broadcast, ``R = ||E_r||``; no score term)."""
+    (``M = max_d |E_rd|`` broadcast, ``R = ||E_r||``; no score term).
+
+    Raises:
+        ValueError: scales whose shapes are not those of ``expected``'s rows (:func:`_check_scales`).
+    """
     import torch
 
+    _check_scales(what, tuple(expected.shape), given)
     if given is not None:
         return _Scales(
             given.abs_weighted.to(torch.float64), given.rms_weighted.to(torch.float64),
@@ -279,12 +313,20 @@ def _where(index: tuple[int, ...], num_tokens: int) -> str:
 
 @dataclass
 class ComparisonReport:
-    """The metrics of one comparison and the violations found (``ok`` when there are none)."""
+    """The metrics of one comparison and the violations found (``ok`` when there are none).
+
+    Attributes:
+        what: the quantity's label.
+        lines: the metrics in force.
+        violations: each violated metric with its bound.
+        causes: ``(key, text)`` of each likely cause (``diagnosis.cause_line``: the key is stable
+            across calls, the text carries this call's numbers), most specific first.
+    """
 
     what: str
     lines: list[str]
     violations: list[str]
-    causes: list[str]
+    causes: list[tuple[str, str]]
 
     @property
     def ok(self) -> bool:
@@ -293,27 +335,125 @@ class ComparisonReport:
 
     def message(self) -> str:
         """The failure text: the quantity, each violated metric with its bound, the metrics in
-        force, and the likely causes."""
+        force, and one ``likely cause [KEY]: ...`` line per likely cause."""
+        from pytest_sparse_mla.diagnosis import cause_line
+
         text = [f"{self.what}: {len(self.violations)} check(s) failed"]
         text += [f"  FAIL {v}" for v in self.violations]
         text += [f"  {line}" for line in self.lines]
-        if self.causes:
-            text.append("  likely cause: " + "; ".join(self.causes))
+        text += [f"  {cause_line(key, words)}" for key, words in self.causes]
         return "\n".join(text)
 
 
-def _output_causes(a: Any, e: Any, row_err: Any, row_bound: Any, num_tokens: int) -> list[str]:
-    """Heuristics naming the likely bug behind an output mismatch."""
+#: The cause keys this module names (``diagnosis``): each, the bug it points to.
+CAUSE_KEYS: dict[str, str] = {
+    "nan-or-inf-read": "non-finite values: NaN/Inf read from masked or unreferenced rows, or an overflow",
+    "output-not-written": "the output is all zero where the oracle's is not",
+    "index-0-treated-as-invalid": "exactly the rows that read index value 0 are wrong: 0 taken for the mask sentinel",
+    "sink-or-normaliser": "a per-head factor (output) or offset (LSE): the sink or the softmax normaliser",
+    "prefill-path": "only tokens past 64 are wrong: the prefill route or its token tiling",
+    "head-grouping": "only a trailing group of heads is wrong: head grouping or the index row a group reads",
+    "token-tiling-or-batch-stride": "only a trailing run of tokens is wrong, after a right one",
+    "lse-natural-log-for-log2": "the LSE is off by ln 2: natural log returned where log2 is the convention",
+    "lse-log2-for-natural-log": "the LSE is off by 1/ln 2: log2 returned where natural log is the convention",
+    "lse_scale-applied-wrongly": "the LSE is off by lse_scale or its inverse",
+    "empty-row-sentinel": "infinite where finite, or the reverse: the empty-row LSE sentinel",
+}
+
+
+def _slot0_rows(scales: Any, shape: tuple[int, ...]) -> Any:
+    """``[T, H]`` bool: the rows whose valid lanes include index value 0 with a nonzero weight (the
+    oracle's ``ErrorScales.slot0_weight``), or ``None`` when the scales do not say."""
+    weight = getattr(scales, "slot0_weight", None)
+    if weight is None or tuple(weight.shape) != tuple(shape):
+        return None
+    return weight > 0
+
+
+_SLOT0_WORDS = (
+    "index 0 taken for the mask sentinel (a validity test `index > 0` where `index >= 0` is meant, or 0 used as "
+    "the 'no candidate' value)?"
+)
+
+
+def _slot0_cause(bad: Any, reads0: Any, nonzero: Any, matches: Any = None) -> tuple[str, str] | None:
+    """The index-0 cause when every wrong row reads index value 0 and either the wrong rows match the
+    oracle's output with those lanes masked (``matches``: ``[T, H]`` bool or ``None``), or a row with a
+    nonzero expectation that reads no index 0 came out right (the rows are told apart by index 0)."""
+    if reads0 is None or not bool(bad.any()) or not bool(reads0[bad].all()):
+        return None
+    n_bad, n_reads = int(bad.sum()), int((reads0 & nonzero).sum())
+    if matches is not None and bool(matches[bad].all()):
+        return (
+            "index-0-treated-as-invalid",
+            f"the {n_bad} wrong (token, head) rows all read index value 0 and match the oracle's output with every "
+            f"lane of index 0 masked: {_SLOT0_WORDS}",
+        )
+    if not bool((~reads0 & nonzero & ~bad).any()):
+        return None
+    return (
+        "index-0-treated-as-invalid",
+        f"every wrong row reads index value 0 ({n_bad} wrong of {n_reads} (token, head) rows that read it; every "
+        f"row that reads no index 0 is right): {_SLOT0_WORDS}",
+    )
+
+
+def _slot0_matches(a: Any, e: Any, scales: Any, row_bound: Any) -> Any:
+    """``[T, H]`` bool: rows where ``a`` lies within ``row_bound`` and within half its error against
+    ``e`` (a row index 0 barely moves matches neither way) of the oracle's output with every lane of
+    index value 0 masked,
+    ``(E - slot0_output) / (1 - slot0_weight)`` (0 where those were all the row's weight); ``None``
+    when the scales do not carry it."""
     import torch
 
-    causes: list[str] = []
+    w0 = getattr(scales, "slot0_weight", None)
+    s0 = getattr(scales, "slot0_output", None)
+    if w0 is None or s0 is None or tuple(s0.shape) != tuple(e.shape):
+        return None
+    w0 = w0.to(torch.float64)
+    rest = (1.0 - w0).unsqueeze(-1)
+    masked = torch.where(rest > 1e-12, (e - s0.to(torch.float64)) / rest.clamp_min(1e-12), torch.zeros_like(e))
+    off = torch.linalg.vector_norm(a - masked, dim=-1)
+    return off <= torch.minimum(row_bound, 0.5 * torch.linalg.vector_norm(a - e, dim=-1))
+
+
+def _output_causes(
+    a: Any,
+    e: Any,
+    row_err: Any,
+    row_bound: Any,
+    num_tokens: int,
+    elem_rows: Any = None,
+    reads0: Any = None,
+    slot0_matches: Any = None,
+) -> list[tuple[str, str]]:
+    """Heuristics naming the likely bug behind an output mismatch (``(key, text)``, ``CAUSE_KEYS``).
+
+    Args:
+        a, e: ``[T, H, D]`` float64 result and expectation.
+        row_err, row_bound: ``[T, H]`` each row's normwise error and bound.
+        elem_rows: ``[T, H]`` rows with an element past its elementwise bound (or ``None``): wrong
+            rows too, when no row's norm is past its bound.
+        reads0: ``[T, H]`` rows that read index value 0 (:func:`_slot0_rows`), or ``None``.
+        slot0_matches: ``[T, H]`` rows that match the oracle with index 0 masked (:func:`_slot0_matches`).
+    """
+    import torch
+
+    causes: list[tuple[str, str]] = []
     if not bool(torch.isfinite(a).all()):
-        causes.append("non-finite values in the output (NaN/Inf read from masked or unreferenced rows?)")
-        return causes
-    if float(a.abs().max()) == 0.0 and float(e.abs().max()) > 0.0:
-        causes.append("the output is all zero")
+        causes.append(("nan-or-inf-read", "non-finite values in the output (NaN/Inf read from masked or "
+                       "unreferenced rows?)"))  # fmt: skip
         return causes
     bad = row_err > row_bound  # [T, H]
+    if elem_rows is not None:
+        bad = bad | elem_rows
+    nonzero = e.abs().amax(dim=-1) > 0  # [T, H]
+    slot0 = _slot0_cause(bad, reads0, nonzero, slot0_matches)
+    if slot0 is not None:  # the rows are told apart by their index values: the other patterns would mislead
+        return [slot0]
+    if float(a.abs().max()) == 0.0 and float(e.abs().max()) > 0.0:
+        causes.append(("output-not-written", "the output is all zero"))
+        return causes
     if bool(bad.any()):
         # A per-head constant factor: A ~= c_h E with c_h != 1, the fit explaining the error (each
         # head's rows parallel to the oracle's: cosine above 0.9999).
@@ -326,12 +466,29 @@ def _output_causes(a: Any, e: Any, row_err: Any, row_bound: Any, num_tokens: int
         if bool((cos_h[heads_bad] > 0.9999).all()):
             off = [(h, float(c[h])) for h in range(c.numel()) if bool(heads_bad[h]) and abs(float(c[h]) - 1.0) > 1e-3]
             if off:
-                causes.append(
+                causes.append((
+                    "sink-or-normaliser",
                     "the output is off by a per-head constant factor ("
                     + ", ".join(f"head {h}: x{v:.4g}" for h, v in off[:6])
                     + "): a sink or normaliser applied wrongly, or a scale applied to one cache's candidates "
-                    "(the invariance tests that move candidates between the caches tell which)?"
-                )
+                    "(the invariance tests that move candidates between the caches tell which)?",
+                ))  # fmt: skip
+        if not causes:
+            # Each wrong row the oracle's row times its own factor (cosine above 0.9999 row by row, the
+            # factor varying with the token): the candidates' relative weights are right, their sum is not.
+            rows = bad & nonzero
+            num_r = (a * e).sum(dim=-1)[rows]
+            den_r = (e * e).sum(dim=-1)[rows]
+            cos_r = num_r / (torch.linalg.vector_norm(a, dim=-1)[rows] * den_r.sqrt()).clamp_min(1e-300)
+            factors = num_r / den_r.clamp_min(1e-300)
+            if bool(rows.any()) and bool((cos_r > 0.9999).all()) and bool(((factors - 1.0).abs() > 1e-3).all()):
+                causes.append((
+                    "sink-or-normaliser",
+                    f"each wrong row is the oracle's row times a factor of its own (x{float(factors.min()):.4g} to "
+                    f"x{float(factors.max()):.4g} over {int(rows.sum())} (token, head) rows): the candidates' relative "
+                    "weights are right and their normaliser is not (a sink dropped or applied wrongly, or a wrong "
+                    "softmax denominator)?",
+                ))  # fmt: skip
         token_bad = bad.any(dim=1)
         tokens = token_bad.nonzero().flatten().tolist()
         heads = heads_bad.nonzero().flatten().tolist()
@@ -344,15 +501,18 @@ def _output_causes(a: Any, e: Any, row_err: Any, row_bound: Any, num_tokens: int
             return bool(right[:k].any())
 
         if tokens and min(tokens) >= 64 and num_tokens > 64 and right_before(64):
-            causes.append(f"only tokens past 64 are wrong (first {min(tokens)}): the prefill path / token tiling?")
+            causes.append(("prefill-path", f"only tokens past 64 are wrong (first {min(tokens)}): the prefill "
+                           "path / token tiling?"))  # fmt: skip
         contiguous = heads and heads == list(range(heads[0], heads[-1] + 1))
         if contiguous and heads[0] > 0 and heads[0] % 8 == 0 and heads[-1] == num_heads - 1:
-            causes.append(
+            causes.append((
+                "head-grouping",
                 f"only heads {heads[0]}..{heads[-1]} of {num_heads} are wrong: head grouping, or the index row "
-                "a head group reads?"
-            )
+                "a head group reads?",
+            ))  # fmt: skip
         if tokens and tokens == list(range(tokens[0], num_tokens)) and tokens[0] > 0 and right_before(tokens[0]):
-            causes.append(f"tokens {tokens[0]}..{num_tokens - 1} are wrong: token tiling or batch stride?")
+            causes.append(("token-tiling-or-batch-stride", f"tokens {tokens[0]}..{num_tokens - 1} are wrong: token "
+                           "tiling or batch stride?"))  # fmt: skip
     return causes
 
 
@@ -375,6 +535,9 @@ def output_bound(
         expected: ``[T, H, D]`` (or ``[T, D]``) the oracle's float64 output.
         profile, fmt, scales: as :func:`compare_output`.
         output_dtype: the dtype of the result judged (``None``: BF16).
+
+    Raises:
+        ValueError: ``scales`` describe other rows than ``expected`` (names the scale and both shapes).
     """
     import torch
 
@@ -431,14 +594,16 @@ def compare_output(
         a :class:`ComparisonReport` (``.ok``, ``.message()``).
 
     Raises:
-        ValueError: shapes differ.
+        ValueError: before any arithmetic, the result's shape is not the expected one, or the
+            oracle's scales describe other rows (the message names the tensor and both shapes).
     """
     import torch
 
-    if tuple(actual.shape) != tuple(expected.shape):
-        raise ValueError(f"{what}: actual shape {tuple(actual.shape)} != expected {tuple(expected.shape)}")
+    _check_shape(what, "the result", actual.shape, tuple(expected.shape))
     if actual.numel() == 0:  # num_tokens = 0: nothing to compare, nothing wrong
         return ComparisonReport(what, [f"{what}: no elements (num_tokens = 0)"], [], [])
+    _check_scales(what, tuple(expected.shape) if expected.dim() == 3 else (expected.shape[0], 1, expected.shape[-1]),
+                  scales)  # fmt: skip
     a = actual.to(torch.float64)
     e = expected.to(torch.float64)
     if a.dim() == 2:  # [T, D] -> one head
@@ -526,7 +691,11 @@ def compare_output(
                 violations.append(f"overall normwise relative error {rel:.3g} > {rel_bound:.3g}")
             if 1.0 - cos > cos_bound:
                 violations.append(f"cosine similarity {cos:.8f}: 1 - cos = {1.0 - cos:.3g} > {cos_bound:.3g}")
-    causes = _output_causes(a, e, row_err, row_bound, num_tokens) if violations else []
+    causes: list[tuple[str, str]] = []
+    if violations:
+        reads0 = _slot0_rows(scales, tuple(e.shape[:2]))
+        matches = _slot0_matches(a, e, scales, row_bound)  # against the other result when ``pair``
+        causes = _output_causes(a, e, row_err, row_bound, num_tokens, over.any(dim=-1), reads0, matches)
     return ComparisonReport(what, lines, violations, causes)
 
 
@@ -538,44 +707,107 @@ def _to_natural(lse: Any, convention: str, lse_scale: float) -> Any:
     return x if convention == "flashmla" else x * (math.log(2.0) / lse_scale)
 
 
-def _lse_causes(a: Any, e: Any, bad: Any, convention: str, lse_scale: float, num_tokens: int) -> list[str]:
+def _lse_causes(
+    a: Any,
+    e: Any,
+    bad: Any,
+    convention: str,
+    lse_scale: float,
+    num_tokens: int,
+    reads0: Any = None,
+    slot0_matches: Any = None,
+) -> list[tuple[str, str]]:
+    """Heuristics naming the likely bug behind an LSE mismatch (``(key, text)``, ``CAUSE_KEYS``);
+    ``reads0``: ``[T, H]`` rows that read index value 0 (:func:`_slot0_rows`), or ``None``;
+    ``slot0_matches``: rows that match the LSE with those lanes masked (:func:`_slot0_lse_matches`)."""
     import torch
 
-    causes: list[str] = []
+    causes: list[tuple[str, str]] = []
+    slot0 = _slot0_cause(bad, reads0, torch.isfinite(e), slot0_matches) if bool(bad.any()) else None
+    if slot0 is not None:  # the rows are told apart by their index values: the other patterns would mislead
+        return [slot0]
     both = torch.isfinite(a) & torch.isfinite(e) & (e.abs() > 1e-3)
     if bool(both.any()):
         ratio = (a[both] / e[both]).median()
-        for value, text in (
-            (math.log(2.0), "the LSE is in natural-log units where log2 was expected (or the reverse): off by ln 2"),
-            (1.0 / math.log(2.0), "the LSE is in log2 units where natural log was expected: off by 1/ln 2"),
-        ):
+        for value, key, text in (
+            (math.log(2.0), "lse-natural-log-for-log2",
+             "the LSE is in natural-log units where log2 was expected (or the reverse): off by ln 2"),
+            (1.0 / math.log(2.0), "lse-log2-for-natural-log",
+             "the LSE is in log2 units where natural log was expected: off by 1/ln 2"),
+        ):  # fmt: skip
             if abs(float(ratio) - value) < 1e-2 * value:
-                causes.append(text)
+                causes.append((key, text))
         if convention == "flashinfer" and lse_scale != 1.0:
             for value in (lse_scale, 1.0 / lse_scale):
                 if abs(float(ratio) - value) < 1e-2 * value:
-                    causes.append(f"lse_scale={lse_scale:g} applied wrongly (off by a factor {value:.4g})")
+                    words = f"lse_scale={lse_scale:g} applied wrongly (off by a factor {value:.4g})"
+                    causes.append(("lse_scale-applied-wrongly", words))
     if bool(bad.any()):
         d = torch.where(torch.isfinite(a) & torch.isfinite(e), a - e, torch.zeros_like(a))
         per_head = d.median(dim=0).values
         resid = (d - per_head).abs()
         if num_tokens >= 2 and float(resid[bad].max()) < 1e-3 and float(per_head.abs().max()) > 1e-3:
-            causes.append("a per-head constant offset (the sink included or excluded wrongly?)")
+            causes.append(("sink-or-normaliser", "a per-head constant offset (the sink included or excluded wrongly?)"))
         tokens = bad.any(dim=1).nonzero().flatten().tolist()
         if tokens and min(tokens) >= 64 and num_tokens > 64:
-            causes.append("only tokens past 64 are wrong: the prefill path?")
-        if bool((torch.isinf(a) != torch.isinf(e))[bad].any()):
-            causes.append("infinite where finite (or the reverse): the empty-row sentinel (-inf, +inf or the sink)?")
+            causes.append(("prefill-path", "only tokens past 64 are wrong: the prefill path?"))
+        flipped = torch.isinf(a) != torch.isinf(e)
+        lost = flipped & torch.isneginf(a) & torch.isfinite(e)  # -inf returned where the oracle's LSE is finite
+        if convention == "flashinfer" and bool(lost[bad].any()) and not bool((flipped & ~lost)[bad].any()):
+            causes.append((
+                "sink-or-normaliser",
+                f"the LSE is -inf where the oracle's is finite ({int((lost & bad).sum())} rows): in the FlashInfer "
+                "convention the sink is part of the LSE, and a row without a valid lane has the sink as its LSE, so "
+                "the sink is missing from those rows (dropped, or an empty-row -inf written over it)?",
+            ))  # fmt: skip
+        elif bool(flipped[bad].any()):
+            causes.append(("empty-row-sentinel", "infinite where finite (or the reverse): the empty-row sentinel "
+                           "(-inf, +inf or the sink)?"))  # fmt: skip
     return causes
+
+
+def _slot0_lse_matches(a: Any, e: Any, scales: Any, bound: Any, convention: str) -> Any:
+    """``[T, H]`` bool: rows where the natural-log LSE ``a`` lies within ``bound`` of the LSE with every
+    lane of index value 0 masked, ``e + log(1 - slot0_weight)`` (the FlashInfer convention only: its
+    denominator holds the sink, as ``slot0_weight``'s does); ``None`` otherwise."""
+    import torch
+
+    w0 = getattr(scales, "slot0_weight", None)
+    if convention != "flashinfer" or w0 is None or math.prod(w0.shape) != math.prod(a.shape):
+        return None
+    rest = (1.0 - w0.to(torch.float64).reshape(a.shape)).clamp_min(0.0)
+    masked = e + torch.log(rest)  # -inf where index 0 held the whole row
+    same_inf = torch.isinf(a) & torch.isinf(masked) & (torch.sign(a) == torch.sign(masked))
+    return same_inf | ((a - masked).abs() <= bound)
+
+
+def _check_lse_scales(what: str, lse_shape: tuple[int, ...], scales: Any) -> None:
+    """The oracle's per-row scales cover the LSE's rows (``[T, H]``, or ``[T]`` for one head).
+
+    Raises:
+        ValueError: a per-row scale with another number of rows (names it and both shapes).
+    """
+    if scales is None:
+        return
+    rows = math.prod(lse_shape)
+    for name in ("score_magnitude", "key_magnitude"):
+        value = getattr(scales, name, None)
+        if value is not None and math.prod(value.shape) != rows:
+            _check_shape(what, f"scales.{name}", value.shape, lse_shape)
 
 
 def lse_bound(natural: Any, *, profile: Profile, fmt: Any = "dsv4", scales: Any = None, pair: bool = False) -> Any:
     """The bound of :func:`compare_lse` for an oracle LSE ``natural`` (``[T, H]``, natural-log units):
-    ``factor * (lse_abs + ds + 2**-23 |lse|)`` natural-log units, ``factor`` 2 with ``pair``."""
+    ``factor * (lse_abs + ds + 2**-23 |lse|)`` natural-log units, ``factor`` 2 with ``pair``.
+
+    Raises:
+        ValueError: ``scales`` describe another number of rows (names the scale and both shapes).
+    """
     import torch
 
     e = natural.to(torch.float64)
     ds = torch.zeros_like(e)
+    _check_lse_scales("lse", tuple(e.shape), scales)
     if scales is not None:
         keys = getattr(scales, "key_magnitude", None)
         keys = None if keys is None else keys.to(torch.float64).reshape(e.shape)
@@ -610,14 +842,15 @@ def compare_lse(
         a :class:`ComparisonReport`.
 
     Raises:
-        ValueError: shapes differ.
+        ValueError: before any arithmetic, the result's shape is not the expected one, or the
+            oracle's scales describe other rows (the message names the tensor and both shapes).
     """
     import torch
 
-    if tuple(actual.shape) != tuple(expected.shape):
-        raise ValueError(f"{what}: actual shape {tuple(actual.shape)} != expected {tuple(expected.shape)}")
+    _check_shape(what, "the result", actual.shape, tuple(expected.shape))
     if actual.numel() == 0:  # num_tokens = 0: nothing to compare, nothing wrong
         return ComparisonReport(what, [f"{what}: no elements (num_tokens = 0)"], [], [])
+    _check_lse_scales(what, tuple(expected.shape), scales)
     a = _to_natural(actual, lse_convention, lse_scale)
     e = _to_natural(expected, lse_convention, lse_scale)
     if a.dim() == 1:
@@ -648,7 +881,11 @@ def compare_lse(
             f"actual {float(actual.reshape(a.shape)[idx]):.7g}, expected {float(e[idx] * conv):.7g} (returned units); "
             f"{float(diff[idx]):.3g} > {float(bound[idx]):.3g} natural-log units"
         )
-    causes = _lse_causes(a, e, bad, lse_convention, lse_scale, num_tokens) if violations else []
+    causes: list[tuple[str, str]] = []
+    if violations:
+        reads0 = _slot0_rows(scales, tuple(a.shape))
+        matches = _slot0_lse_matches(a, e, scales, bound, lse_convention)
+        causes = _lse_causes(a, e, bad, lse_convention, lse_scale, num_tokens, reads0, matches)
     return ComparisonReport(what, lines, violations, causes)
 
 

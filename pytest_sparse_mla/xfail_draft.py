@@ -7,11 +7,17 @@ A kernel with known discrepancies gets a green run from an xfail file (``--spars
     # [KEY] kind: what differs, where in the kernel, the smallest input
     suites/test_attention_inputs.py::test_bad_input_raises_a_clear_error[q-float32]     # KEY
 
-This module writes a first version of that file from a run: one discrepancy per error class (the
-first class the failing test exists for: its ``sparse_mla_error_class`` marker or its case's classes,
-``coverage.INTENDED``; the test function's name for a test without one), defined with kind ``bug``
-and, as its text, ``DRAFT (N test(s)):`` and the first line of the first failure of that class, then every
-failing test id of the class with ``# KEY``. Ids are the checkout-style ids of the shipped suites
+This module writes a first version of that file from a run: one discrepancy per likely cause,
+since one bug met by many tests is one discrepancy. A failure's cause is read from its message
+(:mod:`pytest_sparse_mla.diagnosis`: the ``likely cause [KEY]: ...`` lines the comparisons and the
+search print, the same ``KEY`` for the same cause in every test), and the key is that cause's
+``KEY``. Only a failure that names no cause falls back to its test group: the first error class the
+failing test exists for (its ``sparse_mla_error_class`` marker or its case's classes,
+``coverage.INTENDED``; the test function's name for a test without one). Each discrepancy is
+defined with kind ``bug`` and, as its text, ``DRAFT (N test(s)):``, the likely cause and the
+evidence of its first failure (the first measured violation and the other hints, as the console
+printed them), or the first line of its first failure when no cause is known; then every failing
+test id of the discrepancy with ``# KEY``. Ids are the checkout-style ids of the shipped suites
 (``suites/<file>::<test>``, which match in a checkout and in an installed package;
 ``selection.report_id``) and node ids otherwise. Failures of the setup or call phase
 count; an XPASS of a test already in an xfail file does not (it is a fix, not a discrepancy), nor
@@ -35,7 +41,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_sparse_mla import coverage, selection
+from pytest_sparse_mla import coverage, diagnosis, selection
 
 __all__ = ["Draft", "get", "render", "write"]
 _STASH = pytest.StashKey["Draft"]()
@@ -44,7 +50,8 @@ _KEY_CHARS = re.compile(r"[^A-Za-z0-9_-]+")
 
 @dataclass
 class Draft:
-    """The failures of a session, grouped by key (controller side)."""
+    """The failures of a session, grouped by key (controller side): ``{key: [(test id, text)]}``,
+    the text of a test its likely cause and evidence (module docstring)."""
 
     groups: dict[str, list[tuple[str, str]]] = field(default_factory=dict)
 
@@ -57,14 +64,22 @@ class Draft:
             return
         props = dict(report.user_properties)
         test = str(getattr(report, selection.REPORT_ID_ATTR, None) or report.nodeid)
-        intended = props.get(coverage.INTENDED)
-        classes: tuple[str, ...] = tuple(intended) if isinstance(intended, (tuple, list)) else ()
-        key = classes[0] if classes else report.nodeid.split("::")[-1].split("[")[0]
+        message = _message(report)
+        found = diagnosis.read(message)
+        if found.key is not None and found.cause is not None:
+            key = found.key
+            text = f"likely cause: {found.cause}" + (f" | evidence: {found.evidence}" if found.evidence else "")
+        else:
+            intended = props.get(coverage.INTENDED)
+            classes: tuple[str, ...] = tuple(intended) if isinstance(intended, (tuple, list)) else ()
+            key = classes[0] if classes else report.nodeid.split("::")[-1].split("[")[0]
+            text = next((ln.strip() for ln in message.splitlines() if ln.strip()), "failed")
+            if found.evidence:
+                text += f" | evidence: {found.evidence}"
         key = _KEY_CHARS.sub("-", str(key)).strip("-") or "failure"
-        first = next((ln.strip() for ln in _message(report).splitlines() if ln.strip()), "failed")
         entries = self.groups.setdefault(key, [])
         if all(t != test for t, _ in entries):
-            entries.append((test, first))
+            entries.append((test, text))
 
 
 def _message(report: pytest.TestReport) -> str:
@@ -91,7 +106,7 @@ def render(draft: Draft, impl: str) -> str:
             "",
         ]
     for key, entries in draft.groups.items():
-        text = entries[0][1].replace("\n", " ")[:300]
+        text = entries[0][1].replace("\n", " ")[:600]
         out.append(f"# [{key}] bug: DRAFT ({len(entries)} test(s)): {text}")
     width = max((len(t) for entries in draft.groups.values() for t, _ in entries), default=0)
     for key, entries in draft.groups.items():

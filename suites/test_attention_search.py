@@ -73,7 +73,8 @@ def _judge(impl: Any, inputs: search.SearchInputs, tol: Any, run: Any = None) ->
     except AssertionError as exc:
         hints = ([] if run is not None and not run.hints  # a call on the way to the reported one: no diagnosis
                  else search.diagnose(res.output, inputs, oracle, oracle_forward))  # fmt: skip
-        raise AssertionError("\n".join([str(exc), *hints, f"call: {call.describe()}"])) from None
+        text = "\n".join([str(exc), *hints])
+        raise AssertionError(f"{text}\ncall: {search.describe_call(inputs, text)}") from None
 
 
 def _built(call: search.DrawnCall, device: torch.device, run: Any) -> search.SearchInputs:

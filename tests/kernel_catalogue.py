@@ -365,6 +365,22 @@ class minus_one_reads_slot0(_WrapsReference):
         return self._reference(q, kv_cache, indices, **kw)
 
 
+@wrong(
+    "index value 0 taken for the mask sentinel: a lane whose index is 0 is masked (a validity test "
+    "`index > 0` where `index >= 0` is meant), both caches",
+    "FlashMLA README 'Set invalid indices to -1' and FlashInfer's sparse-MLA tests (-1 pads a row): 0 is "
+    "slot 0 of the cache, a valid candidate",
+)
+class index0_masked(_WrapsReference):
+    def sparse_mla_forward(self, q, kv_cache, indices, **kw):
+        rows = _rows(indices)
+        indices = torch.where(rows == 0, torch.full_like(rows, -1), rows)
+        if kw.get("extra_indices") is not None:
+            extra = _rows(kw["extra_indices"])
+            kw["extra_indices"] = torch.where(extra == 0, torch.full_like(extra, -1), extra)
+        return self._reference(q, kv_cache, indices, **kw)
+
+
 def _main_rows_remapped(self: _WrapsReference, q: Any, kv_cache: Any, indices: Any, kw: dict[str, Any],
                         remap: Callable[[torch.Tensor, int], torch.Tensor]) -> Any:
     """The reference over ``remap(main index rows, main cache slots)``."""

@@ -38,6 +38,7 @@ CORE = (
     "capabilities",
     "data",
     "deployments",
+    "diagnosis",
     "dispatch",
     "envelope",
     "errors",

@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
 SUITE = ROOT / "suites" / "test_attention_inputs.py"
 WRONG = "kernel_catalogue:drops_sink"  # ignores attn_sink: its bad-input tests fail
+LABEL = "wrong:drops_sink"  # its name: the reports' one label for it (conformance.label_of)
 LISTED = "suites/test_attention_inputs.py::test_bad_input_raises_a_clear_error[attn_sink-bf16]"
 
 
@@ -44,9 +45,9 @@ def test_the_markdown_report_of_a_run_says_what_pytest_said(tmp_path, monkeypatc
     text = md.read_text()
     total = sum(said.values())
     passed, skipped = said.get("passed", 0), said.get("skipped", 0)
-    row = f"| `{WRONG}` | {total} | {passed} | {said['failed']} | 0 | {skipped} | 1 | 0 | 1 |"
+    row = f"| `{LABEL}` | {total} | {passed} | {said['failed']} | 0 | {skipped} | 1 | 0 | 1 |"
     assert row in text, text[:3000]
-    assert "* **`kernel_catalogue:drops_sink` [sink-dtype] bug** (1 xfailed tests): a BF16 attn_sink is taken" in text
+    assert "* **`wrong:drops_sink` [sink-dtype] bug** (1 xfailed tests): a BF16 attn_sink is taken" in text
     failing = [r["id"] for r in rows if r["outcome"] == "failed"]
     assert all(f"`{i}`" in text for i in failing)  # listed under "Failures not listed in an xfail file"
 
@@ -58,12 +59,12 @@ def test_sparse_mla_report_merges_runs(tmp_path, monkeypatch, capsys):
     assert conformance.main([str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--md", str(md),
                              "--json", str(out)]) == 0  # fmt: skip
     doc = json.loads(out.read_text())
-    assert list(doc["implementations"]) == [WRONG, "reference"]
-    for name, said in ((WRONG, wrong), ("reference", right)):
+    assert list(doc["implementations"]) == [LABEL, "reference"]
+    for name, said in ((LABEL, wrong), ("reference", right)):
         totals = {k: v for k, v in doc["implementations"][name]["totals"].items() if v}
         assert totals == said, (name, totals, said)
     text = md.read_text()
-    assert f"| `{WRONG}` |" in text and "| `reference` |" in text
+    assert f"| `{LABEL}` |" in text and "| `reference` |" in text
 
 
 def test_the_console_script_is_declared() -> None:

@@ -397,3 +397,79 @@ def test_the_envelope_table_gives_exactly_the_allowed_values_of_every_closed_fie
         for value in stated:
             assert not _refused(**{name: _as_field_value(hints[name], value)}), f"{name}={value!r} refused"
         assert _refused(**{name: _as_field_value(hints[name], "no-such-value")}), name
+
+
+# --- the cache helpers a kernel author uses ---------------------------------------------------------
+
+
+def _signature_text(name: str) -> str:
+    """``formats.NAME(...)`` as the document writes it, built from the code's signature: a default
+    that is a record format is named by its ``formats`` constant, a string in double quotes."""
+    parts, star = [], False
+    for p in inspect.signature(getattr(formats, name)).parameters.values():
+        if p.kind is inspect.Parameter.KEYWORD_ONLY and not star:
+            parts.append("*")
+            star = True
+        if p.default is inspect.Parameter.empty:
+            parts.append(p.name)
+        elif isinstance(p.default, formats.PackedFormat):
+            constant = next(k for k, v in vars(formats).items() if v is p.default and k.isupper())
+            parts.append(f"{p.name}=formats.{constant}")
+        else:
+            parts.append(f"{p.name}={json_repr(p.default)}")
+    return f"formats.{name}({', '.join(parts)})"
+
+
+def json_repr(value: Any) -> str:
+    return f'"{value}"' if isinstance(value, str) else repr(value)
+
+
+@pytest.mark.parametrize("name", ["parse_cache", "unpack_dequantize"])
+def test_the_cache_helpers_are_named_with_their_signatures(name: str) -> None:
+    """The contract names ``formats.parse_cache`` and ``formats.unpack_dequantize`` with the code's
+    signatures (keywords and defaults), and its table lists their keyword-only arguments."""
+    text = DOC.read_text()
+    assert _signature_text(name) in " ".join(text.split()), _signature_text(name)
+    row = _by_first_column("Reading a cache")[name]
+    keywords = [
+        p.name
+        for p in inspect.signature(getattr(formats, name)).parameters.values()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY
+    ]
+    assert _spans(row["keyword-only arguments"]) == keywords
+
+
+@pytest.mark.parametrize("fmt", ["dsv4", "dsv3_2", "dsv4_1_swa", "dsv4_1_indexed"])
+@pytest.mark.parametrize("form", ["2d", "3d", "hnd", "nhd"])
+def test_the_cache_helpers_return_what_the_contract_says(fmt: str, form: str) -> None:
+    """``parse_cache`` returns a ``CacheLayout`` with the fields and properties the contract names
+    (``num_tokens`` = pages x page size); ``unpack_dequantize`` returns ``[num_pages, page_block_size,
+    d_qk]`` fp32 by default, the given ``dtype`` otherwise, the same values from a given ``layout``."""
+    from pytest_sparse_mla import data
+
+    cache = data.make_packed_cache(torch.Generator().manual_seed(1), fmt=fmt, num_pages=3, page_block_size=16,
+                                   page_stride="tight", form=form)  # fmt: skip
+    layout = formats.parse_cache(cache.packed, fmt)
+    f = formats.record_format(fmt)
+    assert (layout.fmt, layout.form, layout.num_pages, layout.page_block_size) == (f, form, 3, 16)
+    assert layout.num_tokens == 48 and layout.page_bytes == 16 * layout.token_stride
+    rows = formats.unpack_dequantize(cache.packed, fmt)
+    assert rows.shape == (3, 16, f.d_qk) and rows.dtype == torch.float32
+    assert torch.equal(formats.unpack_dequantize(cache.packed, layout=layout, dtype=torch.float64), rows.double())
+    assert "`num_tokens`" in DOC.read_text() and "`page_bytes`" in DOC.read_text()
+
+
+def test_the_dsv32_extra_cache_skip_and_the_contract_agree() -> None:
+    """The contract's call formats give ``dsv3_2`` an extra cache; the invariance suite's DSV3.2 skip
+    says its own cases build none (not that DSV3.2 has none), the contract quotes that text, and
+    the accuracy case it names calls DSV3.2 with an extra cache."""
+    from pytest_sparse_mla.attention.cases import CONFORMANCE_CASES
+    from pytest_sparse_mla.suites import test_attention_invariants as invariants
+
+    row = _by_first_column("Call formats")["dsv3_2"]
+    assert _code(row["extra_kv_cache records"]) == "dsv3_2"
+    assert "DSV3.2 has no extra cache" not in invariants.NO_DSV32_EXTRA
+    assert f'"{invariants.NO_DSV32_EXTRA}"' in " ".join(DOC.read_text().split())
+    named = re.search(r"by (cf-[\w-]+)$", invariants.NO_DSV32_EXTRA).group(1)
+    case = next(c for c in CONFORMANCE_CASES if c.name == named)
+    assert case.conventions.fmt == "dsv3_2" and case.extra is not None

@@ -46,6 +46,16 @@ class Fp32Output:
         return res.output_fp32, res.lse
 
 
+class FlatOutput:
+    """Returns its output as [T, H*512] (the protocol's output is [T, H, 512])."""
+
+    name = "flat-output"
+
+    def sparse_mla_forward(self, *args, **kwargs):
+        res = _reference(*args, **kwargs)
+        return res.output.reshape(res.output.shape[0], -1), res.lse
+
+
 class DictResult:
     """Returns a dict (the protocol's result has .output, or is a pair or a tensor)."""
 
@@ -59,7 +69,12 @@ class DictResult:
 
 @pytest.mark.parametrize(
     ("kernel", "says", "workers"),
-    [("Fp32Output", "returned a torch.float32 output of shape", "2"), ("DictResult", "returned a dict;", "0")],
+    [
+        ("Fp32Output", "returned a torch.float32 output of shape", "2"),
+        ("DictResult", "returned a dict;", "0"),
+        ("FlatOutput", "returned an output of shape [", "0"),
+        ("FlatOutput", "for a call that needs [", "2"),
+    ],
 )
 def test_results_of_the_wrong_form_end_the_run_in_one_usage_error(tmp_path, workers, kernel, says):
     """Every test would fail alike, so the run stops at the first such result (one per xdist worker
@@ -104,5 +119,12 @@ def test_a_triple_or_a_swapped_pair_is_refused_by_name():
     assert "returned a tuple of 3 items; FlashMLA's flash_mla_sparse_fwd" in msg and "(output, max_logits, lse)" in msg
     assert "returned a list of 1 item;" in _result_form_error([out])
     assert "(lse, output), the pair swapped" in _result_form_error((lse, out))
+    shapes = ((2, 4, 512), (2, 4))
+    with pytest.raises(
+        guard.ResultFormError, match=r"an output of shape \[2, 2048\] for a call that needs \[2, 4, 512\]"
+    ):
+        guard.result_of((out.reshape(2, -1), lse), UNIVERSAL, "k", shapes)
+    with pytest.raises(guard.ResultFormError, match=r"an LSE of shape \[4, 2\] for a call that needs \[2, 4\]"):
+        guard.result_of((out, lse.t()), UNIVERSAL, "k", shapes)
     res = guard.result_of([out, lse], UNIVERSAL, "k")
     assert res.output is out and res.lse is lse

@@ -200,3 +200,86 @@ def test_a_misspelled_key_is_found_in_every_kind_of_ini_file(pytester: pytest.Py
         hint = options.unknown_ini_key_hint(config)
     assert MISSPELLED in hint, hint
     assert "'sparse_mla_tolerance' (did you mean 'sparse_mla_tolerances'?)" in hint, hint  # -o
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "says"),
+    [
+        ("lse_conventions", "flashmla", "expected a tuple of 'flashinfer'/'flashmla', got a str (a tuple of one is "
+         "written with a trailing comma: ('flashmla',))"),
+        ("formats", "dsv4", "got a str (a tuple of one is written with a trailing comma: ('dsv4',))"),
+        ("num_heads", 64, "expected None or a tuple of positive ints, got a int (a tuple of one is written with a "
+         "trailing comma: (64,))"),
+        ("page_block_sizes", [64], "expected None or a tuple of positive ints, got a list"),
+        ("bitwise_invariance", "padding", "expected a frozenset (or tuple) of ('padding', 'heads', 'batch', "
+         "'layout'), got a str"),
+        ("notes", "a fact", "expected a tuple of str, got a str"),
+    ],
+)  # fmt: skip
+def test_an_envelope_field_that_takes_a_tuple_says_so(field: str, value: object, says: str) -> None:
+    """``Envelope(lse_conventions='flashmla')``: the problem is the missing tuple, and the message says
+    so (the field, the value given, what is expected, how a tuple of one is written)."""
+    from pytest_sparse_mla import Envelope
+
+    with pytest.raises(ValueError) as info:
+        Envelope(**{field: value})
+    assert str(info.value).startswith(f"Envelope({field}={value!r}): expected "), str(info.value)
+    assert says in str(info.value), str(info.value)
+
+
+MISSPELT_CLASS = """
+from pytest_sparse_mla.attention import sparse_mla_forward as _forward
+
+
+class MyKernel:
+    name = "my-kernel"
+
+    def sparse_mla_forward(self, *args, **kwargs):
+        return _forward(*args, **kwargs)
+"""
+
+
+@pytest.mark.parametrize(
+    ("spec", "hint"),
+    [
+        ("mykernel:Mykernel", "did you mean --sparse-mla-impl=mykernel:MyKernel?"),
+        ("mykernel:Kernel", "did you mean --sparse-mla-impl=mykernel:MyKernel?"),
+        ("mykernel:MyKernel.sparse_mla_fwd", "did you mean --sparse-mla-impl=mykernel:MyKernel.sparse_mla_forward?"),
+    ],
+)
+def test_a_misspelt_attribute_gets_a_did_you_mean(pytester: pytest.Pytester, spec: str, hint: str) -> None:
+    """The module part of ``--sparse-mla-impl module:Attribute`` already gets one; the attribute (the
+    class name, case ignored, or an implementation of the module) gets one too."""
+    pytester.makeini("[pytest]\n")
+    pytester.makepyfile(mykernel=MISSPELT_CLASS)
+    result = pytester.runpytest("-p", "sparse_mla", "--sparse-mla-impl", spec, "-p", "no:cacheprovider")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR, result.stdout.str()[-2000:]
+    err = result.stderr.str()
+    assert "has no attribute" in err and hint in err, err[-2000:]
+
+
+def test_the_report_labels_a_kernel_one_way(tmp_path, monkeypatch, capsys) -> None:
+    """``--sparse-mla-impl mykernel:MyKernel`` of a kernel named ``my-kernel``: the Markdown report
+    calls it ``my-kernel`` everywhere (title, tables, failures, skips), as its skips and failures
+    do; ``mykernel:MyKernel`` appears only in the command; the machine line says ``CUDA build none``
+    as the skips do, never ``CUDA None``. The JSON report records both (``implementation``)."""
+    import json
+    from pathlib import Path
+
+    import inner_session
+
+    root = Path(__file__).resolve().parents[1]
+    (tmp_path / "mykernel.py").write_text(MISSPELT_CLASS)
+    md, report = tmp_path / "run.md", tmp_path / "run.json"
+    args = ["-p", "sparse_mla", str(root / "suites" / "test_attention_accuracy.py"), "-k", "fi-decode-h8-k1024",
+            "--sparse-mla-impl", "mykernel:MyKernel", "--sparse-mla-device", "cpu", "-p", "no:cacheprovider",
+            "-p", "no:xdist", "-q", "--basetemp", str(tmp_path / "b"), "--sparse-mla-report-md", str(md),
+            "--sparse-mla-report-json", str(report)]  # fmt: skip
+    code, out = inner_session.run(args, cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys, syspath=[tmp_path])
+    assert code == 0, out[-2000:]
+    page = md.read_text()
+    assert page.startswith("# Conformance of my-kernel\n") and "| `my-kernel` |" in page, page[:1500]
+    command = next(line for line in page.splitlines() if line.startswith("Command: "))
+    assert page.count("mykernel:MyKernel") == command.count("mykernel:MyKernel"), page[:1500]  # the command only
+    assert "CUDA None" not in page and ("CUDA build none" in page or "CUDA build 1" in page), page[:600]
+    assert json.loads(report.read_text())["implementation"] == {"name": "my-kernel", "spec": "mykernel:MyKernel"}

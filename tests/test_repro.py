@@ -192,3 +192,88 @@ def test_a_repro_dir_below_a_file_is_one_usage_error(tmp_path):
     )  # fmt: skip
     assert run.returncode == 4, run.stdout[-2000:] + run.stderr[-2000:]
     assert f"{blocker} exists and is not a directory" in run.stderr and "INTERNALERROR" not in run.stdout
+
+
+def test_a_golden_test_whose_call_is_wrong_gets_a_script_not_a_no_repro(_suite):
+    """The golden suite calls ``sparse_mla_forward(**inputs)``: q, kv_cache and indices come as
+    keywords. Its wrong call (the sink dropped: 32 of 64 LSE values differ) is judged against the
+    oracle like a positional one, and gets a script that fails on the kernel and passes on the
+    reference, never a ``NO-REPRO.txt`` that contradicts the test's own failure."""
+    run, out = _suite(
+        "kernel_catalogue:drops_sink", "suites/test_golden.py::test_attention_golden[decode-c4-flash-tp1-sink]"
+    )
+    assert run.returncode == 1, run.stdout[-3000:]
+    assert not list(out.rglob("NO-REPRO.txt")), [p.read_text() for p in out.rglob("NO-REPRO.txt")]
+    scripts = [Path(p) for line in (out / "index.jsonl").read_text().splitlines() for p in json.loads(line)["scripts"]]
+    assert len(scripts) == 1, scripts
+    got = _script(scripts[0])
+    assert got.returncode == 1 and "DISCREPANCY" in got.stdout, got.stdout + got.stderr
+    assert _script(scripts[0], "--impl", REFERENCE).returncode == 0
+
+
+def _reference_call(**changes: object) -> object:
+    """One recorded call of the bundled reference on a small DSV4 case, its own result recorded."""
+    import dataclasses
+
+    import torch
+
+    from pytest_sparse_mla.attention import sparse_mla_forward
+    from pytest_sparse_mla.attention.cases import AttentionCase, CacheCase, make_inputs
+    from pytest_sparse_mla.recording import RecordedCall
+
+    inputs = make_inputs(AttentionCase("no-repro", 2, 8, CacheCase(64)), torch.Generator().manual_seed(0))
+    kwargs = {"q": inputs.q, "kv_cache": inputs.cache.packed, "indices": inputs.indices, **inputs.kwargs()}
+    res = sparse_mla_forward(**kwargs)
+    rec = RecordedCall((), kwargs, output=res.output, lse=res.lse)
+    return dataclasses.replace(rec, **changes)
+
+
+def test_no_repro_names_the_failed_comparison_and_how_to_rerun_it(tmp_path):
+    """A test none of whose calls is wrong alone (an invariance between two calls): NO-REPRO.txt
+    quotes the comparison that failed, says why each call gets no script, gives the rerun command,
+    and saves the calls; a call a peer adapter refused (the peer never ran) is said to be that, not
+    "within the bound"."""
+    import torch
+
+    from pytest_sparse_mla import repro, tolerances
+
+    refused = _reference_call(
+        output=None, lse=None, error="Failed: sglang.decode was not run: a lane past topk_length holds 1 << 30"
+    )
+    failure = "AssertionError: padded vs unpadded: output: not bitwise equal: 3 of 8192 elements differ"
+    rerun = "pytest -p sparse_mla 'suites/x.py::test_y' --sparse-mla-impl k --sparse-mla-device cpu"
+    kernel = tolerances.DEFAULT_PROFILES["kernel"]
+    calls = [_reference_call(), refused]
+    written = repro.write_reproducers(
+        tmp_path, "suites/x.py::test_y", object(), kernel, "failed", calls=calls, failure=failure, rerun=rerun
+    )
+    assert written == []
+    text = (tmp_path / "test_y" / "NO-REPRO.txt").read_text()
+    assert "call 0: its output and LSE lie within the bound of the float64 oracle" in text, text
+    assert "call 1: the implementation's own function was never called" in text and "was not run" in text, text
+    assert "The comparison that failed (the test's failure):\n  " + failure in text, text
+    assert rerun in text and "no call is wrong by itself" not in text, text
+    calls = torch.load(tmp_path / "test_y" / "calls.pt", weights_only=False)
+    assert [c["error"] is None for c in calls] == [True, False] and calls[0]["output"].shape == (2, 8, 512)
+
+
+def test_a_call_the_adapter_refused_gets_a_script_not_a_no_repro(_suite):
+    """SGLang's PyTorch decode gathers every lane before masking, so the adapter refuses a call whose
+    stale lanes hold ``1 << 30`` (``UnsafeForPeer``: the test fails, listed as ``stale-lanes`` in
+    ``sglang-torch.txt``). The recorded error is the adapter's refusal, not pytest's ``Failed``: the
+    call gets a script (it imports the adapter and exits 1 while the refusal stands, 0 on the
+    reference), as the README says, never a ``NO-REPRO.txt`` claiming the call is within the bound
+    (26 xfailed ``sglang-torch`` tests of the 2026-12-03 H200 run wrote one)."""
+    from pytest_sparse_mla.implementations import BUILTINS
+
+    reason = BUILTINS["sglang-torch"](None).skip_reason("sparse_mla_forward", "cpu")
+    if reason is not None:
+        pytest.skip(reason)
+    run, out = _suite("sglang-torch", f"{ACCURACY}::test_error_classes_are_visible[cf-h64-trunc]")
+    assert run.returncode == 1 and "was not run" in run.stdout, run.stdout[-3000:]
+    assert not list(out.rglob("NO-REPRO.txt")), [p.read_text() for p in out.rglob("NO-REPRO.txt")]
+    scripts = [Path(p) for line in (out / "index.jsonl").read_text().splitlines() for p in json.loads(line)["scripts"]]
+    assert len(scripts) == 1, scripts
+    got = _script(scripts[0])
+    assert got.returncode == 1 and "UnsafeForPeer" in got.stdout, got.stdout + got.stderr
+    assert _script(scripts[0], "--impl", REFERENCE).returncode == 0

@@ -154,7 +154,7 @@ def test_the_hint_names_an_ignored_sm_scale() -> None:
     kw = {**inputs.kwargs, "sm_scale": 512**-0.5}  # the kernel's bug: d_qk ** -0.5 whatever it is given
     wrong = sparse_mla_forward(inputs.q, inputs.kv_cache, inputs.indices, **kw)
     hints = search.diagnose(wrong.output, inputs, oracle, oracle_forward)
-    assert any(h.startswith("likely cause: sm_scale ignored (d_qk ** -0.5") for h in hints), hints
+    assert any(h.startswith("likely cause [sm_scale-ignored]: sm_scale ignored (d_qk ** -0.5") for h in hints), hints
     right = sparse_mla_forward(inputs.q, inputs.kv_cache, inputs.indices, **inputs.kwargs)
     assert not any(h.startswith("likely cause") for h in search.diagnose(right.output, inputs, oracle, oracle_forward))
 
@@ -278,3 +278,25 @@ class StridedQueryBug:
     def sparse_mla_forward(self, q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, **kw: object):
         flat = torch.as_strided(q, q.shape, torch.empty(q.shape).stride(), q.storage_offset())
         return sparse_mla_forward(flat, kv_cache, indices, **kw)
+
+
+def test_the_hint_names_index_0_taken_for_the_mask_and_shows_the_index_values() -> None:
+    """A kernel that masks every lane of index value 0 (``kernel_catalogue.index0_masked``): the
+    search's counterfactual (the oracle with those lanes masked) names it, and the call's one-line
+    description shows the index values, the tokens that read index 0 first."""
+    from kernel_catalogue import index0_masked
+
+    seed = next(s for s in range(7, 200) if ((search.build(_call(sink=None, seed=s)).indices == 0)
+                                             & search.build(_call(sink=None, seed=s)).valid).any())  # fmt: skip
+    inputs = search.build(_call(sink=None, seed=seed))  # a drawn call that reads slot 0 (never poisoned then)
+    zero_tokens = ((inputs.indices == 0) & inputs.valid).any(dim=1).nonzero().flatten().tolist()
+    oracle = oracle_forward(inputs.q, inputs.kv_cache, inputs.indices, **inputs.kwargs)
+    wrong = index0_masked.sparse_mla_forward(inputs.q, inputs.kv_cache, inputs.indices, **inputs.kwargs)
+    hints = search.diagnose(wrong.output, inputs, oracle, oracle_forward)
+    named = "likely cause [index-0-treated-as-invalid]: index value 0 taken for the mask sentinel"
+    assert any(h.startswith(named) for h in hints), hints
+    line = search.describe_call(inputs, "\n".join(hints))
+    first = zero_tokens[0]
+    row = ", ".join(str(int(v)) for v in inputs.indices[first, :16].tolist())
+    assert f"indices=[t{first}:[{row}, ...]" in line, line
+    assert "indices=" not in search.describe_call(inputs, "likely cause [sm_scale-ignored]: x")

@@ -334,3 +334,84 @@ def test_a_kernel_that_flushes_subnormal_keys_is_within_bound_and_one_that_drops
     tol.check_result(_values_below_zeroed(small, 2.0**-126, monkeypatch), small_exact, fmt="dsv4_1")
     with pytest.raises(AssertionError):
         tol.check_result(_values_below_zeroed(small, 2.0**-8, monkeypatch), small_exact, fmt="dsv4_1")
+
+
+def test_a_shape_mismatch_is_a_clear_error_before_any_arithmetic() -> None:
+    """A result ``[T, H*512]`` for ``[T, H, 512]``, and a pair of such results compared with the
+    oracle's scales of ``[T, H, 512]`` rows (an invariance check: both sides share the wrong shape),
+    raise a ``ValueError`` naming the tensor and both shapes, never torch's broadcasting error."""
+    e = torch.randn((2, 4, 512), generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    rms = torch.ones((2, 4), dtype=torch.float64)
+    scales = _scales(e.abs(), rms)
+    flat = e.reshape(2, -1).to(torch.bfloat16)
+    with pytest.raises(ValueError, match=re.escape("output: the result has shape [2, 2048], expected [2, 4, 512]")):
+        tolerances.compare_output(flat, e, profile=KERNEL, scales=scales)
+    with pytest.raises(
+        ValueError, match=re.escape("output: scales.abs_weighted has shape [2, 4, 512], expected [2, 1, 2048]")
+    ):
+        tolerances.compare_output(flat, flat, profile=KERNEL, scales=scales, pair=True)
+    with pytest.raises(ValueError, match=re.escape("scales.abs_weighted has shape [2, 4, 512], expected [2, 1, 2048]")):
+        tolerances.output_bound(flat, profile=KERNEL, scales=scales)
+    lse = torch.zeros((2, 4), dtype=torch.float32)
+    with pytest.raises(ValueError, match=re.escape("lse: the result has shape [4, 2], expected [2, 4]")):
+        tolerances.compare_lse(lse.t(), lse, profile=KERNEL, scales=scales)
+    with pytest.raises(ValueError, match=re.escape("lse: scales.score_magnitude has shape [2, 4], expected [2, 2]")):
+        tolerances.compare_lse(lse[:, :2], lse[:, :2], profile=KERNEL, scales=scales, pair=True)
+    with pytest.raises(ValueError, match=re.escape("scales.score_magnitude has shape [2, 4], expected [2, 2]")):
+        tolerances.lse_bound(lse[:, :2], profile=KERNEL, scales=scales)
+
+
+def _slot0_case() -> tuple[object, object]:
+    """A DSV4 case of 6 tokens and 4 heads whose tokens 2 and 4 read slot 0 (index value 0) among
+    their valid lanes; the others read no index 0; no sink."""
+    inputs = make_inputs(AttentionCase("slot0", 6, 4, CacheCase(64, num_pages=4)), torch.Generator().manual_seed(5))
+    rows = inputs.indices.clone()
+    rows[rows == 0] = 1
+    rows[2, 3] = 0
+    rows[4, 0] = 0
+    return inputs, rows
+
+
+def test_a_kernel_that_masks_index_0_gets_that_cause_and_no_other() -> None:
+    """``kernel_catalogue.index0_masked`` (every lane of index value 0 masked): exactly the rows that
+    read slot 0 are wrong; the comparison names that cause, from the oracle's ``slot0_weight`` and
+    ``slot0_output``, not "token tiling or batch stride", "the output is all zero" or "a per-head
+    constant offset" (the hints this kernel used to get); the LSE too. The bundled reference and a
+    kernel that drops the sink get no such hint."""
+    from kernel_catalogue import drops_sink, index0_masked
+
+    inputs, rows = _slot0_case()
+    kw = inputs.kwargs()
+    oracle = oracle_forward(inputs.q, inputs.cache.packed, rows, **kw)
+    assert oracle.scales.slot0_weight[[2, 4]].gt(0).all() and oracle.scales.slot0_weight[[0, 1, 3, 5]].eq(0).all()
+    wrong = index0_masked.sparse_mla_forward(inputs.q, inputs.cache.packed, rows, **kw)
+    out = tolerances.compare_output(wrong.output, oracle.output, profile=KERNEL, scales=oracle.scales)
+    text = out.message()
+    assert not out.ok and [k for k, _ in out.causes] == ["index-0-treated-as-invalid"], text
+    assert (
+        "likely cause [index-0-treated-as-invalid]: the 8 wrong (token, head) rows all read index value 0 and "
+        "match the oracle's output with every lane of index 0 masked: index 0 taken for the mask sentinel" in text
+    )
+    lse = tolerances.compare_lse(wrong.lse, oracle.lse, profile=KERNEL, scales=oracle.scales)
+    assert [k for k, _ in lse.causes] == ["index-0-treated-as-invalid"], lse.message()
+    for bystander in (drops_sink, None):
+        kw_s = {**kw, "attn_sink": torch.linspace(-1.0, 2.0, 4)}
+        ref = oracle_forward(inputs.q, inputs.cache.packed, rows, **kw_s)
+        res = (bystander.sparse_mla_forward if bystander else sparse_mla_forward)(inputs.q, inputs.cache.packed, rows,
+                                                                                   **kw_s)  # fmt: skip
+        report = tolerances.compare_output(res.output, ref.output, profile=KERNEL, scales=ref.scales)
+        assert "index-0" not in report.message(), report.message()
+
+
+def test_an_lse_of_minus_inf_where_the_sink_is_expected_names_the_sink() -> None:
+    """FlashInfer convention: a row without a valid lane has its sink as LSE (log2 units here); a
+    kernel that drops the sink returns -inf there: the sink is named, not the empty-row sentinel.
+    FlashMLA convention (sink excluded): such a row's LSE is +inf, and a finite 0 there is the sentinel."""
+    sink_lse = torch.tensor([[1.5, 0.25], [1.5, 0.25]], dtype=torch.float64) / math.log(2.0)
+    dropped = torch.tensor([[1.5 / math.log(2.0), -math.inf], [1.5 / math.log(2.0), -math.inf]])
+    report = tolerances.compare_lse(dropped, sink_lse, profile=KERNEL, lse_convention="flashinfer")
+    assert [k for k, _ in report.causes] == ["sink-or-normaliser"], report.message()
+    assert "the LSE is -inf where the oracle's is finite (2 rows)" in report.message()
+    empty = torch.full((2, 2), math.inf, dtype=torch.float64)
+    sentinel = tolerances.compare_lse(torch.zeros(2, 2), empty, profile=KERNEL, lse_convention="flashmla")
+    assert [k for k, _ in sentinel.causes] == ["empty-row-sentinel"], sentinel.message()

@@ -56,3 +56,33 @@ def test_a_clean_run_writes_a_draft_with_no_entry(tmp_path, monkeypatch, capsys)
     assert code == 0, out[-2000:]
     assert read_id_file(draft) == []
     assert draft.read_text().startswith("# DRAFT xfail file for --sparse-mla-impl reference")
+
+
+def test_one_bug_is_one_key_named_after_its_cause_in_every_artefact(tmp_path, monkeypatch, capsys):
+    """A kernel with one bug (the sink dropped: ``kernel_catalogue.drops_sink``) fails many tests of
+    several groups; the draft makes one discrepancy of them, keyed by the cause the comparisons
+    print (``[sink-or-normaliser]``), its text the likely cause and the evidence the console shows;
+    the JSON report's failed tests carry that cause and evidence, and the Markdown report names it
+    per failure and in its "Failures by likely cause" section."""
+    import json
+
+    draft, report, md = tmp_path / "draft.txt", tmp_path / "run.json", tmp_path / "run.md"
+    args = ["-p", "sparse_mla", str(ROOT / "suites" / "test_attention_accuracy.py"), "--sparse-mla-impl",
+            "kernel_catalogue:drops_sink", "--sparse-mla-device", "cpu", "-p", "no:cacheprovider", "-p", "no:xdist",
+            "-q", "--tb=no", "-rN", "-k", "flashinfer_configurations or deepseek_v4_deployments",
+            "--basetemp", str(tmp_path / "b"), "--sparse-mla-xfail-draft", str(draft),
+            "--sparse-mla-report-json", str(report), "--sparse-mla-report-md", str(md)]  # fmt: skip
+    code, out = inner_session.run(args, cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys, syspath=[TESTS])
+    failed = _counts(out).get("failed", 0)
+    assert code == 1 and failed >= 5, out[-3000:]
+    text = draft.read_text()
+    definitions = re.findall(r"^# \[([A-Za-z0-9_.=-]+)\] bug: DRAFT \((\d+) test\(s\)\): (.+)$", text, re.M)
+    assert [(k, int(n)) for k, n, _ in definitions] == [("sink-or-normaliser", failed)], text
+    assert definitions[0][2].startswith("likely cause: ") and " | evidence: " in definitions[0][2], text
+    assert "sink" in definitions[0][2], text
+    rows = [r for r in json.loads(report.read_text())["tests"] if r["outcome"] == "failed"]
+    assert len(rows) == failed and all(r["cause_key"] == "sink-or-normaliser" for r in rows), rows[:2]
+    assert all(r["cause"] and r["evidence"] for r in rows), rows[:2]
+    page = md.read_text()
+    assert f"`[sink-or-normaliser]` ({failed} test(s))" in page, page
+    assert page.count("**Likely cause** `[sink-or-normaliser]`") == failed and "Not yet explained" not in page

@@ -78,6 +78,13 @@ class ErrorScales:
             flush-to-zero, PTX ISA ``.ftz``) loses those products, so a logit moves by at most this.
             The smallest encodable scales make such keys (an E4M3 code times ``2**-126`` or
             ``2**-127``).
+        slot0_weight: ``[T, H]`` float64, ``sum_j w_j`` over the valid lanes whose index value is 0
+            (row 0 of the main or of the extra cache; 0 for a row that reads no index 0): which rows
+            a kernel that takes index 0 for the mask sentinel gets wrong
+            (``tolerances`` names that cause when exactly those rows are wrong).
+        slot0_output: ``[T, H, d_v]`` float64, ``sum_j w_j V_j`` over the same lanes: with it the
+            output of the call with those lanes masked is ``(output - slot0_output) / (1 - slot0_weight)``
+            (the counterfactual ``tolerances`` compares a wrong result with).
     """
 
     abs_weighted: torch.Tensor
@@ -87,6 +94,8 @@ class ErrorScales:
     key_magnitude: torch.Tensor | None = None
     value_max: torch.Tensor | None = None
     flush_magnitude: torch.Tensor | None = None
+    slot0_weight: torch.Tensor | None = None
+    slot0_output: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -114,6 +123,8 @@ class OracleOutput:
             s.max_candidates, None if s.key_magnitude is None else s.key_magnitude[tokens, heads],
             None if s.value_max is None else s.value_max[tokens, heads],
             None if s.flush_magnitude is None else s.flush_magnitude[tokens, heads],
+            None if s.slot0_weight is None else s.slot0_weight[tokens, heads],
+            None if s.slot0_output is None else s.slot0_output[tokens, heads],
         )  # fmt: skip
         return OracleOutput(self.output[tokens, heads], self.lse[tokens, heads], self.lse_convention,
                             self.lse_scale, scales)  # fmt: skip
@@ -240,6 +251,7 @@ def _oracle(call: SparseMlaCall) -> OracleOutput:
 
     num_tokens, num_heads = q.shape[0], q.shape[1]
     flat, valid = _lane_mask(call.main, device)
+    zero = flat == 0  # lanes whose index value is 0 (row 0 of their own cache)
     past_main = f"indices: token {{}} references a row past the {main.shape[0]}-token cache"
     _check_in_range(flat, valid, main.shape[0], past_main)
     if call.extra is not None:
@@ -248,8 +260,10 @@ def _oracle(call: SparseMlaCall) -> OracleOutput:
                         "extra_indices: token {} references a row past the extra cache")  # fmt: skip
         flat = torch.cat([flat, extra_flat + main.shape[0]], dim=1)
         valid = torch.cat([valid, extra_valid], dim=1)
+        zero = torch.cat([zero, extra_flat == 0], dim=1)
     order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)  # each row's valid lanes first
     valid = valid.gather(1, order)
+    zero = zero.gather(1, order) & valid
     flat = torch.where(valid, flat.gather(1, order), 0)  # an invalid lane reads row 0, then zeroed below
     counts = valid.sum(dim=1)
     q64 = q.to(torch.float64)
@@ -265,6 +279,8 @@ def _oracle(call: SparseMlaCall) -> OracleOutput:
     q_abs = q64.abs()
     q_tiny = q_abs * (q_abs < FP32_MIN_NORMAL)  # [T, H, d_qk]: subnormal query elements (else 0)
     subnormals = bool(q_tiny.any()) or bool(((table != 0) & (table.abs() < FP32_MIN_NORMAL)).any())
+    slot0_weight = torch.zeros((num_tokens, num_heads), dtype=torch.float64, device=device)
+    slot0_output = torch.zeros_like(output)
     max_candidates = int(counts.max()) if num_tokens else 0
     budget = BLOCK_BYTES["cpu" if device.type == "cpu" else "other"]
     block = max(1, budget // max(1, max_candidates * table.shape[1] * 8))
@@ -300,11 +316,18 @@ def _oracle(call: SparseMlaCall) -> OracleOutput:
             flushed = flushed + (torch.bmm(q_tiny[tokens], rows_abs.transpose(1, 2))
                                  + torch.bmm(q_abs[tokens], tiny.transpose(1, 2))).amax(dim=2)  # fmt: skip
         flush_magnitude[tokens] = torch.where(has, flushed * abs(sm_scale), 0.0)
+        zero_lanes = zero[tokens, :width]
+        if bool(zero_lanes.any()):  # most blocks read no index 0: nothing to add
+            w0 = w * zero_lanes[:, None, :]
+            slot0_weight[tokens] = w0.sum(dim=2)
+            slot0_output[tokens] = torch.bmm(w0, values)
     if lse_convention == "flashmla":
         lse = torch.where(torch.isinf(lse_e) & (lse_e < 0), math.inf, lse_e)
     else:
         lse_full = torch.logaddexp(lse_e, sink) if sink is not None else lse_e
         lse = lse_full / math.log(2.0) * lse_scale
-    scales = ErrorScales(abs_weighted, rms_weighted, score_magnitude, max_candidates, key_magnitude, value_max,
-                         flush_magnitude)  # fmt: skip
+    scales = ErrorScales(
+        abs_weighted, rms_weighted, score_magnitude, max_candidates, key_magnitude, value_max,
+        flush_magnitude=flush_magnitude, slot0_weight=slot0_weight, slot0_output=slot0_output,
+    )  # fmt: skip
     return OracleOutput(output, lse, lse_convention, lse_scale, scales)

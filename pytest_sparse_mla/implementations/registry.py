@@ -112,16 +112,38 @@ def _import_object(spec: str, config: pytest.Config | None = None) -> Any:
             f"--sparse-mla-impl={spec!r}: importing module {module_name!r} raised "
             f"{type(exc).__name__}: {exc}{_raised_at(exc)}"
         ) from None
+    parents = [module_name]
     for part in attribute.split(".") if attribute else ():
         try:
             obj = getattr(obj, part)
         except AttributeError:
             raise pytest.UsageError(
                 f"--sparse-mla-impl={spec!r}: module {module_name!r} has no attribute {attribute!r}"
+                + _attribute_hint(obj, part, ":".join([module_name, ".".join(parents[1:] + [""])]).rstrip("."))
             ) from None
+        parents.append(part)
     if isinstance(obj, type):
         obj = obj()
     return obj
+
+
+def _attribute_hint(owner: Any, missing: str, prefix: str) -> str:
+    """``"; did you mean --sparse-mla-impl=PREFIX:NAME?"`` for the public names of ``owner`` closest
+    to ``missing`` (case ignored: ``Mykernel`` finds ``MyKernel``; ``difflib.get_close_matches``), else
+    the names in ``owner`` that provide a capability, else ``""``."""
+    import difflib
+
+    names = [name for name in dir(owner) if not name.startswith("_")]
+    by_lower = {name.lower(): name for name in names}
+    close = [by_lower[n] for n in difflib.get_close_matches(missing.lower(), list(by_lower), n=3, cutoff=0.6)]
+    if not close:
+        close = [n for n in names if any(callable(getattr(getattr(owner, n, None), cap, None)) for cap in CAPABILITIES)]
+    sep = "" if prefix.endswith(":") else "."
+    return (
+        ("; did you mean " + " or ".join(f"--sparse-mla-impl={prefix}{sep}{n}" for n in close[:3]) + "?")
+        if close
+        else ""
+    )
 
 
 def implementation_name(impl: Any, default: str = "") -> str:
