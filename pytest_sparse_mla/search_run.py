@@ -33,8 +33,8 @@ A test expected to fail (an xfail mark) whose xfail file names no region, and a 
 Hypothesis profile has no shrink phase (the wrong-kernel gate's inner runs, which read only the
 verdict), stop at their first failing call and raise it as it is.
 
-**Compiling is not judged time** (CUDA). The first call of each new shape (format, token and head
-counts, widths, page sizes, forms, strides, which keywords are given) is preceded by a warm-up
+**Compiling is not judged time** (CUDA). The first call of each new shape (every tensor argument's
+shape, strides, dtype and alignment, which keywords are given: :meth:`SearchRun._shape`) is preceded by a warm-up
 (:meth:`SearchRun.warm`, ``search_speed.warm``) inside ``untimed``: the test's time limit stops while
 a Triton autotuner or JIT compiles (``device_health.untimed``). A kernel that autotunes per shape
 can spend minutes this way, so a run's warm-ups have a budget (``warm_seconds``, default the test's
