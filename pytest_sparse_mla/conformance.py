@@ -220,8 +220,12 @@ def _gist(message: str) -> str:
 
 
 def _short(text: str, limit: int = 240) -> str:
+    """``text`` on one line, cut at a word boundary before ``limit`` characters (with "...")."""
     text = " ".join(text.split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    if len(text) <= limit:
+        return text
+    cut = text[: limit - 3]
+    return (cut.rsplit(" ", 1)[0] if " " in cut else cut) + " ..."
 
 
 def _fmt(value: Any, spec: str = ".2e") -> str:
@@ -298,8 +302,8 @@ def _cause_lines(impls: dict[str, Any]) -> list[str]:
                 out.append(f"* `{name}`: {len(fs)} test(s) whose failure names no likely cause")
                 continue
             first = fs[0]
-            evidence = f"; evidence: {_short(str(first['evidence']), 300)}" if first.get("evidence") else ""
-            out.append(f"* `{name}` `[{key}]` ({len(fs)} test(s)): {_short(str(first['cause']), 300)}{evidence}")
+            evidence = f"; evidence: {_short(str(first['evidence']), 400)}" if first.get("evidence") else ""
+            out.append(f"* `{name}` `[{key}]` ({len(fs)} test(s)): {_short(str(first['cause']), 600)}{evidence}")
     if not any_fail:
         out.append("None.")
     return out
