@@ -20,6 +20,7 @@ import pytest
 import torch
 from test_peer_adapters import FakeFlashMla, _assert_matches_oracle, _inputs, _kw  # noqa: I001
 
+from pytest_sparse_mla import Unsupported
 from pytest_sparse_mla.attention import oracle_forward
 from pytest_sparse_mla.implementations import BUILTINS, _source, flaggems, vllm_triton
 
@@ -142,16 +143,18 @@ def test_vllm_gets_the_virtual_table_and_its_empty_rows_read_as_empty(
     assert bool(torch.isneginf(res.lse[2]).all())
 
 
-def test_vllm_checks_the_lengths_it_folds(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_vllm_refuses_lengths_it_cannot_fold(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lengths the adapter would fold into the rows but cannot map are ``Unsupported`` (the peer never
+    sees them: a bad-input test skips), not a contract error raised by the adapter itself."""
     monkeypatch.setattr(vllm_triton, "vllm_module", lambda: FakeVllm())
     monkeypatch.setattr(vllm_triton.VllmTritonImplementation, "devices", ("cuda", "cpu"))
     call = _inputs(4, 8, extra=False)
     call.pop("attn_sink")
     impl = vllm_triton.VllmTritonImplementation()
-    with pytest.raises(ValueError, match=r"\btopk_length\b"):
+    with pytest.raises(Unsupported, match=r"cannot map these \(topk_length\b"):
         impl.sparse_mla_forward(call["q"], call["kv_cache"], call["indices"], **_kw(call),
                                 topk_length=torch.zeros(5, dtype=torch.int32))  # fmt: skip
-    with pytest.raises(ValueError, match=r"\bextra_topk_length\b"):
+    with pytest.raises(Unsupported, match=r"\bextra_topk_length\b"):
         impl.sparse_mla_forward(call["q"], call["kv_cache"], call["indices"], **_kw(call),
                                 extra_topk_length=torch.zeros(4, dtype=torch.int32))  # fmt: skip
 

@@ -493,23 +493,30 @@ def call_peer(
 
 
 def check_folded_lengths(call: SparseMlaCall) -> None:
-    """Check the lengths of a read call that an adapter folds into the index rows itself (its peer
-    takes none): the same checks as the bundled reference (``[T]`` int32 on ``q``'s device;
-    ``extra_topk_length`` only with an extra cache).
+    """Refuse the lengths of a read call that an adapter folds into the index rows itself (its peer
+    takes none) and cannot map as they are: not ``[T]`` int32 on ``q``'s device, or
+    ``extra_topk_length`` without an extra cache (the bundled reference's checks). The peer never
+    sees such lengths, so its handling of them is not measured: the call is ``Unsupported`` (a bad
+    input test then skips with this reason), never a contract error raised by adapter code.
 
     Raises:
-        TypeError: not a tensor, or not int32. ValueError: a wrong shape or device;
-            ``extra_topk_length`` without an extra cache.
+        pytest_sparse_mla.Unsupported: lengths the adapter cannot fold, with the reference's reason.
     """
     import torch
 
     from pytest_sparse_mla.attention.call import check_vector
 
-    if call.extra_topk_length is not None and call.extra is None:
-        raise ValueError("extra_topk_length requires extra_kv_cache and extra_indices")
-    for name, value in (("topk_length", call.main.topk_length), ("extra_topk_length", call.extra_topk_length)):
-        if value is not None:
-            check_vector(value, name, torch.int32, call.num_tokens, "one length per token", call.q)
+    try:
+        if call.extra_topk_length is not None and call.extra is None:
+            raise ValueError("extra_topk_length requires extra_kv_cache and extra_indices")
+        for name, value in (("topk_length", call.main.topk_length), ("extra_topk_length", call.extra_topk_length)):
+            if value is not None:
+                check_vector(value, name, torch.int32, call.num_tokens, "one length per token", call.q)
+    except (TypeError, ValueError) as exc:
+        raise Unsupported(
+            f"the adapter folds the lengths into the index rows and cannot map these ({exc}); the peer never "
+            "sees them, so its own handling is not measured"
+        ) from None
 
 
 def source_skip_reason(

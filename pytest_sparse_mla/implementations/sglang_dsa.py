@@ -64,7 +64,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from pytest_sparse_mla.envelope import Envelope, Widths, route_of
+from pytest_sparse_mla.envelope import Envelope, Unsupported, Widths, route_of
 from pytest_sparse_mla.implementations import _sglang_kernels
 from pytest_sparse_mla.implementations._peer import (
     PeerAdapter,
@@ -189,9 +189,9 @@ class _DsaBase(PeerAdapter):
         """``(q, kv, indices)`` as the caller passes them, plus the table's token count.
 
         Raises:
-            TypeError: index rows that are not int32 (the adapter rebuilds the rows as int32 and does
-                not convert another dtype; the kernel's own handling of them is not measured).
-            ValueError, TypeError: the lengths the adapter folds (``_peer.check_folded_lengths``).
+            pytest_sparse_mla.Unsupported: index rows that are not int32 (the adapter rebuilds the rows
+                as int32 and does not convert another dtype: the kernel's own handling of them is not
+                measured), or lengths the adapter cannot fold (``_peer.check_folded_lengths``).
         """
         import torch
 
@@ -200,9 +200,10 @@ class _DsaBase(PeerAdapter):
         for source in c.sources:  # the rows are rebuilt as int32 (virtual_table): another dtype is not mapped
             if source.indices.dtype != torch.int32:
                 _, name, _ = source.names
-                raise TypeError(
-                    f"{name}.dtype={source.indices.dtype}: expected torch.int32 (SGLang's DSA backend passes "
-                    "int32 page_table_1 rows; the adapter does not convert them)"
+                raise Unsupported(
+                    f"{self.name}: {name}.dtype={source.indices.dtype}: SGLang's DSA backend passes int32 "
+                    "page_table_1 rows; the adapter rebuilds the rows and does not convert another dtype, so "
+                    "the kernel's own handling of it is not measured"
                 )
         kv, rows, _ = virtual_table(c, row_multiple=ROW_MULTIPLE, fold_lengths=True)
         # the caller's q_all is contiguous (q.contiguous().view(...), or concat_mla_absorb_q_general's output)
@@ -227,7 +228,7 @@ class SglangDsaTritonImplementation(_DsaBase):
             :class:`PeerResult`: the BF16 output ``[T, H, 512]``, ``lse=None``, the route.
 
         Raises:
-            ValueError, TypeError: the lengths the adapter folds (``_peer.check_folded_lengths``).
+            pytest_sparse_mla.Unsupported: lengths the adapter cannot fold (``_peer.check_folded_lengths``).
             Whatever the kernel raises (``ValueError`` for dtypes, ``AssertionError`` for shapes).
         """
         q, kv, indices, num_slots = self._table(call)
@@ -262,7 +263,7 @@ class SglangDsaTileLangImplementation(_DsaBase):
             :class:`PeerResult`: the BF16 output ``[T, H, 512]``, ``lse=None``, ``route=None``.
 
         Raises:
-            ValueError, TypeError: the lengths the adapter folds (``_peer.check_folded_lengths``).
+            pytest_sparse_mla.Unsupported: lengths the adapter cannot fold (``_peer.check_folded_lengths``).
             Whatever the kernel raises (``AssertionError`` for shapes).
         """
         q, kv, indices, _ = self._table(call)

@@ -132,7 +132,7 @@ class VllmTritonImplementation(PeerAdapter):
             ``lse_convention``, ``route=None``.
 
         Raises:
-            ValueError, TypeError: the lengths the adapter folds into the rows
+            pytest_sparse_mla.Unsupported: lengths the adapter cannot fold into the rows
                 (:func:`_peer.check_folded_lengths`).
             ImportError: the source is not found.
             Whatever the kernel raises (``AssertionError`` from the interface's asserts).
