@@ -180,6 +180,7 @@ def test_token_byte_ranges_by_hand() -> None:
         formats.token_byte_ranges("dsv4", 4, 4)
 
 
+@pytest.mark.full_tier  # a search run of a wrong kernel, shrunk and reported (CONTRIBUTING.md)
 def test_a_shrunk_search_failure_gets_a_standalone_reproducer(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -241,6 +242,7 @@ def test_the_lane_order_property_fails_a_kernel_that_ends_a_row_at_its_first_min
     assert code == 1 and "1 failed" in output, output[-3000:]
 
 
+@pytest.mark.full_tier  # a search run of a wrong kernel, shrunk and reported (CONTRIBUTING.md)
 def test_an_expected_search_failure_is_not_shrunk_and_an_unexpected_one_is(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

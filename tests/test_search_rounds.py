@@ -36,6 +36,7 @@ def _run(args, tmp_path, monkeypatch, capsys):
     )  # fmt: skip
 
 
+@pytest.mark.full_tier  # a search run of a wrong kernel, shrunk and reported (CONTRIBUTING.md)
 def test_one_default_run_reports_both_bugs_of_a_kernel_with_two(tmp_path, monkeypatch, capsys) -> None:
     report = tmp_path / "run.json"
     impl = "kernel_catalogue:two_bugs_strided_q_and_partial_head_tile"
@@ -70,6 +71,7 @@ def test_a_default_run_draws_every_end_of_every_dimension(tmp_path, monkeypatch,
     assert not any(missing.values()), missing
 
 
+@pytest.mark.full_tier  # a search run of a wrong kernel, shrunk and reported (CONTRIBUTING.md)
 def test_a_known_region_is_reported_under_its_key_and_a_new_bug_fails(tmp_path, monkeypatch, capsys) -> None:
     xfail = tmp_path / "xfail.txt"
     xfail.write_text(
