@@ -417,8 +417,11 @@ def schedule(envelope: Envelope, device: str = "cpu") -> list[Any]:
     """The covering calls (``search.DrawnCall``) for ``envelope`` on ``device``: together they hit
     every label of :func:`required_ends`; each lies inside the envelope and the size bound.
 
-    Greedy: the ends are placed in order (sizes first), each into the first call where it fits
-    without moving an end already placed there, else into a new call. Deterministic.
+    Greedy: the ends are placed in order (sizes first), each into the call it makes least costlier
+    (:func:`_cost`; the cheaper call on a tie) without moving an end already placed there, else into
+    a new call; where an end has several ways (a negative ``sm_scale`` with the widest spread first),
+    the first way any call takes wins. An end that needs no size then never rides on the largest
+    call. Deterministic.
 
     Raises:
         ValueError: an end no call inside the envelope can hit (a bug of this module).
@@ -431,20 +434,21 @@ def schedule(envelope: Envelope, device: str = "cpu") -> list[Any]:
         for label in labels:  # sizes: the largest first, into the cheapest call
             setter = _setter(dim, label, envelope)
             placed = False
-            by_cost = sorted(range(len(rows)), key=lambda i: _cost(rows[i][0]))
-            for i in by_cost:
-                call, pinned = rows[i]
+            best: tuple[int, int, int, int, Any] | None = None  # (setter's choice, cost added, cost, row, call)
+            for i, (call, pinned) in enumerate(rows):
                 if dim in pinned and pinned[dim] != label:
                     continue
-                for candidate in setter(call):
+                for k, candidate in enumerate(setter(call)):
                     hits = ends_of(candidate)
                     if label in hits.get(dim, set()) and all(v in hits.get(d, set()) for d, v in pinned.items()) \
                             and fits(candidate, envelope, device) and not _masks(candidate):  # fmt: skip
-                        rows[i] = (candidate, {**pinned, dim: label})
-                        placed = True
+                        key = (k, _cost(candidate) - _cost(call), _cost(call), i, candidate)
+                        best = key if best is None or key[:4] < best[:4] else best
                         break
-                if placed:
-                    break
+            if best is not None:
+                *_, i, candidate = best
+                rows[i] = (candidate, {**rows[i][1], dim: label})
+                placed = True
             if not placed:
                 for candidate in setter(_base(envelope, len(rows))):
                     if label in ends_of(candidate).get(dim, set()) and fits(candidate, envelope, device):

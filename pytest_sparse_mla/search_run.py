@@ -287,15 +287,18 @@ class SearchRun:
             **extra,
         )  # fmt: skip
 
-    def _seeded(self, test: Any, round_: int = 0) -> Any:
+    def _seeded(self, test: Any, round_: int = 0, prop: Any = None) -> Any:
         """``test`` under this shard's seed (``shards.hypothesis_seed``: ``seed + shard``;
-        derandomized, a distinct one per shard); round ``r > 0`` of a run draws from that seed plus
-        ``r * ROUND_STRIDE`` (a fresh stream, not the first round's replayed with its region left out)."""
+        derandomized, a distinct one per shard, and per property ``prop`` when ``test`` is the
+        rounds' shared body: each property draws its own calls); round ``r > 0`` of a run draws from
+        that seed plus ``r * ROUND_STRIDE`` (a fresh stream, not the first round's replayed with its
+        region left out)."""
         import hypothesis
 
         from pytest_sparse_mla.shards import hypothesis_seed
 
-        shard_seed = hypothesis_seed(self.seed, self.shard, test)
+        shard_seed = hypothesis_seed(self.seed, self.shard, prop, named=True) if prop is not None \
+            else hypothesis_seed(self.seed, self.shard, test)  # fmt: skip
         if round_:
             shard_seed = (shard_seed or 0) + round_ * ROUND_STRIDE
         return test if shard_seed is None else hypothesis.seed(shard_seed)(test)
@@ -345,9 +348,11 @@ class SearchRun:
         verdict_only = self._verdict_only()
         self.hints = verdict_only  # a verdict-only run raises its first failure as it is
         self._phase = "covering"
+        covered = 0
         for i, call in enumerate(covering.schedule(envelope, device) if cover else []):
             if i % self.shards != self.shard or len(self.found) >= MAX_DISCREPANCIES:
                 continue
+            covered += 1
             call = self._outside(call, envelope, device)
             exc = self._try(prop, call)
             if exc is not None:
@@ -356,7 +361,7 @@ class SearchRun:
                 self._discover(prop, call, exc, envelope, device)
         self._phase = "random"
         self._rounds = 0
-        left = budget
+        left = budget - covered  # the covering calls are drawn instead of random ones, not beside them
         while left > 0 and len(self.found) < MAX_DISCREPANCIES:
             made, failure = self._round(prop, envelope, device, left)
             left -= max(made, 1)
@@ -466,7 +471,7 @@ class SearchRun:
                 state["last"] = (call, exc)
                 raise exc
 
-        test = self._seeded(self.settings(budget)(body), self._rounds)
+        test = self._seeded(self.settings(budget)(body), self._rounds, prop)
         self._rounds += 1
         try:
             test()

@@ -126,25 +126,29 @@ def shard_id(shard: int) -> str:
     return f"shard{shard}"
 
 
-def hypothesis_seed(seed: int | None, shard: int, test: Any) -> int | None:
+def hypothesis_seed(seed: int | None, shard: int, test: Any, *, named: bool = False) -> int | None:
     """The seed global shard ``shard`` of a search test draws from (for ``hypothesis.seed``), or
     ``None`` to leave Hypothesis's own derandomization in place.
 
     Args:
         seed: ``--sparse-mla-search-seed`` (shard 0's seed), or ``None`` (derandomized).
         shard: the global shard index (>= 0).
-        test: the ``@given`` function the shard runs (its ``__module__`` and ``__qualname__``).
+        test: the ``@given`` function the shard runs, or with ``named`` the property it judges (its
+            ``__module__`` and ``__qualname__``).
+        named: ``test`` is not the function Hypothesis runs: the search run's rounds run one
+            ``@given`` body for every property (``search_run.SearchRun``), whose hash every property
+            would share, so derandomized shard 0 gets a seed from ``test``'s name too.
 
     Returns:
         ``seed + shard`` with a seed. Derandomized: ``None`` for shard 0 (Hypothesis derives the
-        calls from a hash of the test function, as for any derandomized test); for shard ``> 0``
-        the first 8 bytes of the SHA-256 of ``"<module>:<qualname>:shard<k>"`` as an integer: the
-        shard functions of one test share their source, so Hypothesis's own hash would draw the
-        same calls in every shard.
+        calls from a hash of the test function, as for any derandomized test) unless ``named``;
+        for shard ``> 0`` (and shard 0 when ``named``) the first 8 bytes of the SHA-256 of
+        ``"<module>:<qualname>:shard<k>"`` as an integer: the shard functions of one test share
+        their source, so Hypothesis's own hash would draw the same calls in every shard.
     """
     if seed is not None:
         return seed + shard
-    if shard == 0:
+    if shard == 0 and not named:
         return None
     name = f"{getattr(test, '__module__', '')}:{getattr(test, '__qualname__', type(test).__qualname__)}:shard{shard}"
     return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big")

@@ -661,14 +661,14 @@ def compare_output(
     bad_rows = row_err > row_bound
     if not nonfinite:
         n_bad = int(bad_rows.sum())
-        ratio = torch.where(bad_rows, row_err / row_bound, torch.zeros_like(row_err))
-        idx = tuple(int(i) for i in torch.unravel_index(ratio.argmax(), ratio.shape))
         lines.append(
             f"per row: ||A_r - E_r|| <= {factor:g} * ({profile.row_sigmas:g} * sqrt(({profile.p_roundings:g}*"
             f"(u_p*sqrt(sum_j w_j^2 ||V_j||^2))^2 + (u_o*||E_r||)^2)/3) + worst-case score/accumulation terms); "
             f"largest normwise relative error {float(row_rel.max()):.3g}"
         )
-        if n_bad:
+        if n_bad:  # the worst row's index only here: torch.unravel_index imports sympy on its first call (0.2 s)
+            ratio = torch.where(bad_rows, row_err / row_bound, torch.zeros_like(row_err))
+            idx = tuple(int(i) for i in torch.unravel_index(ratio.argmax(), ratio.shape))
             violations.append(
                 f"per-row normwise: {n_bad} of {bad_rows.numel()} (token, head) rows exceed their bound; worst at "
                 f"{_where(idx, num_tokens)}: ||A_r - E_r|| = {float(row_err[idx]):.3g} > {float(row_bound[idx]):.3g} "
