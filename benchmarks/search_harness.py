@@ -14,14 +14,20 @@ Shared by ``test_bench_search.py`` (calls per second, this checkout beside a bas
   files come from ``git show COMMIT:PATH`` of this checkout, or from ``$SPARSE_MLA_SEARCH_BASELINE``
   (a folder holding ``search.py``, ``oracle.py``, ``tolerances.py``) where the checkout has no
   history (a copy sent to a device machine).
+* :func:`baseline_tree`: the whole checkout at the baseline commit (``git archive``), or
+  ``$SPARSE_MLA_SEARCH_BASELINE_TREE`` (a folder holding it), for what only a whole package can
+  time: :func:`default_search`, the default CPU search of one package tree in its own pytest process.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import time
 import types
+import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +41,69 @@ BASELINE_FILES = {
     "oracle": "pytest_sparse_mla/attention/oracle.py",
     "tolerances": "pytest_sparse_mla/tolerances.py",
 }
+
+
+#: The search suite, relative to a checkout's root.
+SEARCH_SUITE = "suites/test_attention_search.py"
+
+
+def baseline_tree(dest: Path, commit: str = BASELINE_COMMIT) -> Path:
+    """A folder holding the whole checkout at ``commit``: ``$SPARSE_MLA_SEARCH_BASELINE_TREE`` when
+    set, else ``git archive commit`` of this checkout unpacked under ``dest``.
+
+    Raises:
+        RuntimeError: neither gives a tree holding ``SEARCH_SUITE``.
+    """
+    folder = os.environ.get("SPARSE_MLA_SEARCH_BASELINE_TREE")
+    tree = Path(folder) if folder else dest / commit
+    if not folder and not (tree / SEARCH_SUITE).is_file():
+        tree.mkdir(parents=True, exist_ok=True)
+        try:
+            archive = subprocess.run(["git", "archive", commit], cwd=ROOT, capture_output=True, check=True).stdout
+            subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, capture_output=True, check=True)
+        except (OSError, subprocess.CalledProcessError) as exc:
+            raise RuntimeError(f"no baseline tree: set SPARSE_MLA_SEARCH_BASELINE_TREE or run in a git checkout "
+                               f"holding {commit} ({exc})") from exc  # fmt: skip
+    if not (tree / SEARCH_SUITE).is_file():
+        raise RuntimeError(f"{tree} holds no {SEARCH_SUITE}: not a checkout of the project")
+    return tree
+
+
+def default_search(tree: Path, out: Path) -> dict[str, Any]:
+    """Run the default search of the package in ``tree`` on the CPU, as a user does: ``SEARCH_SUITE``
+    against the bundled reference (``--sparse-mla-impl reference --sparse-mla-device cpu``, default
+    budget and seed), one pytest process without xdist, ``tree`` first on ``PYTHONPATH`` (so its
+    ``pytest_sparse_mla`` is the one the ``sparse_mla`` entry point loads), ``tree`` as rootdir.
+
+    Returns:
+        ``{"wall_s"``: the process, start to exit (interpreter, imports, collection included);
+        ``"tests_s"``: the search tests' call phases (junit ``time``, ``junit_duration_report=call``);
+        ``"tests"``: per test id, seconds; ``"calls"``: the calls the search judged (the JSON
+        report's ``search.calls``); ``"passed"``: tests passed``}``.
+
+    Raises:
+        RuntimeError: the run did not pass (the output's tail in the message).
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    junit, report = out / "junit.xml", out / "report.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    env.pop("PYTEST_ADDOPTS", None)
+    args = [sys.executable, "-m", "pytest", "-p", "sparse_mla", SEARCH_SUITE, "--sparse-mla-impl", "reference",
+            "--sparse-mla-device", "cpu", "-p", "no:xdist", "-p", "no:cacheprovider", "-q", "--rootdir", str(tree),
+            "-o", "junit_duration_report=call", f"--junitxml={junit}",
+            f"--sparse-mla-report-json={report}"]  # fmt: skip
+    start = time.perf_counter()
+    run = subprocess.run(args, cwd=tree, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if run.returncode != 0:
+        tail = (run.stdout + run.stderr)[-3000:]
+        raise RuntimeError(f"the default search in {tree} exited {run.returncode}:\n{tail}")
+    cases = list(ET.parse(junit).getroot().iter("testcase"))
+    tests = {f"{c.get('classname')}::{c.get('name')}": float(c.get("time") or 0.0) for c in cases}
+    passed = sum(not any(e.tag in ("skipped", "failure", "error") for e in c) for c in cases)
+    search = json.loads(report.read_text()).get("search") or {}
+    return {"wall_s": wall, "tests_s": sum(tests.values()), "tests": tests, "calls": search.get("calls"),
+            "passed": passed}  # fmt: skip
 
 
 def decode_calls(envelope: Any, device: str, n: int, max_tokens: int = 64) -> list[Any]:

@@ -14,22 +14,44 @@ the ratio. Hypothesis's own drawing is not in the timed passes (``profile_search
 
 Rows: the bundled reference, and FlashMLA where it is importable (its row says why not). Runs on a
 CPU too (small list): ``pytest -p sparse_mla benchmarks/test_bench_search.py --benchmark-only -p no:xdist``.
+
+:func:`test_default_cpu_search_beside_the_baseline` times what a user waits for: the default search
+on a CPU (``suites/test_attention_search.py`` against the bundled reference, default budget, one
+pytest process: ``search_harness.default_search``) of this checkout and of the whole package at
+``BASELINE_COMMIT`` (``search_harness.baseline_tree``), alternating, :data:`SEARCH_ROUNDS` runs
+each after one untimed run of each (bytecode, file cache); the median process wall time and the
+median of the search tests' own time, with the ratio, and the load average before each run (the
+machine is shared: a loaded core changes the numbers far more than the code does).
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import pytest
 from bench_utils import record
-from search_harness import BASELINE_COMMIT, Judge, baseline_modules, current_modules, decode_calls
+from search_harness import (
+    BASELINE_COMMIT,
+    ROOT,
+    Judge,
+    baseline_modules,
+    baseline_tree,
+    current_modules,
+    decode_calls,
+    default_search,
+)
 
 from pytest_sparse_mla.implementations import BUILTINS
 
 #: Calls in the list on CUDA and on a CPU; timed passes of each side.
 CALLS, CPU_CALLS, ROUNDS = 40, 6, 3
+#: Timed runs of each side of the default CPU search.
+SEARCH_ROUNDS = 3
+T = TypeVar("T")
 
 
 def _impl(name: str, device: str, config: pytest.Config) -> Any:
@@ -38,6 +60,22 @@ def _impl(name: str, device: str, config: pytest.Config) -> Any:
     if reason:
         pytest.skip(f"{name}: {reason}")
     return impl
+
+
+def _alternated(
+    benchmark: Any, current: Callable[[], T], baseline: Callable[[], T], rounds: int
+) -> tuple[dict[str, T], dict[str, list[T]]]:  # fmt: skip
+    """One untimed run of each side (compiles, caches: returned apart as ``first``), then ``rounds``
+    runs of each, alternating (baseline first; ``current``'s last through pytest-benchmark).
+    Returns ``(first, runs)``, each keyed ``"current"`` / ``"baseline"``."""
+    first = {"current": current(), "baseline": baseline()}
+    runs: dict[str, list[T]] = {"current": [], "baseline": []}
+    for _ in range(rounds - 1):
+        runs["baseline"].append(baseline())
+        runs["current"].append(current())
+    runs["current"].append(benchmark.pedantic(current, rounds=1, iterations=1))
+    runs["baseline"].append(baseline())
+    return first, runs
 
 
 def _pass(judge: Judge, calls: list[Any]) -> float:
@@ -60,13 +98,7 @@ def test_search_checked_calls_per_second(benchmark, bench_results, sparse_mla_de
     except RuntimeError as exc:
         pytest.skip(str(exc))
     current = Judge(current_modules(), impl, device)
-    first = {"current": _pass(current, calls), "baseline": _pass(baseline, calls)}  # compiles each shape
-    times: dict[str, list[float]] = {"current": [], "baseline": []}
-    for _ in range(ROUNDS - 1):
-        times["baseline"].append(_pass(baseline, calls))
-        times["current"].append(_pass(current, calls))
-    times["current"].append(benchmark.pedantic(lambda: _pass(current, calls), rounds=1, iterations=1))
-    times["baseline"].append(_pass(baseline, calls))
+    first, times = _alternated(benchmark, lambda: _pass(current, calls), lambda: _pass(baseline, calls), ROUNDS)
     rate = {k: len(calls) / statistics.median(v) for k, v in times.items()}
     tokens = sorted(c.num_tokens for c in calls)
     row = {
@@ -79,5 +111,42 @@ def test_search_checked_calls_per_second(benchmark, bench_results, sparse_mla_de
         "tokens_median": tokens[len(tokens) // 2],
         "notes": f"{rate['current']:.1f} calls/s vs {rate['baseline']:.1f} at {BASELINE_COMMIT} "
         f"(x{rate['current'] / rate['baseline']:.1f}); ms is per call",
+    }
+    record(benchmark, bench_results, row)
+
+
+def test_default_cpu_search_beside_the_baseline(benchmark, bench_results, tmp_path):
+    """The default CPU search, this checkout beside ``BASELINE_COMMIT`` (module docstring)."""
+    try:
+        tree = baseline_tree(tmp_path / "baseline")
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
+    count = iter(range(1000))
+
+    def side(root: Any) -> Callable[[], dict[str, Any]]:
+        def run() -> dict[str, Any]:
+            load = os.getloadavg()[0]
+            return {**default_search(root, tmp_path / f"run{next(count)}"), "load1": load}
+
+        return run
+
+    first, runs = _alternated(benchmark, side(ROOT), side(tree), SEARCH_ROUNDS)
+    wall = {k: statistics.median(r["wall_s"] for r in v) for k, v in runs.items()}
+    tests = {k: statistics.median(r["tests_s"] for r in v) for k, v in runs.items()}
+    calls = {k: v[0]["calls"] for k, v in runs.items()}
+    row = {
+        "name": f"default CPU search (reference, {SEARCH_ROUNDS} runs each, alternating)",
+        "ms": 1e3 * wall["current"],
+        "wall_s": {k: [round(r["wall_s"], 2) for r in v] for k, v in runs.items()},
+        "tests_s": {k: [round(r["tests_s"], 2) for r in v] for k, v in runs.items()},
+        "load1": {k: [round(r["load1"], 2) for r in v] for k, v in runs.items()},
+        "per_test_s": {k: v[-1]["tests"] for k, v in runs.items()},
+        "calls": calls,
+        "first_run_wall_s": {k: round(v["wall_s"], 2) for k, v in first.items()},
+        "wall_ratio": wall["current"] / wall["baseline"],
+        "tests_ratio": tests["current"] / tests["baseline"],
+        "notes": f"wall {wall['current']:.2f} s vs {wall['baseline']:.2f} s at {BASELINE_COMMIT} "
+        f"(x{wall['current'] / wall['baseline']:.2f}); search tests {tests['current']:.2f} s vs "
+        f"{tests['baseline']:.2f} s; {calls['current']} calls vs {calls['baseline']}; ms is the median wall",
     }
     record(benchmark, bench_results, row)

@@ -397,9 +397,10 @@ def sparse_mla_search(
     Use it inside the test: write the property as a function of one drawn call that builds it
     (``search.build``), records it (``sparse_mla_search.note(call, inputs)``) and raises on a
     discrepancy, then ``sparse_mla_search.check(prop, envelope, device)``: the covering calls of
-    this shard (every end of every dimension the envelope admits), then
-    ``--sparse-mla-search-examples`` random draws (default 8; 0 skips the test) in rounds, each
-    distinct discrepancy shrunk and reported with its region (``pytest_sparse_mla.search_run``).
+    this shard (every end of every dimension the envelope admits), then random draws in rounds up
+    to ``--sparse-mla-search-examples`` calls in all, the covering calls counted (default 8; 0
+    skips the test), each distinct discrepancy shrunk and reported with its region
+    (``pytest_sparse_mla.search_run``).
     ``--sparse-mla-search-seed`` (default: derandomized, no example database); global shard ``k``
     (``--sparse-mla-search-shards``, ``--sparse-mla-search-shard-group``) draws from ``seed + k``
     (derandomized: a distinct seed per shard, ``shards.hypothesis_seed``) and takes every ``k``-th

@@ -137,8 +137,8 @@ class SparseMlaOptions:
         tolerances: parsed ``sparse_mla_tolerances`` ini lines,
             ``{profile: {parameter: value}}`` (``pytest_sparse_mla.tolerances.parse_ini_lines``).
         activated_by: why the plugin is active in this session (e.g. ``"-p sparse_mla"``).
-        search_examples: calls the search draws per property test and shard (``0``: the search
-            tests skip); default 8, derandomized.
+        search_examples: calls the search judges per property test and shard, its covering calls
+            counted (``0``: the search tests skip); default 8, derandomized.
         search_seed: ``None`` (derandomized: every run draws the same calls; no example database)
             or the seed of shard 0 (shard ``k`` uses ``seed + k``; failures are saved in
             Hypothesis's example database and replayed first on the next run).
@@ -286,7 +286,8 @@ def add_options(parser: pytest.Parser) -> None:
         "--sparse-mla-search-examples",
         default=None,
         metavar="N",
-        help="Calls the search draws per property test and shard (default 8; 0 skips the search). "
+        help="Calls the search judges per property test and shard, its covering calls counted (default 8; "
+        "0 skips the search). "
         "A nightly or GPU budget: e.g. 500 with --sparse-mla-search-seed and --sparse-mla-search-shards",
     )
     group.addoption(

@@ -6,9 +6,12 @@ property (a function that judges one ``search.DrawnCall`` and raises on a discre
 
 1. **The covering calls** of this shard (``pytest_sparse_mla.covering.schedule``: every end of every
    dimension's legal range the envelope admits; shard ``k`` of ``n`` takes calls ``k, k + n, ...``).
-2. **Rounds of random draws** (Hypothesis, ``search.calls``), ``examples`` calls in all. A round ends
-   at its first failure, which Hypothesis shrinks; the next round draws outside every region found
-   so far.
+2. **Rounds of random draws** (Hypothesis, ``search.calls``): ``examples`` calls in all, the covering
+   calls of step 1 counted among them (they are drawn instead of random calls, not beside them: the
+   default budget of 8 is then spent on the covering calls of the oracle property, and the other
+   properties, which take no covering calls, draw at random). Each property draws its own calls
+   (``shards.hypothesis_seed`` of the property's name). A round ends at its first failure, which
+   Hypothesis shrinks; the next round draws outside every region found so far.
 3. **The region of each failure** (``pytest_sparse_mla.regions``): each dimension of the failing call
    is moved to its other classes, one at a time (:func:`moves`; the simplest class first, and a move
    under which the failure stays is kept, so this also simplifies a covering call, which Hypothesis
@@ -163,8 +166,9 @@ class SearchRun:
     """The search run of one test (the ``sparse_mla_search`` fixture; module docstring).
 
     Args:
-        examples: random calls to draw (``max_examples`` over all rounds; the covering calls and
-            the region searches come on top).
+        examples: calls to judge: this shard's covering calls, then random draws up to this
+            count (``max_examples`` over all rounds; none when the covering calls reach it). The
+            region searches and shrinking come on top.
         seed: ``None``: derandomized, no example database; else the seed of this shard (``seed +
             shard``).
         shard, shards: this test's shard index and the number of shards of the search (the
@@ -328,9 +332,9 @@ class SearchRun:
     ) -> None:  # fmt: skip
         """Run ``prop`` (judges one ``search.DrawnCall``, raises on a discrepancy) over this shard's
         covering calls (unless ``covering`` is false: a property that derives several calls from
-        each drawn one, whose ends another property of the run covers) and ``examples`` random
-        draws inside ``envelope`` (``examples`` instead, for a property that makes several calls per
-        draw), in rounds (module docstring).
+        each drawn one, whose ends another property of the run covers) and random draws inside
+        ``envelope`` up to ``examples`` calls in all, the covering calls counted (``examples``
+        instead, for a property that makes several calls per draw), in rounds (module docstring).
 
         Raises:
             NewDiscrepancy, KnownDiscrepancy: the discrepancies found (module docstring).
