@@ -641,6 +641,8 @@ def _queries(
     dev = keys.device
     base = torch.randn((T, H, d), generator=g, dtype=torch.float64, device=dev)
     base = base / base.norm(dim=-1, keepdim=True)
+    # From here in place where a [T, H, d] float64 result replaces its operand (the same values as out
+    # of place; a fresh tensor of that size is page faults on a CPU, T * H * d up to millions).
     scale = call.sm_scale[1]
     if scale == 0.0 or not bool(valid.any()):
         return (base * 8).to(torch.bfloat16)
@@ -651,17 +653,17 @@ def _queries(
     unit = unit / unit.norm().clamp(min=1e-300)
     if direction is not None:  # the spread comes from the other dims: the BF16 rounding of the queries
         base[..., -64:] = 0.0  # then leaves the shared component's huge dot products out of the spread
-        base = base / base.norm(dim=-1, keepdim=True).clamp(min=1e-300)
+        base.div_(base.norm(dim=-1, keepdim=True).clamp(min=1e-300))
     raw = scale * torch.einsum("thd,tnd->thn", base, keys)
     mean = (raw * w).sum(-1) / n
     std = (((raw - mean.unsqueeze(-1)) ** 2 * w).sum(-1) / n).sqrt()
     alpha = torch.where(std > 0, call.score_spread / std.clamp(min=1e-300), torch.zeros_like(std))
-    q = base * alpha.unsqueeze(-1)
+    q = base.mul_(alpha.unsqueeze(-1))  # base is not read again
     if direction is not None:  # the offset: along the key component every row shares
         along = ((scale * keys @ unit) * w.squeeze(1)).sum(-1, keepdim=True) / n  # [T, 1] mean logit of the unit
         safe = along.where(along.abs() > 0, 1.0)
         beta = torch.where(along.abs() > 0, (call.score_offset - alpha * mean) / safe, 0.0)  # [T, H]
-        q = q + beta.unsqueeze(-1) * unit
+        q.add_(beta.unsqueeze(-1) * unit)
     if call.peak:
         lanes = valid.double() + torch.rand(valid.shape, generator=g, dtype=torch.float64, device=dev) * 0.5
         pick = lanes.argmax(-1)  # a valid lane per token (the same for every head of the token)
@@ -669,14 +671,14 @@ def _queries(
         k = keys.gather(1, pick.unsqueeze(-1).expand(-1, -1, d))  # [T, H, d]
         norm2 = (k * k).sum(-1, keepdim=True)
         bump = torch.where(norm2 > 0, call.peak / (scale * norm2.clamp(min=1e-300)), torch.zeros_like(norm2))
-        q = q + bump * k
+        q.add_(bump * k)
     top = 2.0**120
-    q = torch.nan_to_num(q, nan=0.0, posinf=top, neginf=-top).clamp(-top, top)
+    q.nan_to_num_(nan=0.0, posinf=top, neginf=-top).clamp_(-top, top)
     # Mixed magnitudes across caches and groups can push some logits far past the drawn regime: shrink
     # such a (token, head) query until its largest logit is within the regime's reach.
     reach = abs(call.score_offset) + 8 * call.score_spread + call.peak + 10
     logits = (scale * torch.einsum("thd,tnd->thn", q, keys)).abs().masked_fill(~valid.unsqueeze(1), 0).amax(-1)
-    q = q * torch.where(logits > reach, reach / logits.clamp(min=1e-300), torch.ones_like(logits)).unsqueeze(-1)
+    q.mul_(torch.where(logits > reach, reach / logits.clamp(min=1e-300), torch.ones_like(logits)).unsqueeze(-1))
     return q.to(torch.bfloat16)
 
 
