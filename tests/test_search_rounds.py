@@ -69,6 +69,33 @@ def test_a_default_run_draws_every_end_of_every_dimension(tmp_path, monkeypatch,
     assert required["scale_bytes"] >= {"dsv4:smallest", "dsv4:largest", "dsv3_2:smallest", "dsv4_1_indexed:largest"}
     missing = {dim: sorted(labels - set(ends.get(dim, {}))) for dim, labels in required.items()}
     assert not any(missing.values()), missing
+    spent = search["spent"]  # the covering calls count inside the default budget of 8: no random draw beside them
+    assert spent["covering"] == len(covering.schedule(ReferenceImplementation.envelope, "cpu")) >= 8, spent
+    assert spent.get("random", 0) == 0 and search["calls"] == spent["covering"], search
+
+
+def test_each_property_of_a_derandomized_run_draws_its_own_calls() -> None:
+    """Two properties run by ``SearchRun`` (one shared ``@given`` body) draw different calls, and the
+    same property draws the same calls again (derandomized)."""
+    from pytest_sparse_mla import search_run
+
+    envelope = ReferenceImplementation.envelope
+
+    def seeds_of(prop_name: str) -> list[int]:
+        seen: list[int] = []
+
+        def prop(call) -> None:
+            seen.append(call.seed)
+
+        prop.__qualname__ = prop_name
+        run = search_run.SearchRun(4, None, 0, lambda key, value: None)
+        run.check(prop, envelope, "cpu", covering=False)
+        return seen
+
+    first, second = seeds_of("test_one.<locals>.drawn"), seeds_of("test_two.<locals>.drawn")
+    assert len(first) == len(second) == 4
+    assert first[1:] != second[1:], (first, second)  # the first draw of each is Hypothesis's simplest call
+    assert seeds_of("test_one.<locals>.drawn") == first
 
 
 @pytest.mark.full_tier  # a search run of a wrong kernel, shrunk and reported (CONTRIBUTING.md)

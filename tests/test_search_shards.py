@@ -166,6 +166,12 @@ def test_derandomized_seeds_are_fixed_and_distinct_per_shard() -> None:
     assert len(set(derived)) == 5 and all(isinstance(s, int) for s in derived)
     assert derived == [shards.hypothesis_seed(None, k, inner) for k in range(1, 6)]
 
+    def other() -> None: ...
+
+    named = shards.hypothesis_seed(None, 0, inner, named=True)  # a property under a shared @given body
+    assert isinstance(named, int) and named != shards.hypothesis_seed(None, 0, other, named=True)
+    assert shards.hypothesis_seed(7, 3, inner, named=True) == 10  # a given seed is the shard's, as before
+
 
 @pytest.mark.parametrize(
     ("text", "expected"),
