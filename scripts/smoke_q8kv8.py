@@ -40,7 +40,11 @@ def _toolchain() -> dict[str, Any]:
     nvcc = os.path.join(home, "bin", "nvcc") if home else shutil.which("nvcc")
     info["nvcc"] = nvcc
     try:
-        info["nvcc_version"] = subprocess.run([nvcc or "nvcc", "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
+        info["nvcc_version"] = (
+            subprocess.run([nvcc or "nvcc", "--version"], capture_output=True, text=True)
+            .stdout.strip()
+            .splitlines()[-1]
+        )
     except OSError as exc:
         info["nvcc_version"] = f"not runnable: {exc}"
     info["ninja"] = shutil.which("ninja")

@@ -186,7 +186,9 @@ def test_the_q8kv8_stand_ins_load_the_wheels_files_without_sglang(monkeypatch: p
     monkeypatch.setenv("SPARSE_MLA_SGLANG_CUTLASS", "/nowhere/cutlass/include")
     before = {name for name in sys.modules if name == "sglang" or name.startswith("sglang.")}
     stubs = _source.stubs_for("sglang-q8kv8")
-    assert stubs["sglang.kernels.jit.utils.deps"]["REGISTERED_DEPENDENCIES"]["cutlass"]() == ["/nowhere/cutlass/include"]
+    assert stubs["sglang.kernels.jit.utils.deps"]["REGISTERED_DEPENDENCIES"]["cutlass"]() == [
+        "/nowhere/cutlass/include"
+    ]
     assert stubs["sglang.srt.environ"]["envs"].SGLANG_JIT_CACHE_DIR.get() is None
     module = _source.exec_source("_test_sglang_q8kv8_gather", _source.find_source("sglang", path), stubs)
     try:

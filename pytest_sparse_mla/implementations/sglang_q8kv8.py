@@ -210,7 +210,9 @@ def _pool(source: Any) -> Any:
             f"{source.names[0]}: page stride {layout.page_stride} B over {layout.num_pages} pages runs past the "
             "tensor's storage; SGLang's gather reads a contiguous [pages, page bytes] pool"
         )
-    return torch.as_strided(cache, (layout.num_pages, layout.page_stride), (layout.page_stride, 1), cache.storage_offset())
+    return torch.as_strided(
+        cache, (layout.num_pages, layout.page_stride), (layout.page_stride, 1), cache.storage_offset()
+    )
 
 
 def combined_rows(call: Any, n_extra: int, sentinel: int) -> tuple[Any, Any]:
