@@ -89,6 +89,7 @@ from pytest_sparse_mla.implementations._peer import (
     PeerCall,
     PeerResult,
     call_peer,
+    check_folded_lengths,
     lse_to_convention,
     source_skip_reason,
 )
@@ -296,13 +297,23 @@ class SglangQ8Kv8Implementation(PeerAdapter):
             ``lse_convention``, ``route=None``.
 
         Raises:
-            pytest_sparse_mla.Unsupported: a cache whose pages have no contiguous pool view (:func:`_pool`).
+            pytest_sparse_mla.Unsupported: a cache whose pages have no contiguous pool view (:func:`_pool`);
+                index rows that are not int32 or lengths that cannot be joined (``_peer.check_folded_lengths``):
+                the adapter rebuilds both, so the kernel's own handling of them is not measured.
             Whatever the wheel's helpers or the kernel raise (``ValueError`` for arguments,
             ``RuntimeError`` for a failed JIT build).
         """
         import torch
 
         c = call.call
+        check_folded_lengths(c)
+        for source in c.sources:  # the rows are rebuilt as int32 (combined_rows): another dtype is not mapped
+            if source.indices.dtype != torch.int32:
+                raise Unsupported(
+                    f"{self.name}: {source.names[1]}.dtype={source.indices.dtype}: SGLang's caller builds int32 "
+                    "combined rows; the adapter rebuilds the rows and does not convert another dtype, so the "
+                    "kernel's own handling of it is not measured"
+                )
         q = c.q
         num_tokens, num_heads = int(q.shape[0]), int(q.shape[1])
         gather = load("gather")
