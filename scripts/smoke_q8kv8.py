@@ -9,7 +9,8 @@ of it. It prints the toolchain the build sees (nvcc, ninja, tvm_ffi, msgspec, CU
 ``version.h``, the GPU), loads the kernel file as the adapter does (``implementations.sglang_q8kv8``),
 calls its module loader ``_jit_sparse_mla_q8kv8_prefill_module`` (SGLang's ``load_jit``: the build, or
 the cached module under ``SGLANG_JIT_CACHE_DIR``), and writes the compiler's output to ``--log``
-(``SGLANG_JIT_LOG_RESOURCE_USAGE=1``: ptxas's register and spill report of each kernel; on a failure,
+(``SGLANG_JIT_LOG_RESOURCE_USAGE=1``, set unless given: ptxas's register and spill report of each
+kernel; the flag is part of SGLang's build key, so later runs must set it too to reuse the module; on a failure,
 SGLang's message with ninja's stdout and stderr). A failure is summarized as ``BUILD FAILED:`` and the
 first lines naming a missing header or an nvcc error. Exit status 0 when the module loaded, 1 when not.
 """

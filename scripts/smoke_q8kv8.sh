@@ -23,6 +23,9 @@ OUT=${RESULTS:?set RESULTS to the results directory}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1 PEERS_ENV_FUNCTIONS_ONLY=1
+# ptxas's resource report in the build log; the flag is part of SGLang's build key, so it is exported for
+# the conformance run too (its workers then find the module built here instead of building another)
+export SGLANG_JIT_LOG_RESOURCE_USAGE=${SGLANG_JIT_LOG_RESOURCE_USAGE:-1}
 # shellcheck source=scripts/peers_env.sh
 source scripts/peers_env.sh
 peers_install_wheels
