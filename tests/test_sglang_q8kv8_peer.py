@@ -198,3 +198,22 @@ def test_the_q8kv8_stand_ins_load_the_wheels_files_without_sglang(monkeypatch: p
         assert after == before
     finally:
         sys.modules.pop("_test_sglang_q8kv8_gather", None)
+
+
+def test_a_per_layer_view_of_a_shared_pool_reaches_the_gather_with_its_own_bytes() -> None:
+    """Layer 1 of a two-layer pool (page stride twice the page's records, its last page's stride past
+    the storage): the gather gets a contiguous pool whose every page holds that layer's records."""
+    import types
+
+    ps, pages, record = 2, 3, 2 * 584
+    pool = torch.randint(0, 256, (pages, 2 * record), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    layer1 = pool[:, record:]
+    source = types.SimpleNamespace(cache=layer1, layout=formats.parse_cache(layer1, "dsv4", page_block_size=ps))
+    got = sglang_q8kv8._pool(source)
+    assert got.is_contiguous() and got.dim() == 2 and got.shape[0] == pages
+    for p in range(pages):
+        assert torch.equal(got[p, :record], pool[p, record:])
+    layer0 = pool[:, :record]  # its strides fit the storage: the same bytes, no copy
+    source0 = types.SimpleNamespace(cache=layer0, layout=formats.parse_cache(layer0, "dsv4", page_block_size=ps))
+    view = sglang_q8kv8._pool(source0)
+    assert view.data_ptr() == pool.data_ptr() and view.shape == (pages, 2 * record) and view.is_contiguous()

@@ -195,25 +195,21 @@ def build_reason() -> str | None:
 
 
 def _pool(source: Any) -> Any:
-    """The 2-D ``[P, page_stride]`` byte view of a DSV4 cache the gather reads as SGLang's pool
-    (contiguous; same bytes and storage offset).
-
-    Raises:
-        pytest_sparse_mla.Unsupported: the last page's stride runs past the tensor's storage (no
-            contiguous pool view of these bytes exists; the caller's pool is always one).
+    """The 2-D ``[P, page_stride]`` byte view of a DSV4 cache that the gather reads as SGLang's pool
+    (contiguous; the same bytes and storage offset). Where the last page's stride runs past the
+    tensor's storage (a per-layer view of a pool shared by layers: SGLang's DSV4 pool is one tensor
+    per layer), the pages' ``page_block_size * 584`` record bytes are copied into a contiguous
+    ``[P, ps * 584]`` pool instead: the gather reads only those bytes of each page, so the workspace
+    the kernel reads is the same either way.
     """
     import torch
 
     layout, cache = source.layout, source.cache
-    end = cache.storage_offset() + layout.num_pages * layout.page_stride
-    if end > cache.untyped_storage().nbytes():
-        raise Unsupported(
-            f"{source.names[0]}: page stride {layout.page_stride} B over {layout.num_pages} pages runs past the "
-            "tensor's storage; SGLang's gather reads a contiguous [pages, page bytes] pool"
-        )
-    return torch.as_strided(
-        cache, (layout.num_pages, layout.page_stride), (layout.page_stride, 1), cache.storage_offset()
-    )
+    offset = cache.storage_offset()
+    if offset + layout.num_pages * layout.page_stride <= cache.untyped_storage().nbytes():
+        return torch.as_strided(cache, (layout.num_pages, layout.page_stride), (layout.page_stride, 1), offset)
+    record_bytes = layout.page_block_size * layout.fmt.bytes_per_token
+    return torch.as_strided(cache, (layout.num_pages, record_bytes), (layout.page_stride, 1), offset).contiguous()
 
 
 def combined_rows(call: Any, n_extra: int, sentinel: int) -> tuple[Any, Any]:
@@ -297,8 +293,8 @@ class SglangQ8Kv8Implementation(PeerAdapter):
             ``lse_convention``, ``route=None``.
 
         Raises:
-            pytest_sparse_mla.Unsupported: a cache whose pages have no contiguous pool view (:func:`_pool`);
-                index rows that are not int32 or lengths that cannot be joined (``_peer.check_folded_lengths``):
+            pytest_sparse_mla.Unsupported: index rows that are not int32, or lengths that cannot be joined
+                (``_peer.check_folded_lengths``):
                 the adapter rebuilds both, so the kernel's own handling of them is not measured.
             Whatever the wheel's helpers or the kernel raise (``ValueError`` for arguments,
             ``RuntimeError`` for a failed JIT build).
