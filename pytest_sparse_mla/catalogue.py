@@ -158,6 +158,10 @@ BUILTINS: tuple[Builtin, ...] = (
         "sglang-dsa-tilelang", f"{_HERE}.sglang_dsa:SglangDsaTileLangImplementation", source=_SGLANG,
         wheel="sglang==0.5.23",
     ),
+    Builtin(
+        "sglang-q8kv8-sm90", f"{_HERE}.sglang_q8kv8:SglangQ8Kv8Implementation", source=_SGLANG,
+        wheel="sglang==0.5.23",
+    ),
     # A new built-in is one entry here (CONTRIBUTING.md, "Add a peer").
 )  # fmt: skip
 

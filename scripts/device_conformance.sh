@@ -48,6 +48,9 @@ stamp() { echo "[device_conformance +$(( $(date +%s) - t_start ))s] $*"; }
 peers_install_wheels
 peers_pythonpath
 peers_install_project
+if [[ " ${IMPLS[*]} " == *" sglang-q8kv8-sm90 "* ]]; then
+  peers_sglang_jit || true  # CUTLASS for SGLang's JIT build (scripts/peers_env.sh)
+fi
 PLUGIN=sparse_mla  # the pytest11 entry point; the module itself when the editable install failed
 python3 -c "import importlib.metadata as m, sys; sys.exit(0 if any(e.name == 'sparse_mla' for e in m.entry_points(group='pytest11')) else 1)" \
   || PLUGIN=pytest_sparse_mla.plugin

@@ -28,6 +28,17 @@
 #                                    FLASH_MLA_DISABLE_SM100=1 python setup.py build_ext --inplace
 #                                    (about 2 minutes on 16 cores); with PEERS_EXT_OUT=DIR set, the
 #                                    build is packed to DIR/flash_mla-ext.tar.xz to be carried next time
+#                                    peers_sglang_jit unpacks only its csrc/cutlass/include (CUTLASS 147f5673,
+#                                    4.3.5) into $PEERS_DIR/sglang-jit-cutlass and exports
+#                                    SPARSE_MLA_SGLANG_CUTLASS=<that include dir>: SGLang's JIT build of
+#                                    sglang-q8kv8-sm90 (load_jit, extra_dependencies=["cutlass"]) finds CUTLASS
+#                                    only in an installed FlashInfer's or DeepGEMM's package data, and the
+#                                    adapter's stand-in for that lookup (_source.stubs_for("sglang-q8kv8"))
+#                                    answers this variable instead when it is set (an already set variable is
+#                                    kept); it also sets SGLANG_JIT_CACHE_DIR (default
+#                                    $PEERS_DIR/sglang-jit-cache), where the built module is cached. The
+#                                    build also needs nvcc, ninja, apache-tvm-ffi (from
+#                                    .peers/tilelang-site.tar.xz) and msgspec (.whl/msgspec-0.22.0-cp312-*.whl)
 #   .peers/flaggems/src/flag_gems/    FlagGems' two source files (fused/flash_mla_with_kvcache.py,
 #                                    fused/flashmla_sparse.py; git show of flagos-ai/FlagGems) and a
 #                                    _version.py naming the commit: put on PYTHONPATH (flaggems)
@@ -108,6 +119,27 @@ peers_flashmla() {  # unpack a carried build, else build from the carried source
   fi
 }
 
+peers_sglang_jit() {  # CUTLASS for SGLang's JIT build of sglang-q8kv8-sm90 (see the header)
+  export SGLANG_JIT_CACHE_DIR=${SGLANG_JIT_CACHE_DIR:-$PEERS_DIR/sglang-jit-cache}
+  if [ -n "${SPARSE_MLA_SGLANG_CUTLASS:-}" ]; then
+    peers_log "sglang JIT: CUTLASS from SPARSE_MLA_SGLANG_CUTLASS=$SPARSE_MLA_SGLANG_CUTLASS"
+    return 0
+  fi
+  local dest="$PEERS_DIR/sglang-jit-cutlass"
+  if [ ! -f "$dest/.done" ]; then
+    if [ ! -f .peers/flashmla-src.tar.xz ]; then
+      peers_log "sglang JIT: no .peers/flashmla-src.tar.xz; sglang-q8kv8-sm90 builds only with FlashInfer's or DeepGEMM's CUTLASS installed"
+      return 1
+    fi
+    rm -rf "$dest" && mkdir -p "$dest" \
+      && tar -xJf .peers/flashmla-src.tar.xz -C "$dest" FlashMLA/csrc/cutlass/include FlashMLA/PEER_SOURCE.txt \
+      && touch "$dest/.done" \
+      || { peers_log "sglang JIT: could not unpack CUTLASS from .peers/flashmla-src.tar.xz"; return 1; }
+  fi
+  export SPARSE_MLA_SGLANG_CUTLASS="$dest/FlashMLA/csrc/cutlass/include"
+  peers_log "sglang JIT: CUTLASS of $(head -1 "$dest/FlashMLA/PEER_SOURCE.txt" 2>/dev/null) at $SPARSE_MLA_SGLANG_CUTLASS"
+}
+
 peers_status() {
   python3 - <<'PY' >&2 || true
 import importlib.metadata as m
@@ -126,6 +158,7 @@ PY
 if [ "${PEERS_ENV_FUNCTIONS_ONLY:-0}" != "1" ]; then
   peers_install_wheels
   peers_flashmla
+  peers_sglang_jit
   peers_pythonpath
   peers_install_project
   peers_status

@@ -20,10 +20,10 @@ __all__ = ["HINT", "source_of", "missing", "load_entry"]
 HINT = "pip install --no-deps sglang==0.5.23"
 
 
-def source_of(path: str) -> dict[str, Any]:
-    """How a reproducer finds the file ``path`` (relative to the ``sglang`` package): ``_peer.call_peer``'s
-    ``source``."""
-    return {"kind": "file", "package": "sglang", "path": path, "stubs": "sglang-kernels"}
+def source_of(path: str, stubs: str = "sglang-kernels") -> dict[str, Any]:
+    """How a reproducer finds the file ``path`` (relative to the ``sglang`` package) and which
+    stand-ins it runs with (``_source.stubs_for(stubs)``): ``_peer.call_peer``'s ``source``."""
+    return {"kind": "file", "package": "sglang", "path": path, "stubs": stubs}
 
 
 def missing(path: str) -> str | None:
@@ -36,9 +36,10 @@ def missing(path: str) -> str | None:
 
 
 @functools.cache
-def load_entry(name: str, path: str, function: str) -> Any:
-    """``function`` of ``sglang/<path>``, the file executed as module ``name`` with the
-    ``"sglang-kernels"`` stand-ins (module docstring).
+def load_entry(name: str, path: str, function: str, stubs: str = "sglang-kernels") -> Any:
+    """``function`` of ``sglang/<path>``, the file executed as module ``name`` with the stand-ins
+    ``_source.stubs_for(stubs)`` (``"sglang-kernels"``, module docstring; ``"sglang-q8kv8"`` for the
+    JIT-built kernel of ``implementations.sglang_q8kv8``).
 
     Raises:
         ImportError: sglang (or triton, or tilelang) is not installed, or the file is missing.
@@ -49,4 +50,4 @@ def load_entry(name: str, path: str, function: str) -> Any:
     found = find_source("sglang", path)
     if found is None:
         raise ImportError(f"the installed sglang has no {path} ({HINT})")
-    return getattr(exec_source(name, found, stubs_for("sglang-kernels")), function)
+    return getattr(exec_source(name, found, stubs_for(stubs)), function)

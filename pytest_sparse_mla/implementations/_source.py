@@ -49,6 +49,23 @@ def stubs_for(kind: Any) -> dict[str, dict[str, Any]]:
     ``kernels/ops/quantization/fp8_kernel.py``): ``srt.utils.is_hip``, ``is_gfx95_supported``,
     ``common.is_gfx942_supported`` (``False``), ``fp8_kernel.is_fp8_fnuz`` (``False``), and
     ``srt.utils.get_device_core_count(i)`` (the CUDA device's multiprocessor count, 0 without CUDA).
+    ``"sglang-q8kv8"``: the ``"sglang-kernels"`` stand-ins, plus what
+    ``kernels/ops/attention/sparse_mla_q8kv8_prefill_sm90.py`` and the wheel's JIT build code
+    (``kernels/jit/utils/``, which runs from the wheel: ``load_jit``, its ``build.ninja``, its cache)
+    import from ``sglang.srt``: ``srt.environ.envs`` with the eight ``SGLANG_JIT_*`` /
+    ``SGLANG_CRASH_ON_JIT_COMPILE`` / ``SGLANG_SAIL_GPU_ARCH`` fields those files read, each ``.get()``
+    reading the environment variable with SGLang 0.5.23's default (``python/sglang/srt/environ.py``
+    lines 1397-1426); ``srt.utils.common.is_cuda`` (as SGLang: CUDA available and a CUDA torch);
+    ``srt.utils.custom_op.register_custom_op`` as the identity decorator (SGLang's registers the
+    function as a ``torch.library`` op of namespace ``sglang`` whose CUDA implementation is the
+    function itself, for ``torch.compile``; an eager call runs the function, directly or through
+    that op: ``srt/utils/custom_op.py`` ``_call_directly_in_eager``, ``srt/utils/common.py``
+    ``direct_register_custom_op``). And the one place a device run
+    points the build at its CUTLASS: ``sglang.kernels.jit.utils.deps`` is the wheel's ``deps.py``
+    (executed as ``_sparse_mla_sglang_jit_deps``), except that its ``"cutlass"`` dependency answers
+    the directories of ``SPARSE_MLA_SGLANG_CUTLASS`` (``os.pathsep``-separated) when that variable
+    is set (``scripts/peers_env.sh``: FlashMLA's CUTLASS) and SGLang's own lookup (FlashInfer's or
+    DeepGEMM's bundled headers) otherwise.
     ``None``: none.
 
     Raises:
@@ -102,6 +119,59 @@ def stubs_for(kind: Any) -> dict[str, dict[str, Any]]:
             },
             "sglang.srt.utils.common": {"is_gfx942_supported": no},
         }  # fmt: skip
+    if kind == "sglang-q8kv8":
+        import os
+
+        stubs = stubs_for("sglang-kernels")
+        deps_file = find_source("sglang", "kernels/jit/utils/deps.py")
+        if deps_file is None:
+            raise ImportError("sglang/kernels/jit/utils/deps.py is not on sys.path")
+
+        def env(name: str, default: Any, parse: Any) -> Any:
+            def get() -> Any:
+                value = os.environ.get(name)
+                return default if value is None else parse(value)
+
+            return types.SimpleNamespace(get=get)
+
+        def flag(value: str) -> bool:
+            return value.lower() in ("true", "1", "yes", "y")
+
+        envs = types.SimpleNamespace(
+            SGLANG_JIT_CACHE_DIR=env("SGLANG_JIT_CACHE_DIR", None, str),
+            SGLANG_JIT_CACHE_DEBUG=env("SGLANG_JIT_CACHE_DEBUG", False, flag),
+            SGLANG_JIT_CACHE_KEEP=env("SGLANG_JIT_CACHE_KEEP", None, int),
+            SGLANG_JIT_FORCE_RECOMPILE=env("SGLANG_JIT_FORCE_RECOMPILE", False, flag),
+            SGLANG_CRASH_ON_JIT_COMPILE=env("SGLANG_CRASH_ON_JIT_COMPILE", False, flag),
+            SGLANG_JIT_LOG_RESOURCE_USAGE=env("SGLANG_JIT_LOG_RESOURCE_USAGE", False, flag),
+            SGLANG_SAIL_GPU_ARCH=env("SGLANG_SAIL_GPU_ARCH", "native", str),
+            SGLANG_JIT_KERNEL_RUN_FULL_TESTS=env("SGLANG_JIT_KERNEL_RUN_FULL_TESTS", False, flag),
+        )
+        deps = exec_source("_sparse_mla_sglang_jit_deps", deps_file, {})
+        registered = dict(deps.REGISTERED_DEPENDENCIES)
+        sglang_cutlass = registered["cutlass"]
+
+        def cutlass() -> list[str]:
+            carried = os.environ.get("SPARSE_MLA_SGLANG_CUTLASS")
+            return [p for p in carried.split(os.pathsep) if p] if carried else sglang_cutlass()
+
+        registered["cutlass"] = cutlass
+
+        def is_cuda() -> bool:
+            import torch
+
+            return torch.cuda.is_available() and torch.version.cuda is not None
+
+        def register_custom_op(fn: Any = None, **kwargs: Any) -> Any:
+            return fn if fn is not None else (lambda f: f)
+
+        stubs["sglang.srt.environ"] = {"envs": envs}
+        stubs["sglang.srt.utils.common"] = {**stubs["sglang.srt.utils.common"], "is_cuda": is_cuda}
+        stubs["sglang.srt.utils.custom_op"] = {"register_custom_op": register_custom_op}
+        stubs["sglang.kernels.jit.utils.deps"] = {
+            "REGISTERED_DEPENDENCIES": registered, "register_dependency": deps.register_dependency,
+        }  # fmt: skip
+        return stubs
     if kind == "flaggems":
         return {
             "flag_gems": {},
@@ -116,7 +186,9 @@ def stubs_for(kind: Any) -> dict[str, dict[str, Any]]:
             "vllm": {},
             "vllm.triton_utils": {"LOG2E": math.log2(math.e), "LOGE2": math.log(2.0), "tl": tl, "triton": triton},
         }
-    raise ValueError(f"stubs_for({kind!r}): expected None, 'flaggems', 'vllm', 'sglang' or 'sglang-kernels'")
+    raise ValueError(
+        f"stubs_for({kind!r}): expected None, 'flaggems', 'vllm', 'sglang', 'sglang-kernels' or 'sglang-q8kv8'"
+    )
 
 
 def stubbed(stubs: dict[str, dict[str, Any]]) -> Any:
