@@ -601,6 +601,12 @@ def start_thread_timer(item: pytest.Item, settings: Any) -> bool | None:
     return True
 
 
+def is_timed(item: pytest.Item) -> bool:
+    """Whether ``item`` runs under this module's thread timer (:func:`start_thread_timer`): only then
+    does :func:`untimed` keep time out of its limit."""
+    return getattr(item, "_sparse_mla_timer", None) is not None and getattr(item, "cancel_timeout", None) is not None
+
+
 @contextmanager
 def untimed(item: pytest.Item, limit: float | None = None) -> Iterator[None]:
     """Time spent inside is not ``item``'s: its thread timer (:func:`start_thread_timer`) stops, a

@@ -262,7 +262,9 @@ def sparse_mla_impl(
     """The implementation under test, selected by ``--sparse-mla-impl`` (default ``reference``),
     behind the envelope guard (:class:`pytest_sparse_mla.guard.GuardedImplementation`: its forward
     is called only inside the implementation's envelope and returns one result shape; the object
-    itself is ``.unguarded``).
+    itself is ``.unguarded``). On CUDA, under a time limit, a forward call of a shape this process
+    has not met is first run once on copies outside the limit (a JIT kernel's compile and autotune
+    are not the kernel's run time; ``GuardedImplementation``'s ``untimed``).
 
     An object following the protocol of :mod:`pytest_sparse_mla.implementations.protocol`
     (``pack``, ``page_split``, ``sparse_mla_forward``, each optional; ``name``;
@@ -283,8 +285,14 @@ def sparse_mla_impl(
     )
     if reason is not None:
         pytest.skip(reason)
+    from pytest_sparse_mla import device_health
+
     declared = implementations.declared_envelope(impl) is not None
-    typed: SparseMlaImplementation = guard.GuardedImplementation(impl, sparse_mla_envelope, declared)
+    node = request.node
+    typed: SparseMlaImplementation = guard.GuardedImplementation(
+        impl, sparse_mla_envelope, declared,
+        untimed=lambda: device_health.untimed(node) if device_health.is_timed(node) else None,
+    )  # fmt: skip
     return typed
 
 

@@ -42,7 +42,7 @@ flight (:mod:`pytest_sparse_mla.device_health`: a dead CUDA context's or a timeo
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -334,12 +334,24 @@ class GuardedImplementation:
         impl: the selected implementation.
         envelope: the envelope it is held to (:func:`envelope_of`).
         declared: whether the implementation declared it (refusals inside it then fail).
+        untimed: ``None`` (no warm-ups), or a function returning a context manager inside which time
+            is not the test's (``device_health.untimed`` of the test), or ``None`` when the test has
+            no time limit. Given it, a forward call on CUDA tensors whose shape key
+            (``search_speed.shape_key``) this process has not met is first run once on copies of
+            its arguments inside that context (``search_speed.warm_arguments``), so that a JIT
+            kernel's compile and autotune for a new shape are not counted in the judged call's time
+            limit. The warm-up is not recorded (no reproducer replays it), its result is discarded,
+            and an exception it raises is dropped: the judged call, made next on the real
+            arguments, meets it again and is judged.
     """
 
-    def __init__(self, impl: Any, envelope: Envelope, declared: bool) -> None:
+    def __init__(
+        self, impl: Any, envelope: Envelope, declared: bool, untimed: Callable[[], Any] | None = None
+    ) -> None:
         self.unguarded = impl
         self.envelope = envelope
         self.declared = declared
+        self._untimed = untimed
         self._name = str(getattr(impl, "name", None) or type(impl).__name__)
 
     def __getattr__(self, name: str) -> Any:
@@ -373,6 +385,7 @@ class GuardedImplementation:
             )
         from pytest_sparse_mla import device_health, recording
 
+        self._warm(args, kwargs)
         with recording.judged_call(args, kwargs) as rec:
             running = device_health.begin_call(self._name, "sparse_mla_forward", args, kwargs)
             try:
@@ -394,6 +407,28 @@ class GuardedImplementation:
             result = result_of(res, env, self._name, expected_shapes(args, kwargs))
             recording.set_result(rec, result.output, result.lse)
         return result
+
+    def _warm(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """The warm-up of a forward call on a new shape (the ``untimed`` argument above)."""
+        if self._untimed is None or len(args) != len(_POSITIONAL):
+            return
+        from pytest_sparse_mla import device_health, search_speed
+
+        key = search_speed.shape_key(*args, kwargs)
+        if key is None or key in search_speed.WARMED:
+            return
+        context = self._untimed()
+        if context is None:  # the test has no time limit: nothing to keep compile time out of
+            return
+        search_speed.WARMED.add(key)
+        with context:
+            running = device_health.begin_call(self._name, "sparse_mla_forward", args, kwargs)
+            try:
+                search_speed.warm_arguments(self.unguarded, *args, kwargs)
+            except Exception:  # noqa: BLE001 - the judged call meets it again and is judged
+                pass
+            finally:
+                device_health.end_call(running)
 
     def _recorded_split(self, split: Any, *args: Any, **kwargs: Any) -> Any:
         """The implementation's ``page_split`` (reached as ``.page_split`` when it has one), run with

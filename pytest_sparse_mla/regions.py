@@ -54,6 +54,7 @@ FEATURES: dict[str, tuple[str, ...]] = {
     "masked_lanes": ("none", "-1", "other-negative", "all"),
     "mask_placement": ("none", "trailing", "scattered"),
     "empty_rows": ("none", "some", "all"),
+    "empty_first_tile": ("none", "main", "extra", "both"),
     "index_pattern": ("uniform", "few", "ends", "one-page"),
     "stale_lanes": ("no-lengths", "1<<30", "poisoned-slot", "-1"),
     "extra_stale_lanes": ("none", "no-lengths", "1<<30", "poisoned-slot", "-1"),
@@ -96,6 +97,12 @@ def _lengths(c: Any) -> str:
     return "in-row"
 
 
+def _first_tile_empty(c: Any) -> bool:
+    """Whether some row of cache ``c`` (a ``search.CacheDraw`` or ``None``) has no valid lane among
+    its first lanes: a length of 0 or less, or every lane masked."""
+    return c is not None and ((c.lengths is not None and c.lengths[0] <= 0) or c.masked_fraction >= 1.0)
+
+
 def features(call: Any) -> dict[str, str]:
     """The class of each dimension of ``call`` (a ``search.DrawnCall``): ``{name: class}`` with the
     names and classes of :data:`FEATURES` (the main cache's for per-cache dimensions).
@@ -124,6 +131,7 @@ def features(call: Any) -> dict[str, str]:
         "masked_lanes": masked,
         "mask_placement": "none" if masked == "none" else ("scattered" if m.scattered else "trailing"),
         "empty_rows": "none" if call.empty_fraction <= 0 else ("all" if call.empty_fraction >= 1 else "some"),
+        "empty_first_tile": _empty_first_tile(call),
         "index_pattern": m.pattern,
         "stale_lanes": m.stale if m.lengths is not None else "no-lengths",
         "page_block_size": _bucket(m.page_block_size, ((3, "1-3"), (63, "4-63"), (64, "64"), (255, "65-255")), "256+"),
@@ -151,6 +159,16 @@ def features(call: Any) -> dict[str, str]:
         "extra_storage_offset": "none" if call.extra is None else _offset(call.extra),
         "query_layout": "strided" if call.strided_query else "contiguous",
     }
+
+
+def _empty_first_tile(call: Any) -> str:
+    """Which caches have a row whose first lanes hold no valid lane (an online softmax's first tile
+    with nothing in it): ``"none"``, ``"main"``, ``"extra"`` or ``"both"``; an empty row (no valid
+    lane in either cache) counts for both."""
+    empty_row = call.empty_fraction > 0
+    main = empty_row or _first_tile_empty(call.main)
+    extra = call.extra is not None and (empty_row or _first_tile_empty(call.extra))
+    return "both" if main and extra else "main" if main else "extra" if extra else "none"
 
 
 @dataclass(frozen=True)

@@ -216,7 +216,7 @@ class SearchRun:
                 (the call is not recorded and must not be made).
         """
         key = self._shape(inputs)
-        if key is not None and key not in self._warm and self._warm_budget_spent():
+        if key is not None and not self._is_warm(key) and self._warm_budget_spent():
             raise ColdShape(call.describe())
         self.drawn.append(search.record(call, inputs))
         for dim, labels in covering.ends_of(call).items():
@@ -224,20 +224,17 @@ class SearchRun:
 
     @staticmethod
     def _shape(inputs: Any) -> tuple[Any, ...] | None:
-        """What a JIT kernel may specialise on (CUDA inputs only; ``None`` on the CPU): every tensor
-        argument's shape, strides, dtype and 16-byte alignment (Triton specialises integer arguments
-        equal to 1 or divisible by 16 and pointers aligned to 16 bytes; an autotuner keys on sizes),
-        which keywords are given, and the values of the non-numeric ones (``fmt``, conventions)."""
-        if inputs is None or inputs.q.device.type != "cuda":
+        """``search_speed.shape_key`` of the built call (``None`` on the CPU)."""
+        from pytest_sparse_mla import search_speed
+
+        if inputs is None:
             return None
+        return search_speed.shape_key(inputs.q, inputs.kv_cache, inputs.indices, inputs.kwargs)
 
-        def key(v: Any) -> Any:
-            if hasattr(v, "untyped_storage"):
-                return (tuple(v.shape), v.stride(), str(v.dtype), (v.storage_offset() * v.element_size()) % 16)
-            return v if isinstance(v, (str, bool)) or v is None else type(v).__name__
+    def _is_warm(self, key: tuple[Any, ...]) -> bool:
+        from pytest_sparse_mla import search_speed
 
-        return (key(inputs.q), key(inputs.kv_cache), key(inputs.indices),
-                tuple(sorted((k, key(v)) for k, v in inputs.kwargs.items())))  # fmt: skip
+        return key in self._warm or key in search_speed.WARMED  # this run's, or this process's
 
     def _warm_budget_spent(self) -> bool:
         return self.warm_seconds is not None and self.warm_spent >= self.warm_seconds
@@ -248,7 +245,7 @@ class SearchRun:
         kernel's compile or autotune for a new shape then happens outside the judged call
         (``spent["warm-up"]`` counts them, ``warm_spent`` their seconds). Nothing on the CPU."""
         key = self._shape(inputs)
-        if key is None or key in self._warm:
+        if key is None or self._is_warm(key):
             return
         import contextlib
         import time
@@ -256,6 +253,7 @@ class SearchRun:
         from pytest_sparse_mla import search_speed
 
         self._warm.add(key)
+        search_speed.WARMED.add(key)  # the guard (guard.GuardedImplementation) then does not warm it again
         self.spent["warm-up"] += 1
         start = time.perf_counter()
         with self._untimed() if self._untimed is not None else contextlib.nullcontext():

@@ -16,7 +16,29 @@ from __future__ import annotations
 import time
 from typing import Any
 
-__all__ = ["warm"]
+__all__ = ["WARMED", "shape_key", "warm", "warm_arguments"]
+
+#: Shape keys (:func:`shape_key`) this process has warmed a kernel on: Triton's and TileLang's
+#: compiled kernels and autotune results live per process, so one warm-up per key and process
+#: serves every later test of the same xdist worker (the search and the fixed cases alike).
+WARMED: set[tuple[Any, ...]] = set()
+
+
+def shape_key(q: Any, kv_cache: Any, indices: Any, kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
+    """What a JIT kernel may specialise on, for CUDA inputs (``None`` when ``q`` is not a CUDA
+    tensor): every tensor argument's shape, strides, dtype and 16-byte alignment (Triton
+    specialises integer arguments equal to 1 or divisible by 16 and pointers aligned to 16 bytes;
+    an autotuner keys on sizes), which keywords are given, and the values of the non-numeric ones
+    (``fmt``, conventions); other values by their type name."""
+    if getattr(getattr(q, "device", None), "type", None) != "cuda":
+        return None
+
+    def key(v: Any) -> Any:
+        if hasattr(v, "untyped_storage"):
+            return (tuple(v.shape), v.stride(), str(v.dtype), (v.storage_offset() * v.element_size()) % 16)
+        return v if isinstance(v, (str, bool)) or v is None else type(v).__name__
+
+    return (key(q), key(kv_cache), key(indices), tuple(sorted((k, key(v)) for k, v in kwargs.items())))
 
 
 def warm(impl: Any, inputs: Any, *, synchronize: bool = True) -> float:
@@ -43,6 +65,16 @@ def warm(impl: Any, inputs: Any, *, synchronize: bool = True) -> float:
     Raises:
         Whatever the implementation raises: a call that fails while warming would fail judged too.
     """
+    return warm_arguments(impl, inputs.q, inputs.kv_cache, inputs.indices, inputs.kwargs, synchronize=synchronize)
+
+
+def warm_arguments(
+    impl: Any, q: Any, kv_cache: Any, indices: Any, kwargs: dict[str, Any], *, synchronize: bool = True
+) -> float:
+    """:func:`warm` for a call given as its arguments (``impl.sparse_mla_forward(q, kv_cache,
+    indices, **kwargs)``): one call on copies of every tensor argument (each whole allocation
+    copied once, views kept as views), the result discarded. Returns the wall time in seconds;
+    raises whatever the implementation raises."""
     import torch
 
     clones: dict[int, torch.Tensor] = {}
@@ -60,8 +92,8 @@ def warm(impl: Any, inputs: Any, *, synchronize: bool = True) -> float:
             whole.untyped_storage(), t.storage_offset(), t.shape, t.stride()
         )
 
-    q, kv, idx = copy(inputs.q), copy(inputs.kv_cache), copy(inputs.indices)
-    kwargs = {k: copy(v) for k, v in inputs.kwargs.items()}
+    q, kv, idx = copy(q), copy(kv_cache), copy(indices)
+    kwargs = {k: copy(v) for k, v in kwargs.items()}
     start = time.perf_counter()
     impl.sparse_mla_forward(q, kv, idx, **kwargs)
     if synchronize and q.device.type == "cuda":

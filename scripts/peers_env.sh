@@ -8,10 +8,11 @@
 #                                    sglang==0.5.23); installed --no-deps into $PEERS_DIR/site: the
 #                                    adapters execute two of its files and never import `sglang`
 #   .whl/*.whl                        other wheels the run needs (syrupy for the golden suite; for
-#                                    sglang-dsa-tilelang: tilelang==0.1.15 (judged with it on the H200),
-#                                    apache-tvm-ffi==0.1.12, torch-c-dlpack-ext==0.1.5, z3-solver==4.15.4.0;
-#                                    sglang-dsv4-tilelang needs SGLang's pins tilelang==0.1.12 and
-#                                    apache-tvm-ffi==0.1.11 (its kernel does not compile under 0.1.15);
+#                                    the TileLang peers: SGLang's pins tilelang==0.1.12 and
+#                                    apache-tvm-ffi==0.1.11, with torch-c-dlpack-ext==0.1.5 and
+#                                    z3-solver==4.15.4.0 (sglang-dsa-tilelang is judged with them;
+#                                    sglang-dsv4-tilelang's kernel compiles for sm_90 under neither
+#                                    0.1.12 nor 0.1.15, so its adapter skips there);
 #                                    pip download --no-deps --only-binary=:all: --python-version 3.12
 #                                    --implementation cp --platform manylinux_2_28_x86_64 ...; about 83 MB)
 #   .peers/*-site.tar.xz              already-unpacked wheels, xz-compressed, unpacked into $PEERS_DIR/site

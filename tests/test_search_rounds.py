@@ -151,3 +151,21 @@ def test_every_covering_call_lies_inside_its_envelope(name: str) -> None:
         inputs = search.build(call)
         read = SparseMlaCall.read(inputs.q, inputs.kv_cache, inputs.indices, **inputs.kwargs, validate=True)
         assert read.envelope_reason(envelope) is None, call.describe()
+
+
+def test_empty_first_tile_names_the_caches_whose_rows_start_with_no_valid_lane() -> None:
+    """``empty_first_tile`` (a row whose first lanes hold nothing: an online softmax's first tile
+    empty) is read from each cache's lengths and mask alone; an empty row counts for both caches."""
+    from dataclasses import replace
+
+    base = next(c for c in covering.schedule(ReferenceImplementation.envelope, "cpu") if c.extra is not None)
+    full = replace(base, empty_fraction=0.0, main=replace(base.main, lengths=None, masked_fraction=0.0),
+                   extra=replace(base.extra, lengths=None, masked_fraction=0.0))  # fmt: skip
+    assert regions.features(full)["empty_first_tile"] == "none"
+    zero_length = replace(full, main=replace(full.main, lengths=(0, 5)))
+    assert regions.features(zero_length)["empty_first_tile"] == "main"
+    all_masked = replace(full, extra=replace(full.extra, masked_fraction=1.0))
+    assert regions.features(all_masked)["empty_first_tile"] == "extra"
+    assert regions.features(replace(full, empty_fraction=0.5))["empty_first_tile"] == "both"
+    assert regions.features(replace(zero_length, extra=None))["empty_first_tile"] == "main"
+    assert regions.features(replace(full, main=replace(full.main, lengths=(1, 5))))["empty_first_tile"] == "none"

@@ -196,3 +196,61 @@ def test_once_the_warm_up_budget_is_spent_calls_of_new_shapes_are_not_made(monke
         run.note(inputs(3).call, inputs(3))
     run.note(inputs(2).call, inputs(2))  # a warm shape is still made
     assert run.spent["warm-up"] == 2 and 0.55 < run.warm_spent < 1.5 and len(run.drawn) == 3
+
+
+def _guarded(calls: list[str], untimed: object, *, fail_first: bool = False) -> object:
+    from pytest_sparse_mla import guard
+    from pytest_sparse_mla.envelope import UNIVERSAL
+
+    class Impl:
+        name = "k"
+
+        def sparse_mla_forward(self, q, kv_cache, indices, **kwargs):  # type: ignore[no-untyped-def]
+            calls.append("warm" if q.data_ptr() != inputs[0].data_ptr() else "judged")
+            if fail_first and len(calls) == 1:
+                raise RuntimeError("compile failed")
+            return torch.zeros(q.shape[0], q.shape[1], 512, dtype=torch.bfloat16), torch.zeros(q.shape[0], q.shape[1])
+
+    return guard.GuardedImplementation(Impl(), UNIVERSAL, False, untimed=untimed)  # type: ignore[arg-type]
+
+
+inputs = (torch.ones(1, 2, 512), torch.zeros(1, 64, 1, 584, dtype=torch.uint8), torch.zeros(1, 64, dtype=torch.int32))
+
+
+def test_the_guard_warms_each_new_shape_once_outside_the_time_limit(monkeypatch) -> None:
+    """A fixed case's first call of a shape is run once on copies inside ``untimed`` (a JIT
+    kernel's compile and autotune are not its run time), then judged; the next call of that shape,
+    and every call without a time limit, is not warmed. Shape keys are CUDA-only: the key is
+    forced here for CPU tensors."""
+    import contextlib
+
+    monkeypatch.setattr(search_speed, "shape_key", lambda q, kv, idx, kw: (tuple(q.shape), "forced"))
+    monkeypatch.setattr(search_speed, "WARMED", set())
+    entered: list[int] = []
+
+    @contextlib.contextmanager
+    def limit_stopped():  # type: ignore[no-untyped-def]
+        entered.append(1)
+        yield
+
+    calls: list[str] = []
+    impl = _guarded(calls, limit_stopped)
+    impl.sparse_mla_forward(*inputs, sm_scale=0.1)
+    impl.sparse_mla_forward(*inputs, sm_scale=0.1)
+    assert calls == ["warm", "judged", "judged"] and entered == [1]
+
+    calls.clear()
+    monkeypatch.setattr(search_speed, "WARMED", set())
+    _guarded(calls, lambda: None).sparse_mla_forward(*inputs, sm_scale=0.1)  # no time limit: no warm-up
+    assert calls == ["judged"]
+
+
+def test_an_error_while_warming_is_left_to_the_judged_call(monkeypatch) -> None:
+    import contextlib
+
+    monkeypatch.setattr(search_speed, "shape_key", lambda q, kv, idx, kw: (tuple(q.shape), "forced"))
+    monkeypatch.setattr(search_speed, "WARMED", set())
+    calls: list[str] = []
+    impl = _guarded(calls, contextlib.nullcontext, fail_first=True)
+    impl.sparse_mla_forward(*inputs, sm_scale=0.1)  # the warm-up's error is dropped; the judged call runs
+    assert calls == ["warm", "judged"]

@@ -53,12 +53,26 @@ def test_skip_reasons_say_what_to_install(name: str, monkeypatch: pytest.MonkeyP
     assert reason is not None and ("sglang" in reason or "tilelang" in reason), reason
 
 
-def test_the_dsv4_tilelang_peer_asks_for_sglangs_tilelang_pin(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("version", ["0.1.12", "0.1.15"])
+def test_the_dsv4_tilelang_peer_skips_under_releases_that_do_not_build_it(
+    monkeypatch: pytest.MonkeyPatch, version: str
+) -> None:
     from importlib import metadata
 
-    monkeypatch.setattr(metadata, "version", lambda dist: "0.1.15" if dist == "tilelang" else "0")
+    monkeypatch.setattr(metadata, "version", lambda dist: version if dist == "tilelang" else "0")
     reason = BUILTINS["sglang-dsv4-tilelang"](None).skip_reason("sparse_mla_forward", "cuda")
-    assert reason is not None and "tilelang==0.1.12" in reason and "0.1.15" in reason
+    assert reason is not None and f"tilelang {version} does not compile" in reason and "sm_90" in reason
+
+
+def test_the_dsv4_tilelang_peer_names_sglangs_pin_when_tilelang_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    from importlib import metadata
+
+    def version(dist: str) -> str:
+        raise metadata.PackageNotFoundError(dist)
+
+    monkeypatch.setattr(metadata, "version", version)
+    reason = BUILTINS["sglang-dsv4-tilelang"](None).skip_reason("sparse_mla_forward", "cuda")
+    assert reason is not None and "needs tilelang" in reason and "0.1.12" in reason
 
 
 # ------------------------------------------------------------------------------------------- DSV4

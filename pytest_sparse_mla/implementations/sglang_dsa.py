@@ -18,7 +18,7 @@ What runs (sgl-project/sglang, files of the installed package,
   ``DSABackend._forward_tilelang`` calls it (lines 3440-3471, from ``forward_decode`` line 2682 and
   ``forward_extend`` line 2354); with a BF16 cache on CUDA it runs
   ``sparse_attention_fwd_kernel_v2`` (a TileLang kernel over blocks of 64 lanes; needs ``tilelang``:
-  SGLang 0.5.23 pins 0.1.12, the H200 run of 2026-12-03 judged it with 0.1.15).
+  SGLang 0.5.23 pins 0.1.12; judged on the H200 with 0.1.15 and with 0.1.12).
 
 What the caller passes, and how the adapters copy it. SGLang's DSA backend runs these kernels over
 the token pool's key buffer ``kv_cache`` ``[N, 1, 576]`` (``get_key_buffer``: one latent per token
@@ -173,7 +173,7 @@ class _DsaBase(PeerAdapter):
             and importlib.util.find_spec("tilelang") is None
         ):
             return (
-                f"{self.name} adapter: needs tilelang (sglang 0.5.23 pins 0.1.12; judged with 0.1.15; "
+                f"{self.name} adapter: needs tilelang (sglang 0.5.23 pins 0.1.12, judged with it; "
                 "scripts/peers_env.sh)"
             )
         for which in self._files:

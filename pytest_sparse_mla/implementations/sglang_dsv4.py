@@ -11,8 +11,9 @@ What runs (sgl-project/sglang, files of the installed package, ``sglang/kernels/
   (``..._dual_scope_low_overhead``) or not (``..._dual_scope``) by ``_should_use_fused_splitk``;
   every kernel ``@triton.autotune``'d).
 * ``sglang-dsv4-tilelang``: ``dpsk_v4_fp8_attention_fwd`` of ``dsv4/tilelang_fp8_attention.py``
-  (a TileLang partial kernel over 32-lane blocks and a combine kernel; needs ``tilelang`` 0.1.12, the
-  release SGLang 0.5.23 pins: under 0.1.15 the kernel does not compile, :func:`_tilelang_reason`).
+  (a TileLang partial kernel over 32-lane blocks and a combine kernel; SGLang 0.5.23 pins ``tilelang``
+  0.1.12; under that pin and under 0.1.15 the kernel does not compile for sm_90, so the adapter skips
+  there, :func:`_tilelang_reason`; SGLang calls it from its ROCm backend).
 
 The caller, and how the adapters copy it. Both are the ``"triton"`` / ``"tilelang"`` branches of
 ``flash_mla_with_kvcache_entrypoint`` (``sglang/srt/layers/attention/hip_flash_mla.py``, lines
@@ -160,24 +161,32 @@ def load(which: str) -> Any:
 TILELANG_PIN = "0.1.12"
 
 
+#: TileLang releases under which ``dpsk_v4_fp8_partial_kernel`` was measured not to compile for the
+#: H200 (sm_90, CUDA 13.0, 2026-12-03): SGLang's pin and the release after it.
+TILELANG_NO_SM90_BUILD = ("0.1.12", "0.1.15")
+
+
 def _tilelang_reason() -> str | None:
-    """Why the TileLang DSV4 kernel cannot be judged here: TileLang missing, or another release than
-    SGLang's pin. Measured on the H200 (2026-12-03) with tilelang 0.1.15: every call fails while
-    compiling ``dpsk_v4_fp8_partial_kernel`` (``tvm.error.InternalError``: "two statements with buffer
-    access dependency in the same stage of the software pipeline cannot be reordered",
-    ``tilelang_fp8_attention.py`` lines 238 and 580), a toolchain mismatch rather than a verdict on
-    the kernel, so the adapter asks for the pinned release."""
+    """Why the TileLang DSV4 kernel cannot be judged here: TileLang missing, or a release under which
+    the kernel was measured not to compile (:data:`TILELANG_NO_SM90_BUILD`). On the H200 (sm_90,
+    CUDA 13.0, torch 2.11) every call fails while TileLang compiles ``dpsk_v4_fp8_partial_kernel``
+    (``tvm.error.InternalError``: "two statements with buffer access dependency in the same stage of
+    the software pipeline cannot be reordered", ``tilelang_fp8_attention.py`` lines 238 and 580),
+    under 0.1.15 and under SGLang's own pin 0.1.12 alike: the kernel's compile, not its numbers.
+    SGLang calls it from ``srt/layers/attention/hip_flash_mla.py`` (line 224, the ``"tilelang"``
+    backend of ``flash_mla_with_kvcache_entrypoint``), its ROCm path; another TileLang release is
+    tried."""
     from importlib import metadata
 
     try:
         version = metadata.version("tilelang")
     except metadata.PackageNotFoundError:
-        return f"needs tilelang=={TILELANG_PIN}, the release sglang 0.5.23 pins (scripts/peers_env.sh)"
-    if version != TILELANG_PIN:
+        return f"needs tilelang ({TILELANG_PIN} is the release sglang 0.5.23 pins; scripts/peers_env.sh)"
+    if version in TILELANG_NO_SM90_BUILD:
         return (
-            f"sglang 0.5.23 pins tilelang=={TILELANG_PIN}; tilelang {version} is installed, under which its DSV4 "
-            "kernel does not compile (tilelang 0.1.15 on the H200: InternalError 'two statements with buffer "
-            "access dependency in the same stage of the software pipeline cannot be reordered')"
+            f"tilelang {version} does not compile SGLang's DSV4 TileLang kernel for sm_90 (measured on the H200 under "
+            "0.1.12, SGLang's pin, and 0.1.15: InternalError 'two statements with buffer access dependency in the "
+            "same stage of the software pipeline cannot be reordered'); SGLang calls it from its ROCm backend"
         )
     return None
 
