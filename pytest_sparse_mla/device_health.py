@@ -46,6 +46,18 @@ autotuner, ``ptxas`` started by Triton's backend, TileLang's JIT, ``torch.utils.
 a new shape: ..."): that time is compilation, not the kernel's run; a caller warms the kernel on a
 new shape outside the limited call (:func:`pytest_sparse_mla.search_speed.warm`).
 
+**Out of device memory.** An allocation the GPU cannot satisfy (``torch.OutOfMemoryError``, a CUDA
+runtime or Triton "out of memory") says nothing about the kernel's numbers: on a GPU that several
+xdist workers (or other jobs) share, it is usually another process's cached memory. The guard makes
+each kernel call through :func:`with_memory_retries`: on such an error it releases this process's
+cached blocks (``gc``, ``torch.cuda.empty_cache``) and makes the call again, after
+:data:`MEMORY_RETRY_DELAYS`; when every try fails it raises :class:`OutOfDeviceMemory`, whose message
+names the device's free and total memory and says that this is an environment condition.
+:func:`judge_report` then keeps the test failed, never xfailed (an xfail entry is a claim about the
+kernel), with a fault record of kind ``"out-of-memory"`` in the session summary and the JSON report;
+the search (:mod:`pytest_sparse_mla.search_run`) counts such a call as not made instead of as a
+discrepancy.
+
 State is per process (one test at a time per process, as in :mod:`pytest_sparse_mla.recording`). Nothing
 here imports torch; :func:`context_fault` uses torch only when the process already imported it and
 initialised CUDA.
@@ -72,6 +84,8 @@ __all__ = [
     "BASE_SECONDS",
     "FAULT_KEY",
     "KernelCall",
+    "MEMORY_RETRY_DELAYS",
+    "OutOfDeviceMemory",
     "absorb_crash_report",
     "COMPILE_SECONDS",
     "apply_timeouts",
@@ -87,19 +101,22 @@ __all__ = [
     "exit_if_dead",
     "fault_entries",
     "is_context_error",
+    "is_out_of_memory",
     "judge_report",
     "last_call",
     "note_timeout",
     "untimed",
     "observe",
+    "release_device_memory",
     "start_thread_timer",
     "summary_lines",
+    "with_memory_retries",
 ]
 
 #: ``user_properties`` key of a report whose test broke the CUDA context or timed out: a dict with
 #: ``kind`` (``"dead-cuda-context"`` / ``"timeout"`` / ``"sanitizer"``: an access compute-sanitizer
-#: reported, the context still usable), ``headline``, ``message``, ``exits`` (the
-#: process ends after this report) and ``call`` (the kernel call, or ``None``).
+#: reported, the context still usable / ``"out-of-memory"``: an environment condition), ``headline``,
+#: ``message``, ``exits`` (the process ends after this report) and ``call`` (the kernel call, or ``None``).
 FAULT_KEY = "sparse_mla_device_fault"
 #: Exit status of a worker that ends itself after a dead CUDA context.
 WORKER_EXIT_STATUS = 70
@@ -124,6 +141,85 @@ _DEAD_CONTEXT = re.compile(
 #: pytest-timeout's failure message (``PYTEST_FAILURE_MESSAGE``: "Timeout (>%ss) from pytest-timeout.").
 _TIMEOUT_MESSAGE = re.compile(r"Timeout \(>[0-9.e+-]+s\) from pytest-timeout\.")
 _POSITIONAL = {"sparse_mla_forward": ("q", "kv_cache", "indices"), "page_split": ("kv_cache",)}
+
+
+#: An allocation the device could not satisfy: torch's ``OutOfMemoryError`` ("CUDA out of memory"),
+#: the runtime's ``cudaErrorMemoryAllocation`` ("CUDA error: out of memory", raised as
+#: ``torch.AcceleratorError``), the driver's ``CUDA_ERROR_OUT_OF_MEMORY`` (Triton: "Triton Error [CUDA]:
+#: out of memory").
+_OUT_OF_MEMORY = re.compile(r"out of memory|cudaErrorMemoryAllocation|CUDA_ERROR_OUT_OF_MEMORY", re.IGNORECASE)
+#: Seconds waited before each further try of a call that ran out of device memory (two more tries).
+MEMORY_RETRY_DELAYS = (1.0, 4.0)
+
+
+class OutOfDeviceMemory(pytest.fail.Exception):  # type: ignore[misc,name-defined]
+    """A kernel call that ran out of device memory on every try (:func:`with_memory_retries`): an
+    environment condition, not a verdict on the kernel (module docstring)."""
+
+    def __init__(self, msg: str) -> None:
+        super().__init__(msg, pytrace=False)
+
+
+def is_out_of_memory(exc: BaseException | None) -> bool:
+    """Whether ``exc`` (any exception, or ``None``) says the device ran out of memory
+    (:data:`_OUT_OF_MEMORY`, or :class:`OutOfDeviceMemory`)."""
+    if exc is None:
+        return False
+    if isinstance(exc, OutOfDeviceMemory) or type(exc).__name__ == "OutOfMemoryError":
+        return True
+    return isinstance(exc, Exception) and bool(_OUT_OF_MEMORY.search(f"{type(exc).__name__}: {exc}"))
+
+
+def release_device_memory() -> str:
+    """Free what this process holds but no longer uses (``gc.collect()``, ``torch.cuda.empty_cache()``)
+    and describe the device's memory: ``"12.3 GiB free of 79.2 GiB on cuda:0"``, or ``"device memory
+    unknown"`` when torch or CUDA is not initialised in this process. Never raises."""
+    import gc
+
+    gc.collect()
+    torch = sys.modules.get("torch")
+    cuda: Any = getattr(torch, "cuda", None)
+    try:
+        if cuda is None or not cuda.is_initialized():
+            return "device memory unknown"
+        cuda.empty_cache()
+        free, total = cuda.mem_get_info()
+        return f"{free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB on cuda:{cuda.current_device()}"
+    except Exception:  # noqa: BLE001 - a description only
+        return "device memory unknown"
+
+
+def with_memory_retries(make_call: Any, what: str) -> Any:
+    """``make_call()``, made again after :func:`release_device_memory` and each delay of
+    :data:`MEMORY_RETRY_DELAYS` while it raises an out-of-memory error (:func:`is_out_of_memory`).
+
+    Args:
+        make_call: a function of no arguments (the kernel call).
+        what: the call, for the message (``"flashmla.sparse_mla_forward"``).
+
+    Raises:
+        OutOfDeviceMemory: every try ran out of device memory; the message names ``what``, the tries,
+            the last error and the device's memory after releasing this process's cache.
+        Exception: any other error of ``make_call``, unchanged.
+    """
+    tries = len(MEMORY_RETRY_DELAYS) + 1
+    for attempt in range(tries):
+        try:
+            return make_call()
+        except Exception as exc:
+            if not is_out_of_memory(exc):
+                raise
+            memory = release_device_memory()
+            if attempt == tries - 1:
+                error = _first_line(f"{type(exc).__name__}: {exc}")
+                raise OutOfDeviceMemory(
+                    f"out of device memory: {what} failed on all {tries} tries ({error}); "
+                    f"after releasing this process's cache: {memory}. An environment condition, not a verdict on the "
+                    "kernel: other processes (xdist workers sharing the GPU, other jobs) held the memory, or the call "
+                    "needs more than the device has; rerun with fewer workers per GPU"
+                ) from exc
+            time.sleep(MEMORY_RETRY_DELAYS[attempt])
+    raise AssertionError("unreachable")
 
 
 def _is_timeout(exc: BaseException | None) -> TypeGuard[pytest.fail.Exception]:  # type: ignore[name-defined]
@@ -314,6 +410,14 @@ def judge_report(item: pytest.Item, call: pytest.CallInfo[Any], report: pytest.T
     exc = call.excinfo.value if call.excinfo is not None else None
     if _is_timeout(exc):
         report.user_properties.append((FAULT_KEY, _record("timeout", _first_line(str(exc.msg)), str(exc.msg), False)))
+    elif report.when == "call" and is_out_of_memory(exc):  # an environment condition: never the expected failure
+        headline = _first_line(f"{type(exc).__name__}: {exc}")
+        if not isinstance(exc, OutOfDeviceMemory):
+            headline = f"out of device memory in the test's own CUDA work: {headline}"
+        report.user_properties.append((FAULT_KEY, _record("out-of-memory", headline, str(exc), False)))
+        if hasattr(report, "wasxfail"):
+            del report.wasxfail
+            report.outcome = "failed"
     error = context_fault(_LAST.cuda_devices if _LAST is not None else ())
     access = sanitizer.first_error()
     if error is None and access is None:
@@ -771,6 +875,11 @@ def observe(config: pytest.Config, report: pytest.TestReport) -> None:
             state.exiting[worker] = {"entry": entry, "user_properties": props}
         elif not value.get("exits") and value.get("kind") == "timeout":
             entry["action"] = "the test failed in place (pytest-timeout, signal method)"
+        elif value.get("kind") == "out-of-memory":
+            entry["action"] = (
+                "the test failed in place: out of device memory, an environment condition (not a verdict on the "
+                "kernel); rerun it with fewer workers per GPU"
+            )
         elif value.get("kind") == "sanitizer":
             entry["action"] = "the test failed in place (compute-sanitizer memcheck; the CUDA context stayed usable)"
 
@@ -802,8 +911,9 @@ def absorb_crash_report(config: pytest.Config, crashitem: str, report: pytest.Te
 
 def fault_entries(config: pytest.Config) -> list[dict[str, Any]]:
     """The session's faults, one dict each: ``nodeid``, ``kind`` (``"dead-cuda-context"`` /
-    ``"timeout"`` / ``"sanitizer"``), ``headline``, ``message``, ``call`` (the kernel call), ``worker`` (xdist worker
-    id or ``None``), ``action`` (what followed: a worker replaced, the session stopped)."""
+    ``"timeout"`` / ``"sanitizer"`` / ``"out-of-memory"``), ``headline``, ``message``, ``call`` (the
+    kernel call), ``worker`` (xdist worker id or ``None``), ``action`` (what followed: a worker
+    replaced, the session stopped)."""
     state = _faults(config)
     session = state.session
     for entry in state.entries:

@@ -19,7 +19,11 @@ selected implementation. Its ``sparse_mla_forward``:
   is not ``[num_tokens, num_heads, d_v]`` or an LSE that is not ``[num_tokens, num_heads]`` for the
   call's queries and ``fmt`` (:func:`expected_shapes`), no LSE although the envelope declares LSE
   conventions) with :class:`ResultFormError`: the plugin then stops the
-  run and reports it once as a usage error (exit status 4), since every test would fail alike.
+  run and reports it once as a usage error (exit status 4), since every test would fail alike;
+* makes the call again when it runs out of device memory, after releasing this process's cached
+  memory, and fails it as an environment condition when every try does
+  (``device_health.with_memory_retries``, ``OutOfDeviceMemory``): neither the kernel's verdict nor,
+  when the adapter allocated, the adapter's.
 
 Its ``page_split`` runs with uninitialised memory poisoned (:func:`uninitialised_memory_poisoned`):
 a destination the implementation allocates with ``torch.empty`` and never writes holds 0xFF bytes,
@@ -391,13 +395,20 @@ class GuardedImplementation:
             try:
                 if hand_over and call is not None:
                     return_fp32 = bool(kwargs.get("return_fp32", False))
-                    res = impl.forward_call(call, return_fp32=return_fp32, envelope_checked=judged)
+                    res = device_health.with_memory_retries(
+                        lambda: impl.forward_call(call, return_fp32=return_fp32, envelope_checked=judged),
+                        f"{self._name}.sparse_mla_forward",
+                    )
                 else:
-                    res = impl.sparse_mla_forward(*args, **kwargs)
+                    res = device_health.with_memory_retries(
+                        lambda: impl.sparse_mla_forward(*args, **kwargs), f"{self._name}.sparse_mla_forward"
+                    )
             except Unsupported as exc:
                 if self.declared:
                     pytest.fail(f"{self._name} refused a call inside its declared envelope: {exc}", pytrace=False)
                 pytest.skip(f"{self._name} refused the call: {exc}")
+            except device_health.OutOfDeviceMemory:
+                raise  # an environment condition, whoever allocated: not the adapter's verdict either
             except Exception as exc:
                 recording.note_error(rec, exc)  # the implementation's error, not the outcome the guard makes of it
                 self._judge_adapter_error(exc, bad_input=None)
@@ -439,7 +450,9 @@ class GuardedImplementation:
         with recording.judged_call(args, kwargs, capability="page_split") as rec, uninitialised_memory_poisoned():
             running = device_health.begin_call(self._name, "page_split", args, kwargs)
             try:
-                out = split(*args, **kwargs)
+                out = device_health.with_memory_retries(lambda: split(*args, **kwargs), f"{self._name}.page_split")
+            except device_health.OutOfDeviceMemory:
+                raise
             except Exception as exc:
                 self._judge_adapter_error(exc, bad_input=None)
                 raise

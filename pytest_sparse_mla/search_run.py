@@ -44,6 +44,10 @@ can spend minutes this way, so a run's warm-ups have a budget (``warm_seconds``,
 own limit): once it is spent, a call of a shape not yet warm is not made (``spent["cold-shape"]``)
 and the run goes on with the shapes it has compiled.
 
+**Out of device memory is not a discrepancy.** A call that runs out of device memory (the guard's
+tries, ``device_health.with_memory_retries``, all failed, or the inputs or the oracle could not be
+allocated) is not made: ``spent["out-of-memory"]`` counts it, and the run goes on.
+
 What the run did goes to the test's ``user_properties`` (``summary``): calls made, the dimensions
 and ends drawn, the discrepancies, and where the calls went (``"spent"``: covering, random draws
 outside every region, confirmations inside known regions, region searches, draws not made).
@@ -62,7 +66,7 @@ from pytest_sparse_mla.covering import with_main
 from pytest_sparse_mla.envelope import Envelope
 from pytest_sparse_mla.errors import KnownDiscrepancy, NewDiscrepancy
 
-__all__ = ["ColdShape", "Discrepancy", "MAX_DISCREPANCIES", "SearchRun", "moves"]
+__all__ = ["ColdShape", "NotMade", "OutOfMemory", "Discrepancy", "MAX_DISCREPANCIES", "SearchRun", "moves"]
 
 #: A run stops looking once it holds this many distinct discrepancies.
 MAX_DISCREPANCIES = 8
@@ -70,9 +74,25 @@ MAX_DISCREPANCIES = 8
 ROUND_STRIDE = 1_000_003
 
 
-class ColdShape(Exception):  # noqa: N818 - a call not made, not an error
+class NotMade(Exception):  # noqa: N818 - a call not made, not an error
+    """A drawn call that is not judged; ``spent[counter]`` counts it."""
+
+    counter = "not-made"
+
+
+class ColdShape(NotMade):
     """A call of a shape the kernel has not been warmed on, met after the run's warm-up budget is
     spent: the call is not made (module docstring, "Compiling is not judged time")."""
+
+    counter = "cold-shape"
+
+
+class OutOfMemory(NotMade):
+    """A call that ran out of device memory (``device_health.is_out_of_memory``: the guard's tries
+    all failed, or the inputs or the oracle could not be allocated): an environment condition, not
+    a discrepancy of the kernel; counted, not judged."""
+
+    counter = "out-of-memory"
 
 
 @dataclass
@@ -401,15 +421,20 @@ class SearchRun:
 
     def _judge(self, prop: Callable[[Any], None], call: Any) -> Exception | None:
         recording.begin_test()  # the recording then holds this call only
+        from pytest_sparse_mla import device_health
+
         try:
             prop(call)
-        except ColdShape:  # not made: the caller counts it
+        except NotMade:  # not made: the caller counts it
             raise
-        except Exception as exc:  # a failure of the kernel
-            return exc
-        except BaseException as exc:  # pytest's outcomes: a refusal of the guard (pytest.fail) is a failure
-            if _failed_call(exc):  # of this call; a skip, an exit or the time limit ends the run
-                return exc  # type: ignore[return-value]
+        except BaseException as exc:
+            if device_health.is_out_of_memory(exc):
+                device_health.release_device_memory()
+                raise OutOfMemory(str(exc)) from exc
+            if isinstance(exc, Exception):  # a failure of the kernel
+                return exc
+            if _failed_call(exc):  # pytest's outcomes: a refusal of the guard (pytest.fail) is a failure
+                return exc  # type: ignore[return-value]  # of this call; a skip, an exit or the time limit ends the run
             raise
         return None
 
@@ -427,8 +452,8 @@ class SearchRun:
         hints, self.hints = self.hints, self.hints or confirming
         try:
             exc = self._judge(prop, call)
-        except ColdShape:
-            self.spent["cold-shape"] += 1
+        except NotMade as not_made:
+            self.spent[not_made.counter] += 1
             return None
         finally:
             self.hints = hints
@@ -460,8 +485,8 @@ class SearchRun:
                     reject()
             try:
                 exc = self._judge(prop, call)
-            except ColdShape:
-                self.spent["cold-shape"] += 1
+            except NotMade as not_made:
+                self.spent[not_made.counter] += 1
                 reject()
             if not state["failed"]:
                 state["made"] += 1
@@ -501,8 +526,8 @@ class SearchRun:
             for alt in fits:
                 try:
                     verdict = self._judge(prop, alt)
-                except ColdShape:  # not made: neither keeps nor loses the failure
-                    self.spent["cold-shape"] += 1
+                except NotMade as not_made:  # not made: neither keeps nor loses the failure
+                    self.spent[not_made.counter] += 1
                     continue
                 self.spent["region-search"] += 1
                 if verdict is None:
@@ -520,11 +545,15 @@ class SearchRun:
         self.hints = True  # the call the discrepancy is reported with: explained
         try:
             final = self._judge(prop, current)
-        except ColdShape:
-            self.spent["cold-shape"] += 1
+        except NotMade as not_made:
+            self.spent[not_made.counter] += 1
             final = None
         if final is None:  # the moves' merge lost the failure (or is a shape not warm): keep the call as found
-            current, final = call, self._judge(prop, call) or exc
+            try:
+                current, final = call, self._judge(prop, call) or exc
+            except NotMade as not_made:
+                self.spent[not_made.counter] += 1
+                current, final = call, exc
         self.hints = False
         self._phase = phase
         conditions = core or conditions  # the dimensions the failure needs alone, when there are some
