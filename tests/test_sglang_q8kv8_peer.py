@@ -217,3 +217,14 @@ def test_a_per_layer_view_of_a_shared_pool_reaches_the_gather_with_its_own_bytes
     source0 = types.SimpleNamespace(cache=layer0, layout=formats.parse_cache(layer0, "dsv4", page_block_size=ps))
     view = sglang_q8kv8._pool(source0)
     assert view.data_ptr() == pool.data_ptr() and view.shape == (pages, 2 * record) and view.is_contiguous()
+
+
+def test_index_rows_on_another_device_are_refused_by_the_adapter_not_moved(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SGLang's caller builds the combined rows with a Triton kernel on the query's device; the
+    adapter does not move rows from elsewhere (a bad-input test is then "not asked", never passed)."""
+    _install(monkeypatch)
+    call = _inputs(2, 64, seed=3)
+    elsewhere = call["indices"].to("meta")
+    with pytest.raises(ValueError, match=r"indices is on meta, q on cpu"):
+        BUILTINS[NAME](None).sparse_mla_forward(call["q"], call["kv_cache"], elsewhere, **_kw(call),
+                                                lse_convention="flashmla")  # fmt: skip

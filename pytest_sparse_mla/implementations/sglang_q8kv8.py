@@ -58,7 +58,7 @@ negative, ``>= s_kv`` or past the length (``kernel.cuh`` line 826), but the call
 every ``-1`` into the zero row's index, a valid lane: a masked lane inside the length is scored as a
 logit of 0 with a zero value (it adds ``exp(-max)`` to the softmax denominator). The envelope declares
 what the caller means (``masked_indices="negative"``: "-1 entries inside the top-k span stay -1
-(attention skips them)", ``sparse_prefill_kernels.py`` line 113), so the suites judge that.
+(attention skips them)", ``sparse_prefill_kernels.py`` line 105), so the suites judge that.
 
 What the caller guarantees and the kernel does not check (the envelope holds the caller's contract):
 DSV4 only (``assert token_to_kv_pool.get_swa_key_layout() is KVLayout.V4``, line 4645); an
@@ -296,6 +296,9 @@ class SglangQ8Kv8Implementation(PeerAdapter):
             pytest_sparse_mla.Unsupported: index rows that are not int32, or lengths that cannot be joined
                 (``_peer.check_folded_lengths``):
                 the adapter rebuilds both, so the kernel's own handling of them is not measured.
+            ValueError: index rows or lengths on another device than ``q`` (the caller's combine kernel
+                runs on the query's device; the adapter refuses rather than moves them: a bad-input test
+                is then "not asked").
             Whatever the wheel's helpers or the kernel raise (``ValueError`` for arguments,
             ``RuntimeError`` for a failed JIT build).
         """
@@ -303,6 +306,14 @@ class SglangQ8Kv8Implementation(PeerAdapter):
 
         c = call.call
         check_folded_lengths(c)
+        for source in c.sources:  # the caller's rows come from a Triton kernel on the query's device
+            for tensor, name in ((source.indices, source.names[1]), (source.topk_length, source.names[2])):
+                if tensor is not None and tensor.device != c.q.device:
+                    raise ValueError(
+                        f"{self.name} adapter: {name} is on {tensor.device}, q on {c.q.device}: SGLang's caller builds "
+                        "the combined index rows with a Triton kernel on the query's device (combine_topk_swa_indices, "
+                        "kernels/ops/attention/dsv4/sparse_prefill_kernels.py); the adapter does not move them"
+                    )
         for source in c.sources:  # the rows are rebuilt as int32 (combined_rows): another dtype is not mapped
             if source.indices.dtype != torch.int32:
                 raise Unsupported(
