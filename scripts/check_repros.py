@@ -13,15 +13,21 @@ is there) and the second exits 0.
 Then each test id listed in ``<xfail-dir>/<impl>.txt`` without a reproducer that holds is listed
 (a test whose failure is only a relation between calls has none). Exit 1 when a script does not
 hold (or, with ``--every-line``, a listed test has none); the JSON has one record per script.
+
+Scripts run breadth first: the first call of every test before any test's second call, so a check
+cut short still covers as many tests as it can. Interrupted (SIGINT: ``timeout -s INT``, as
+``scripts/device_conformance.sh`` runs it with ``REPRO_TIMEOUT``), it writes what it checked so far,
+with ``"interrupted": true`` and the number of scripts ``not_run`` in the summary, and exits 124.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 REFERENCE = "pytest_sparse_mla.implementations:ReferenceImplementation"
@@ -31,13 +37,23 @@ ISOLATED = (
 )
 
 
+#: The scripts running now (killed when the check is interrupted).
+RUNNING: set[subprocess.Popen[str]] = set()
+
+
 def _run(cmd: list[str], cwd: Path, timeout: float) -> tuple[int, str]:
-    try:
-        done = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return 124, "timeout"
-    text = (done.stdout.strip() or done.stderr.strip()).splitlines()
-    return done.returncode, (text[0] if text else "")[:400]
+    with subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        RUNNING.add(proc)
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            return 124, "timeout"
+        finally:
+            RUNNING.discard(proc)
+    text = (stdout.strip() or stderr.strip()).splitlines()
+    return proc.returncode, (text[0] if text else "")[:400]
 
 
 def check(script: Path, timeout: float) -> dict[str, object]:
@@ -78,6 +94,17 @@ def _index(folder: Path) -> dict[str, dict[str, str]]:
     return out
 
 
+def breadth_first(jobs: list[tuple[str, Path]]) -> list[tuple[str, Path]]:
+    """``(impl, script)`` jobs ordered by the script's call number within its test (``.../callK/repro.py``:
+    every test's ``call0`` first), then by path."""
+
+    def call_number(script: Path) -> int:
+        name = script.parent.name
+        return int(name[4:]) if name.startswith("call") and name[4:].isdigit() else 0
+
+    return sorted(jobs, key=lambda job: (call_number(job[1]), str(job[1])))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("root", type=Path)
@@ -89,19 +116,37 @@ def main() -> int:
                         help="also fail when an xfail line has no holding script")
     opts = parser.parse_args()
     folders = _impl_folders(opts.root)
-    jobs = [(impl, script) for impl, folder in folders for script in sorted(folder.glob("**/repro.py"))]
+    jobs = breadth_first([(impl, script) for impl, folder in folders for script in folder.glob("**/repro.py")])
     if not jobs:
         print(f"no repro.py under {opts.root}: expected a --sparse-mla-repro-dir, or repro-<impl> folders of them")
         return 1
-    with ThreadPoolExecutor(opts.jobs) as pool:
-        records = list(pool.map(lambda job: check(job[1], opts.timeout), jobs))
+    done: dict[int, dict[str, object]] = {}
+    interrupted = False
+    pool = ThreadPoolExecutor(opts.jobs)
+    futures = {pool.submit(check, script, opts.timeout): k for k, (_, script) in enumerate(jobs)}
+    try:
+        for future in as_completed(futures):
+            done[futures[future]] = future.result()
+    except KeyboardInterrupt:
+        interrupted = True
+        pool.shutdown(wait=False, cancel_futures=True)
+        for proc in list(RUNNING):
+            proc.kill()
+    else:
+        pool.shutdown()
+    checked = [(jobs[k], done[k]) for k in sorted(done)]
+    records = [rec for _, rec in checked]
     by_impl: dict[str, dict[str, list[dict[str, object]]]] = {}
     entries = {impl: _index(folder) for impl, folder in folders}
-    for (impl, _), rec in zip(jobs, records, strict=True):
+    for (impl, _), rec in checked:
         rec["impl"] = impl
         entry = entries[impl].get(str(rec["script"]), {})
         rec["nodeid"], rec["outcome"] = entry.get("nodeid", ""), entry.get("outcome", "")
         by_impl.setdefault(impl, {}).setdefault(str(rec["nodeid"]), []).append(rec)
+    not_run: dict[str, set[str]] = {}
+    for k, (impl, script) in enumerate(jobs):
+        if k not in done:
+            not_run.setdefault(impl, set()).add(entries[impl].get(str(script), {}).get("nodeid", ""))
     missing: dict[str, list[str]] = {}
     for impl, _ in folders:
         xfail = opts.xfail_dir / f"{impl}.txt"
@@ -111,13 +156,16 @@ def main() -> int:
         for test_id in _xfail_ids(xfail):
             matches = [r for nodeid, recs in runs.items() if nodeid.endswith(test_id) or nodeid.startswith(test_id)
                        for r in recs]  # fmt: skip
-            if not any(r["holds"] for r in matches):
+            unrun = any(n.endswith(test_id) or n.startswith(test_id) for n in not_run.get(impl, ()))
+            if not any(r["holds"] for r in matches) and not unrun:  # a test with a script not run is not judged
                 missing.setdefault(impl, []).append(test_id)
-    summary = {
+    summary: dict[str, object] = {
         "scripts": len(records),
         "hold": sum(1 for r in records if r["holds"]),
         "xfail_lines_without_a_holding_script": missing,
     }
+    if interrupted:
+        summary.update(interrupted=True, not_run=len(jobs) - len(records))
     if opts.json:
         opts.json.write_text(json.dumps({"summary": summary, "records": records}, indent=1), encoding="utf-8")
     print(json.dumps(summary, indent=1))
@@ -125,6 +173,9 @@ def main() -> int:
         if not rec["holds"]:
             print(f"NOT HOLDING peer={rec['peer_exit']} ref={rec['reference_exit']} {rec['script']}: "
                   f"{rec['peer_says']} | {rec['reference_says']}")  # fmt: skip
+    if interrupted:  # the scripts still running belong to threads that would be waited for at exit
+        sys.stdout.flush()
+        os._exit(124)
     return 0 if summary["hold"] == summary["scripts"] and not (missing and opts.every_line) else 1
 
 

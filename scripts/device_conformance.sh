@@ -15,7 +15,7 @@
 # conformance.json and conformance.md. Shipped xfail files (pytest_sparse_mla/xfail/IMPL.txt) are
 # applied unless XFAIL=0. REPRO=1 writes the reproducers of every xfailed or failed call
 # (--sparse-mla-repro-dir, in repro/repro-IMPL) and runs them (scripts/check_repros.py: each must fail on its
-# implementation and pass on the reference; repro-check.json). Optional: SMOKE=1 runs scripts/peers_smoke.py (smoke.json), BENCH=1 the
+# implementation and pass on the reference; repro-check.json; REPRO_TIMEOUT, default 300 s, ends the check: what was checked by then is written, every test's first call first). Optional: SMOKE=1 runs scripts/peers_smoke.py (smoke.json), BENCH=1 the
 # peer and reference-attention benchmarks (bench/results.json). Variables: XDIST (workers, default 4), SUITE_TIMEOUT
 # (seconds per implementation, default 240), TEST_TIMEOUT (seconds per test through pytest-timeout, default auto:
 # 120 s on CUDA, x3 for large cases; a kernel that kills the CUDA context or hangs costs its test and its xdist

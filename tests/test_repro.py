@@ -277,3 +277,62 @@ def test_a_call_the_adapter_refused_gets_a_script_not_a_no_repro(_suite):
     got = _script(scripts[0])
     assert got.returncode == 1 and "UnsafeForPeer" in got.stdout, got.stdout + got.stderr
     assert _script(scripts[0], "--impl", REFERENCE).returncode == 0
+
+
+CHECK_REPROS = ROOT / "scripts" / "check_repros.py"
+SCRIPT = '''"""A reproducer stand-in: fails as written, passes with --impl (the reference); {kind}."""
+import sys, time
+{body}
+sys.exit(0 if "--impl" in sys.argv else 1)
+'''
+
+
+def _repro_root(tmp_path: Path) -> Path:
+    """``repro-fake/`` with two tests: ``test_fast`` (call0 and call1, each done at once) and
+    ``test_slow`` (call0 sleeps a minute)."""
+    folder = tmp_path / "repro" / "repro-fake"
+    entries = []
+    for test, calls in (("test_fast", ("", "")), ("test_slow", ("time.sleep(60)",))):
+        scripts = []
+        for k, body in enumerate(calls):
+            script = folder / test / f"call{k}" / "repro.py"
+            script.parent.mkdir(parents=True)
+            script.write_text(SCRIPT.format(kind=test, body=body))
+            scripts.append(str(script))
+        entries.append({"impl": "fake", "nodeid": f"suites/t.py::{test}", "outcome": "xfailed", "scripts": scripts})
+    (folder / "index.jsonl").write_text("".join(json.dumps(e) + "\n" for e in entries))
+    return folder.parent
+
+
+def test_the_reproducer_check_runs_every_tests_first_call_first() -> None:
+    check_repros = runpy.run_path(str(CHECK_REPROS))
+    jobs = [("a", Path("r/t1/call1/repro.py")), ("a", Path("r/t2/call0/repro.py")), ("a", Path("r/t1/call0/repro.py"))]
+    assert [str(p) for _, p in check_repros["breadth_first"](jobs)] == [
+        "r/t1/call0/repro.py", "r/t2/call0/repro.py", "r/t1/call1/repro.py"
+    ]  # fmt: skip
+
+
+def test_an_interrupted_reproducer_check_writes_what_it_checked(tmp_path: Path) -> None:
+    """``timeout -s INT`` ends a long check (``scripts/device_conformance.sh``'s ``REPRO_TIMEOUT``): the
+    scripts done are written, the rest counted as not run, and a test with a script not run is not
+    reported as lacking a holding one."""
+    import signal
+    import subprocess
+    import time
+
+    root = _repro_root(tmp_path)
+    xfail = tmp_path / "xfail"
+    xfail.mkdir()
+    (xfail / "fake.txt").write_text("suites/t.py::test_fast  # k\nsuites/t.py::test_slow  # k\n")
+    out = tmp_path / "check.json"
+    proc = subprocess.Popen([sys.executable, str(CHECK_REPROS), str(root), "--jobs", "2", "--json", str(out),
+                             "--xfail-dir", str(xfail)], stdout=subprocess.PIPE, text=True)  # fmt: skip
+    deadline = time.monotonic() + 60
+    time.sleep(3)  # both fast scripts (two runs each) are done well before this; the slow one sleeps
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+    assert proc.returncode == 124
+    summary = json.loads(out.read_text())["summary"]
+    assert summary["interrupted"] is True and summary["not_run"] == 1, summary
+    assert summary["scripts"] == 2 and summary["hold"] == 2
+    assert summary["xfail_lines_without_a_holding_script"] == {}, summary
