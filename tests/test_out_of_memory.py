@@ -2,7 +2,7 @@
 ``OutOfDeviceMemory``, the search's ``spent["out-of-memory"]``).
 
 On a GPU that several xdist workers share, one worker's allocation can fail because the others hold
-cached memory: on the H100 of 2026-12-07 four parallel conformance runs (16 workers) made 125 tests of
+cached memory: on the H100 of 2026-12-07 four parallel conformance runs (16 workers) made 121 tests of
 three peers fail with "CUDA out of memory" and the search report those errors as discrepancies. This
 machine has no GPU: the kernels here raise ``torch.OutOfMemoryError`` (and the runtime's and Triton's
 texts) themselves.
