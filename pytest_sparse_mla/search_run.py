@@ -46,7 +46,10 @@ and the run goes on with the shapes it has compiled.
 
 **Out of device memory is not a discrepancy.** A call that runs out of device memory (the guard's
 tries, ``device_health.with_memory_retries``, all failed, or the inputs or the oracle could not be
-allocated) is not made: ``spent["out-of-memory"]`` counts it, and the run goes on.
+allocated) is not made: ``spent["out-of-memory"]`` counts it, and the run goes on. Nor is it a pass:
+a run that found nothing but left calls unjudged this way ends with ``OutOfDeviceMemory`` (an
+environment failure, never xfailed), and a run that found discrepancies says how many calls it could
+not judge.
 
 What the run did goes to the test's ``user_properties`` (``summary``): calls made, the dimensions
 and ends drawn, the discrepancies, and where the calls went (``"spent"``: covering, random draws
@@ -570,13 +573,23 @@ class SearchRun:
         self.found.append(Discrepancy(region, current, _text(final), recording.recorded_calls()))
 
     def _raise(self) -> None:
+        short = self.spent.get("out-of-memory", 0)
+        unjudged = (
+            f"{short} drawn call{'' if short == 1 else 's'} ran out of device memory on every try and "
+            f"{'was' if short == 1 else 'were'} not judged (an environment condition, not a verdict on the kernel; "
+            "rerun with fewer workers per GPU)"
+        )
         if not self.found:
+            if short:  # a run whose calls were not made passes nothing: it fails as the environment's
+                from pytest_sparse_mla import device_health
+
+                raise device_health.OutOfDeviceMemory(f"no discrepancy in {len(self.drawn)} calls, but {unjudged}")
             return
         recording.restore_calls([c for d in self.found for c in d.recorded])
         new = [d for d in self.found if not d.region.known]
         head = (f"{len(self.found)} distinct discrepanc{'y' if len(self.found) == 1 else 'ies'} "
                 f"({len(new)} new, {len(self.found) - len(new)} in known regions) "
-                f"in {len(self.drawn)} calls:")  # fmt: skip
+                f"in {len(self.drawn)} calls{f'; {unjudged}' if short else ''}:")  # fmt: skip
         text = "\n".join([head, *(d.text() for d in self.found)])
         raise (NewDiscrepancy if new else KnownDiscrepancy)(text)
 

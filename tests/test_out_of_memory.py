@@ -3,7 +3,7 @@
 
 On a GPU that several xdist workers share, one worker's allocation can fail because the others hold
 cached memory: on the H100 of 2026-12-07 four parallel conformance runs (16 workers) made 121 tests of
-three peers fail with "CUDA out of memory" and the search report those errors as discrepancies. This
+four implementations fail with "CUDA out of memory" and the search report those errors as discrepancies. This
 machine has no GPU: the kernels here raise ``torch.OutOfMemoryError`` (and the runtime's and Triton's
 texts) themselves.
 """
@@ -139,3 +139,26 @@ def test_the_search_counts_a_call_out_of_memory_as_not_made() -> None:
     call = next(iter(covering.schedule(ReferenceImplementation.envelope, "cpu")))
     assert run._try(prop, call) is None  # no failure to shrink or report
     assert run.spent["out-of-memory"] == 1 and not run.found
+
+
+def test_a_search_whose_calls_all_ran_out_of_memory_fails_as_the_environment_never_passes(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    """A kernel that raises out of memory on every call must not pass the search by having no call
+    judged: the run ends with ``OutOfDeviceMemory`` naming the calls it could not judge."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    (tmp_path / "oom_always.py").write_text(
+        "import torch\n\nname = 'oom-always'\n\n\ndef sparse_mla_forward(q, kv_cache, indices, **kwargs):\n"
+        "    raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB.')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code, output = inner_session.run(
+        ["-p", "sparse_mla", str(root / "suites" / "test_attention_search.py"), "-k", "matches_the_oracle",
+         "--sparse-mla-impl", "oom_always", "--sparse-mla-device", "cpu", "-p", "no:cacheprovider", "-p", "no:xdist",
+         "--rootdir", str(root)], cwd=root, monkeypatch=monkeypatch, capsys=capsys,
+    )  # fmt: skip
+    assert code == 1 and "1 failed" in output, output[-3000:]
+    assert "ran out of device memory on every try and were not judged" in output, output[-3000:]
+    assert "NewDiscrepancy" not in output
