@@ -112,8 +112,10 @@ class Coverage:
             })  # fmt: skip
         return out
 
-    def lines(self) -> list[str]:
-        """The terminal table."""
+    def lines(self, stopped_early: bool = False) -> list[str]:
+        """The terminal table; ``stopped_early``: the session stopped before every collected test ran
+        (a usage error, ``-x``, a dead CUDA context without xdist), so the classes of the tests it did
+        not reach are not in the table, and the last line says so."""
         rows = self.rows()
         if not rows:
             return []
@@ -126,7 +128,10 @@ class Coverage:
                 f"{r['not_run']:>7}  {why[:110]}"
             )
         never = [r["class"] for r in rows if not r["ran"]]
-        lines.append(f"classes that never ran: {', '.join(never) if never else 'none'}")
+        tail = ""
+        if stopped_early:
+            tail = " (the run stopped early: the classes of the tests it did not reach are not counted)"
+        lines.append(f"classes that never ran: {', '.join(never) if never else 'none'}{tail}")
         return lines
 
     def search_report(self) -> dict[str, Any] | None:

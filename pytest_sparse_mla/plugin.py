@@ -416,7 +416,9 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
         return
     from pytest_sparse_mla import coverage, xdist_gpu
 
-    table = coverage.get(config).lines()
+    session = getattr(terminalreporter, "_session", None)
+    stopped = bool(session is not None and (session.shouldstop or session.shouldfail))
+    table = coverage.get(config).lines(stopped_early=stopped)
     if table:
         terminalreporter.section(f"sparse-mla error-class coverage ({options.get_options(config).impl})", sep="-")
         for line in table:
