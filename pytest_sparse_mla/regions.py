@@ -98,7 +98,7 @@ def _lengths(c: Any) -> str:
 
 
 def _first_tile_empty(c: Any) -> bool:
-    """Whether some row of cache ``c`` (a ``search.CacheDraw`` or ``None``) has no valid lane among
+    """Whether some row of cache ``c`` (a ``search.DrawnCache`` or ``None``) has no valid lane among
     its first lanes: a length of 0 or less, or every lane masked."""
     return c is not None and ((c.lengths is not None and c.lengths[0] <= 0) or c.masked_fraction >= 1.0)
 
