@@ -23,7 +23,8 @@ implementation under test becomes, when it is itself wrong, one folder
 
 What counts as wrong is what the script itself checks (:func:`_judge`, whose source the script
 carries): a non-finite or out-of-bound output element, an out-of-bound LSE (protocol calls only: a
-peer's native LSE is in its own convention), an error raised by a call the suite expected to
+peer's native LSE is in its own convention, so a call whose only wrong value is its LSE gets a
+script that calls the implementation, not the peer), an error raised by a call the suite expected to
 succeed, or no ``TypeError``/``ValueError`` naming the argument for a deliberately bad call. A test
 none of whose calls is wrong by itself (its failure compares calls with each other, as an invariance
 does, or with a stored golden; or its call never reached the implementation's own function, as when
@@ -263,6 +264,8 @@ def write_reproducers(
         folder = base / f"call{k}"
         folder.mkdir(parents=True, exist_ok=True)
         native = rec.native[-1] if rec.native else None
+        if native is not None and all(line.startswith("lse") for line in verdict):
+            native = None  # a peer's own LSE is in its own convention: only the protocol call judges it
         data: dict[str, Any] = {
             "nodeid": nodeid,
             "impl": impl_spec or _impl_string(impl),

@@ -257,6 +257,49 @@ def test_no_repro_names_the_failed_comparison_and_how_to_rerun_it(tmp_path):
     assert [c["error"] is None for c in calls] == [True, False] and calls[0]["output"].shape == (2, 8, 512)
 
 
+LSE_OFF = """from pytest_sparse_mla.implementations import ReferenceImplementation
+
+
+class LseOff(ReferenceImplementation):
+    \"\"\"The reference with every LSE one natural-log unit too large (outputs right).\"\"\"
+
+    def sparse_mla_forward(self, *args, **kwargs):
+        res = super().sparse_mla_forward(*args, **kwargs)
+        return res.output, res.lse + 1.0
+"""
+
+
+def test_a_peer_call_wrong_only_in_its_lse_gets_a_script_that_judges_the_lse(tmp_path, monkeypatch):
+    """A native script judges a peer's output only (its LSE is in the peer's own convention), so a
+    call whose only wrong value is its LSE gets a script that calls the implementation and judges the
+    LSE in the protocol's convention: it fails on a kernel whose LSE is off and passes on the
+    reference. (On the H100 run of 2026-12-07, 14 such native scripts passed on their peer: 13 of
+    sglang-q8kv8-sm90's deployment cases, LSE off by ln 1.25 with outputs within bound, and
+    sglang-dsv4-triton's strided-lengths call, 53 of 128 LSE values off.)"""
+    import torch
+
+    from pytest_sparse_mla import repro, tolerances
+    from pytest_sparse_mla.recording import NativeCall
+
+    (tmp_path / "lse_off_impl.py").write_text(LSE_OFF)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    __import__("lse_off_impl")  # the writer records where the implementation was imported from
+    right = _reference_call()
+    peer = NativeCall(source={"module": "lse_off_impl"}, function="LseOff", args=(), kwargs={})
+    wrong = _reference_call(lse=right.lse + 1.0, native=[peer])
+    written = repro.write_reproducers(
+        tmp_path / "repro", "suites/x.py::test_lse", object(), tolerances.DEFAULT_PROFILES["kernel"], "xfailed",
+        calls=[wrong], impl_spec="lse_off_impl:LseOff",
+    )  # fmt: skip
+    assert len(written) == 1
+    data = torch.load(written[0] / "inputs.pt", weights_only=False)
+    assert "native" not in data and "LseOff directly" not in (written[0] / "repro.py").read_text()
+    got = _script(written[0] / "repro.py")
+    assert got.returncode == 1 and "lse (natural log)" in got.stdout, got.stdout + got.stderr
+    ref = _script(written[0] / "repro.py", "--impl", REFERENCE)
+    assert ref.returncode == 0, ref.stdout + ref.stderr
+
+
 def test_a_call_the_adapter_refused_gets_a_script_not_a_no_repro(_suite):
     """SGLang's PyTorch decode gathers every lane before masking, so the adapter refuses a call whose
     stale lanes hold ``1 << 30`` (``UnsafeForPeer``: the test fails, listed as ``stale-lanes`` in
