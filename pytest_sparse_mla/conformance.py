@@ -134,7 +134,8 @@ def summarize(
         rows: one dict per test (:func:`read_junit`, :class:`Rows`): ``file``, ``id``, ``outcome``
             (one of :data:`OUTCOMES`), ``message``, ``seconds``.
         exit_info: ``exit`` (pytest's exit status), ``seconds`` (the run's wall time) and
-            ``xfail_file`` (the xfail file the run applied, or ``None``).
+            ``xfail_file`` (the xfail file the run applied, or ``None``; a failure that an older
+            file missed and ``xfail`` lists is reported failed, explained as listed after the run).
         run_report: the ``--sparse-mla-report-json`` document (its ``coverage`` and ``envelope``).
         xfail: :func:`read_xfail_file` of the implementation's xfail file (its definitions name the
             discrepancies; a run made without it counts the failures it lists as xfailed).
@@ -154,6 +155,8 @@ def summarize(
         if key is not None and not applied and r["outcome"] in ("failed", "error"):
             r["outcome"], r["listed_after_run"] = "xfailed", True
             listed_after_run += 1
+        elif key is not None and r["outcome"] in ("failed", "error"):
+            r["listed_key"] = key  # an older xfail file was applied: the run failed it, the file lists it now
         if r["outcome"] == "xfailed":
             r["key"] = key or ""
             by_key[r["key"]] += 1
@@ -185,7 +188,9 @@ def summarize(
                         for n in (notes or {}).get("project_faults", [])
                         if impl in n.get("impls", [impl]) and _matches(r["id"], n["test"])
                     ),
-                    "",
+                    f"listed after this run, under [{r['listed_key']}] of the implementation's xfail file"
+                    if r.get("listed_key")
+                    else "",
                 ),
             }
             for r in rows

@@ -70,3 +70,25 @@ def test_sparse_mla_report_merges_runs(tmp_path, monkeypatch, capsys):
 def test_the_console_script_is_declared() -> None:
     text = (ROOT / "pyproject.toml").read_text()
     assert 'sparse-mla-report = "pytest_sparse_mla.conformance:main"' in text
+
+
+def test_a_failure_an_older_xfail_file_missed_is_reported_failed_and_said_to_be_listed_now(tmp_path) -> None:
+    """A run made with an older xfail file fails a test the current file lists: the report keeps
+    pytest's outcome (failed) and says the test is listed now, under which key; a failure the file
+    does not list stays unexplained; a run made without any xfail file counts the listed failure as
+    xfailed (``listed_after_run``). (sglang-dsv4-triton's 12 bad-input failures of 2026-12-07.)"""
+    listed = {"file": "suites/test_attention_inputs.py", "id": LISTED, "outcome": "failed", "message": "DID NOT RAISE",
+              "seconds": 0.1}  # fmt: skip
+    other = dict(listed, id=LISTED.replace("attn_sink-bf16", "q-float32"))
+    path = tmp_path / "k.txt"
+    path.write_text(f"# [no-validation] convention: accepts it.\n{LISTED}  # no-validation\n")
+    xfail = conformance.read_xfail_file(path)
+    older = conformance.summarize("k", [dict(listed), dict(other)], exit_info={"xfail_file": "k.txt"}, xfail=xfail)
+    by_id = {f["id"]: f for f in older["failures"]}
+    assert older["totals"]["failed"] == 2
+    said = "listed after this run, under [no-validation] of the implementation's xfail file"
+    assert by_id[LISTED]["explanation"] == said
+    assert by_id[other["id"]]["explanation"] == ""
+    without = conformance.summarize("k", [dict(listed), dict(other)], exit_info={"xfail_file": None}, xfail=xfail)
+    assert without["totals"]["failed"] == 1
+    assert without["xfailed"] == [{"id": LISTED, "key": "no-validation", "listed_after_run": True}]
