@@ -407,9 +407,7 @@ class GuardedImplementation:
                 if self.declared:
                     pytest.fail(f"{self._name} refused a call inside its declared envelope: {exc}", pytrace=False)
                 pytest.skip(f"{self._name} refused the call: {exc}")
-            except device_health.OutOfDeviceMemory:
-                raise  # an environment condition, whoever allocated: not the adapter's verdict either
-            except Exception as exc:
+            except Exception as exc:  # not OutOfDeviceMemory (a pytest outcome): never the adapter's verdict
                 recording.note_error(rec, exc)  # the implementation's error, not the outcome the guard makes of it
                 self._judge_adapter_error(exc, bad_input=None)
                 raise
@@ -451,8 +449,6 @@ class GuardedImplementation:
             running = device_health.begin_call(self._name, "page_split", args, kwargs)
             try:
                 out = device_health.with_memory_retries(lambda: split(*args, **kwargs), f"{self._name}.page_split")
-            except device_health.OutOfDeviceMemory:
-                raise
             except Exception as exc:
                 self._judge_adapter_error(exc, bad_input=None)
                 raise

@@ -222,7 +222,6 @@ class SearchRun:
         self.failed = False
         self._confirm_left = {r.key: regions.CONFIRM_CALLS if confirm else 0 for r in self.known}
         self._phase = "random"
-        self._warm: set[tuple[Any, ...]] = set()
         self._untimed, self.warm_seconds, self.warm_spent = untimed, warm_seconds, 0.0
         #: Whether the property should explain a failure (``search.diagnose``: several more oracle
         #: calls): only for the call a discrepancy is reported with, not for each call Hypothesis
@@ -254,10 +253,13 @@ class SearchRun:
             return None
         return search_speed.shape_key(inputs.q, inputs.kv_cache, inputs.indices, inputs.kwargs)
 
-    def _is_warm(self, key: tuple[Any, ...]) -> bool:
+    @staticmethod
+    def _is_warm(key: tuple[Any, ...]) -> bool:
+        """Whether this process has warmed a kernel on ``key`` (``search_speed.WARMED``: this run, an
+        earlier run or the guard's warm-up of a fixed case)."""
         from pytest_sparse_mla import search_speed
 
-        return key in self._warm or key in search_speed.WARMED  # this run's, or this process's
+        return key in search_speed.WARMED
 
     def _warm_budget_spent(self) -> bool:
         return self.warm_seconds is not None and self.warm_spent >= self.warm_seconds
@@ -275,7 +277,6 @@ class SearchRun:
 
         from pytest_sparse_mla import search_speed
 
-        self._warm.add(key)
         search_speed.WARMED.add(key)  # the guard (guard.GuardedImplementation) then does not warm it again
         self.spent["warm-up"] += 1
         start = time.perf_counter()
