@@ -26,7 +26,8 @@ P quantized to E4M3 before their dots: flashinfer ``fp8_decode`` ``quantize_q_to
 ``w_head_sc`` weight quantization; the row sums stay fp32 sums of the unquantized P, so the P
 quantization is not zero-mean: near-uniform rows round up towards the tile max). They declare
 ``compute_mode`` (``"bf16"`` or ``"fp8"``), which selects the tolerance profile; wrong kernels
-declare ``"bf16"``, so they are judged by the loose kernel profile, never by the tight one.
+declare ``"bf16"``, so they are judged by the loose kernel profile, never by the tight one, except
+``fp8_unit_scales``, an FP8 kernel judged by the FP8 profile its correct twin ``approx_fp8`` passes.
 
 Nothing here is shipped: it exists to prove the suites catch real bugs and pass real kernels.
 """
@@ -1302,6 +1303,31 @@ class approx_bf16_production(TileKernel):
 class approx_fp8(TileKernel):
     compute_mode = "fp8"
     fp8 = True
+
+
+def _e4m3_unsaturated(x: torch.Tensor) -> torch.Tensor:
+    """torch's CUDA cast of fp32 to E4M3 and back: nearest even, and NaN where the rounding passes 448
+    (``|x| > 464``; ``c10/util/Float8_e4m3fn.h`` ``fp8e4m3fn_from_fp32_value`` has no saturation). Torch's
+    CPU cast saturates instead (pytorch/pytorch PR 178817), so the NaN is written here, not cast."""
+    return torch.where(x.abs() > 464.0, torch.full_like(x, math.nan), _e4m3(x))
+
+
+@wrong(
+    "FP8 compute at unit scales: the query (every d_qk dim) cast to E4M3 with scale 1 (NaN past 464) and "
+    "the dequantized cache rows (NoPE times its scale, and RoPE) requantized to E4M3 with scale 1 "
+    "(saturating at 448, flushed below 2**-10); otherwise approx_fp8, whose FP8 profile judges it",
+    "sgl-project/sglang PR 32327: sparse_mla_q8kv8_prefill_sm90.py cast_q_fp8_for_q8kv8_prefill "
+    "(q_scale = 1), dsv4/dequant_k_cache.py gather_dequant_requant_fp8_paged_dsv4 (kv_scale = 1)",
+)
+class fp8_unit_scales(TileKernel):
+    compute_mode = "fp8"  # its correct twin is approx_fp8: judged by the same profile
+    fp8 = True
+
+    def dequantize(self, cache, f, page_block_size):
+        return _e4m3(super().dequantize(cache, f, page_block_size))
+
+    def _quantize_q(self, q, f):
+        return _e4m3_unsaturated(q)
 
 
 # --- arithmetic bugs inside the tile kernel -------------------------------------------------------
