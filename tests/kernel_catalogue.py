@@ -1330,6 +1330,82 @@ class fp8_unit_scales(TileKernel):
         return _e4m3_unsaturated(q)
 
 
+def _pow2_group_quantize(x: torch.Tensor, round_up: bool = True) -> torch.Tensor:
+    """``x [..., d]`` (``d`` a multiple of 64) quantized to E4M3 per 64-wide group with a power-of-two
+    scale ``2**ceil(log2(max(amax, 1e-4) / 448))`` (``round_up=False``: ``floor``, the scale one binade
+    too small, so the group's largest values pass 448 and saturate)."""
+    groups = x.reshape(*x.shape[:-1], -1, 64)
+    mantissa, exponent = torch.frexp(groups.abs().amax(dim=-1, keepdim=True).clamp(min=1e-4) / 448.0)
+    e = torch.where(mantissa == 0.5, exponent - 1, exponent) if round_up else exponent - 1
+    return torch.ldexp(_e4m3(torch.ldexp(groups, -e)), e).reshape(x.shape)
+
+
+@wrong(
+    "FP8 compute: the query's power-of-two group scale rounded down instead of up, so each group's "
+    "largest elements pass 448 and saturate",
+    "flashinfer fp8_decode quantize_q_to_smem (the scale rounds amax / 448 up to a power of two)",
+)
+class fp8_q_scale_rounded_down(TileKernel):
+    compute_mode = "fp8"
+    fp8 = True
+
+    def _quantize_q(self, q, f):
+        return torch.cat([_pow2_group_quantize(q[..., : f.d_nope], round_up=False), q[..., f.d_nope :]], dim=-1)
+
+
+@wrong(
+    "FP8 compute: the query's RoPE part quantized to E4M3 as well (own group scale), where the "
+    "format keeps RoPE in BF16 for the score",
+    "deepseek-ai/FlashMLA FP8 sparse decode and flashinfer fp8_decode keep the RoPE dot in BF16",
+)
+class fp8_q_rope_quantized(TileKernel):
+    compute_mode = "fp8"
+    fp8 = True
+
+    def _quantize_q(self, q, f):
+        out = super()._quantize_q(q, f)
+        if f.d_rope == 0:
+            return out
+        return torch.cat([out[..., : f.d_nope], _pow2_group_quantize(out[..., f.d_nope :])], dim=-1)
+
+
+@wrong(
+    "FP8 compute with a lazily rescaled online softmax: the reference max moves only when a tile's max "
+    "passes it by more than 8 (log2 units), but P's E4M3 scale stays the first tile's (P <= 1 assumed), "
+    "so the probabilities of a later, larger tile saturate",
+    "FlashAttention-4 conditional rescaling (Dao-AILab/flash-attention, flash_attn/cute); an FP8 P.V "
+    "must then scale P by the stale max",
+)
+class fp8_p_scale_from_first_tile(TileKernel):
+    compute_mode = "fp8"
+    fp8 = True
+    threshold = 8.0 * _LN2
+
+    def _chunk(self, q, table, rows, valid, sm_scale, f):
+        self._m_ref = None
+        return super()._chunk(q, table, rows, valid, sm_scale, f)
+
+    def probabilities(self, s, lane_ok, exp):
+        m, p = super().probabilities(s, lane_ok, exp)
+        if self._m_ref is None:
+            self._m_ref = m.clone()
+        else:
+            moved = torch.isneginf(self._m_ref) | (m > self._m_ref + self.threshold)
+            self._m_ref = torch.where(moved, m, self._m_ref)
+        self._m_i = m
+        return m, p
+
+    def _pv(self, p, values, f):
+        nope = min(f.d_nope, f.d_v)
+        finite = torch.isfinite(self._m_i) & torch.isfinite(self._m_ref)
+        shift = torch.where(finite, self._m_i - self._m_ref, torch.zeros_like(self._m_i))  # 0 .. threshold
+        p8 = _e4m3(p * torch.exp(shift) * 448.0) / 448.0 * torch.exp(-shift)  # the first tile's scale
+        parts = [torch.bmm(p8, values[..., :nope])]
+        if nope < f.d_v:
+            parts.append(torch.bmm(p.to(torch.bfloat16).float(), values[..., nope:]))
+        return torch.cat(parts, dim=-1)
+
+
 # --- arithmetic bugs inside the tile kernel -------------------------------------------------------
 
 
@@ -1911,6 +1987,10 @@ FIRST_TESTS: dict[str, tuple[str, ...]] = {
     ),
     "split_shared_buffer": ("suites/test_split_buffers.py::test_splits_under_different_key_suffixes_coexist[full]",),
     "last_prefill_tile_dropped": (_SEARCH_SHARD0,),
+    "fp8_q_rope_quantized": (_SEARCH_SHARD0, "suites/test_attention_search.py::"
+                             "test_a_drawn_call_does_not_depend_on_lane_order_or_padding[shard0]"),
+    "fp8_unit_scales": (f"{_ACC}test_error_classes_are_visible[cf-extra-x1/64]",),
+    "fp8_p_scale_from_first_tile": (f"{_ACC}test_flashinfer_configurations_match_oracle[fi-wide-scales]",),
     "length_near_int32_max_wraps": (_SEARCH_SHARD0,),
 }
 
