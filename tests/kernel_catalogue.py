@@ -1034,6 +1034,16 @@ def _e4m3(x: torch.Tensor) -> torch.Tensor:
     return x.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).to(torch.float32)
 
 
+def _pow2_group_quantize(x: torch.Tensor, round_up: bool = True) -> torch.Tensor:
+    """``x [..., d]`` (``d`` a multiple of 64) quantized to E4M3 per 64-wide group with a power-of-two
+    scale ``2**ceil(log2(max(amax, 1e-4) / 448))`` (``round_up=False``: ``floor``, the scale one binade
+    too small, so the group's largest values pass 448 and saturate)."""
+    groups = x.reshape(*x.shape[:-1], -1, 64)
+    mantissa, exponent = torch.frexp(groups.abs().amax(dim=-1, keepdim=True).clamp(min=1e-4) / 448.0)
+    e = torch.where(mantissa == 0.5, exponent - 1, exponent) if round_up else exponent - 1
+    return torch.ldexp(_e4m3(torch.ldexp(groups, -e)), e).reshape(x.shape)
+
+
 @dataclass
 class MergeState:
     """Running split-K merge state of a token chunk: ``m`` the running max of the partial LSEs,
@@ -1177,13 +1187,7 @@ class TileKernel:
     def _quantize_q(self, q: torch.Tensor, f: formats.PackedFormat) -> torch.Tensor:
         """FP8 mode: Q NoPE to E4M3 per (token, head, 64-wide group) with a power-of-two scale
         ``2**ceil(log2(max(amax, 1e-4) / 448))``; RoPE stays BF16 (flashinfer ``quantize_q_to_smem``)."""
-        nope = q[..., : f.d_nope]
-        groups = nope.reshape(*nope.shape[:-1], -1, 64)
-        amax = groups.abs().amax(dim=-1, keepdim=True).clamp(min=1e-4) / 448.0
-        mantissa, exponent = torch.frexp(amax)
-        e = torch.where(mantissa == 0.5, exponent - 1, exponent)
-        quant = torch.ldexp(_e4m3(torch.ldexp(groups, -e)), e)
-        return torch.cat([quant.reshape(nope.shape), q[..., f.d_nope :]], dim=-1)
+        return torch.cat([_pow2_group_quantize(q[..., : f.d_nope]), q[..., f.d_nope :]], dim=-1)
 
     def _chunk(self, q: torch.Tensor, table: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor,
                sm_scale: float, f: formats.PackedFormat) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
@@ -1294,15 +1298,22 @@ class approx_bf16_production(TileKernel):
     bf16_partials = True
 
 
+class _Fp8Kernel(TileKernel):
+    """FP8 compute (``TileKernel.fp8``), judged by the ``kernel-fp8`` tolerance profile: ``approx_fp8``
+    is it unchanged, each FP8 wrong kernel overrides one scaling step."""
+
+    compute_mode = "fp8"
+    fp8 = True
+
+
 @approximate(
     "FlashInfer FP8 compute: Q NoPE quantized to E4M3 per (token, head, 64 dims) with a "
     "power-of-two scale; P quantized to E4M3 per (token, head, tile) for P.V NoPE (BF16 P "
     "for V RoPE), the row sums from the unquantized P; BF16 partials",
     "flashinfer fp8_decode quantize_q_to_smem, w_head_sc",
 )
-class approx_fp8(TileKernel):
-    compute_mode = "fp8"
-    fp8 = True
+class approx_fp8(_Fp8Kernel):
+    pass
 
 
 def _e4m3_unsaturated(x: torch.Tensor) -> torch.Tensor:
@@ -1319,10 +1330,7 @@ def _e4m3_unsaturated(x: torch.Tensor) -> torch.Tensor:
     "sgl-project/sglang PR 32327: sparse_mla_q8kv8_prefill_sm90.py cast_q_fp8_for_q8kv8_prefill "
     "(q_scale = 1), dsv4/dequant_k_cache.py gather_dequant_requant_fp8_paged_dsv4 (kv_scale = 1)",
 )
-class fp8_unit_scales(TileKernel):
-    compute_mode = "fp8"  # its correct twin is approx_fp8: judged by the same profile
-    fp8 = True
-
+class fp8_unit_scales(_Fp8Kernel):
     def dequantize(self, cache, f, page_block_size):
         return _e4m3(super().dequantize(cache, f, page_block_size))
 
@@ -1330,25 +1338,12 @@ class fp8_unit_scales(TileKernel):
         return _e4m3_unsaturated(q)
 
 
-def _pow2_group_quantize(x: torch.Tensor, round_up: bool = True) -> torch.Tensor:
-    """``x [..., d]`` (``d`` a multiple of 64) quantized to E4M3 per 64-wide group with a power-of-two
-    scale ``2**ceil(log2(max(amax, 1e-4) / 448))`` (``round_up=False``: ``floor``, the scale one binade
-    too small, so the group's largest values pass 448 and saturate)."""
-    groups = x.reshape(*x.shape[:-1], -1, 64)
-    mantissa, exponent = torch.frexp(groups.abs().amax(dim=-1, keepdim=True).clamp(min=1e-4) / 448.0)
-    e = torch.where(mantissa == 0.5, exponent - 1, exponent) if round_up else exponent - 1
-    return torch.ldexp(_e4m3(torch.ldexp(groups, -e)), e).reshape(x.shape)
-
-
 @wrong(
     "FP8 compute: the query's power-of-two group scale rounded down instead of up, so each group's "
     "largest elements pass 448 and saturate",
     "flashinfer fp8_decode quantize_q_to_smem (the scale rounds amax / 448 up to a power of two)",
 )
-class fp8_q_scale_rounded_down(TileKernel):
-    compute_mode = "fp8"
-    fp8 = True
-
+class fp8_q_scale_rounded_down(_Fp8Kernel):
     def _quantize_q(self, q, f):
         return torch.cat([_pow2_group_quantize(q[..., : f.d_nope], round_up=False), q[..., f.d_nope :]], dim=-1)
 
@@ -1358,10 +1353,7 @@ class fp8_q_scale_rounded_down(TileKernel):
     "format keeps RoPE in BF16 for the score",
     "deepseek-ai/FlashMLA FP8 sparse decode and flashinfer fp8_decode keep the RoPE dot in BF16",
 )
-class fp8_q_rope_quantized(TileKernel):
-    compute_mode = "fp8"
-    fp8 = True
-
+class fp8_q_rope_quantized(_Fp8Kernel):
     def _quantize_q(self, q, f):
         out = super()._quantize_q(q, f)
         if f.d_rope == 0:
@@ -1376,9 +1368,7 @@ class fp8_q_rope_quantized(TileKernel):
     "FlashAttention-4 conditional rescaling (Dao-AILab/flash-attention, flash_attn/cute); an FP8 P.V "
     "must then scale P by the stale max",
 )
-class fp8_p_scale_from_first_tile(TileKernel):
-    compute_mode = "fp8"
-    fp8 = True
+class fp8_p_scale_from_first_tile(_Fp8Kernel):
     threshold = 8.0 * _LN2
 
     def _chunk(self, q, table, rows, valid, sm_scale, f):
