@@ -1362,6 +1362,22 @@ class fp8_q_rope_quantized(_Fp8Kernel):
 
 
 @wrong(
+    "FP8 compute: P cast to E4M3 without a scale for P.V NoPE (P <= 1 after the max is subtracted), so "
+    "a probability below 2**-10 of the tile's max rounds to 0 and leaves the output while the fp32 row "
+    "sum keeps it; otherwise approx_fp8",
+    "FlashAttention-3 FP8 forward (Dao-AILab/flash-attention hopper/): P converted to E4M3 as is; "
+    "SGLang sparse_mla_q8kv8_prefill_sm90 kernel.cuh online_softmax_and_rescale_o (convert_type_out)",
+)
+class fp8_p_unscaled(_Fp8Kernel):
+    def _pv(self, p, values, f):
+        nope = min(f.d_nope, f.d_v)
+        parts = [torch.bmm(_e4m3(p), values[..., :nope])]
+        if nope < f.d_v:
+            parts.append(torch.bmm(p.to(torch.bfloat16).float(), values[..., nope:]))
+        return torch.cat(parts, dim=-1)
+
+
+@wrong(
     "FP8 compute with a lazily rescaled online softmax: the reference max moves only when a tile's max "
     "passes it by more than 8 (log2 units), but P's E4M3 scale stays the first tile's (P <= 1 assumed), "
     "so the probabilities of a later, larger tile saturate",
@@ -1981,6 +1997,7 @@ FIRST_TESTS: dict[str, tuple[str, ...]] = {
                              "test_a_drawn_call_does_not_depend_on_lane_order_or_padding[shard0]"),
     "fp8_unit_scales": (f"{_ACC}test_error_classes_are_visible[cf-extra-x1/64]",),
     "fp8_p_scale_from_first_tile": (f"{_ACC}test_flashinfer_configurations_match_oracle[fi-wide-scales]",),
+    "fp8_p_unscaled": (f"{_ACC}test_error_classes_are_visible[cf-long-tail]",),
     "length_near_int32_max_wraps": (_SEARCH_SHARD0,),
 }
 

@@ -98,7 +98,13 @@ class Values:
             softmax), ``"peaked"`` (each (token, head) query aligned with one chosen valid
             candidate, alternating between the main and the extra cache by head, so that candidate
             scores ``peak`` natural-log units while the others score about ``N(0, 0.35)``) or
-            ``"flat"`` (queries scaled by ``2**-10``: every logit within about ``1e-4`` of 0).
+            ``"flat"`` (queries scaled by ``2**-10``: every logit within about ``1e-4`` of 0) or
+            ``"long-tail"`` (hand-built rows, :func:`_long_tail_rows`: per token one top key from the
+            main cache's page 0 and every other lane a tail key scoring :data:`TAIL_GAP`
+            natural-log units below it, a probability ``exp(-gap)`` below ``2**-10`` where an
+            unscaled E4M3 cast of P rounds to 0; only the tail keys have values in the NoPE dims
+            past ``num_heads``, so those outputs are the tail's weight alone; with small logits, so
+            the FP8 profile's score term stays small; main cache only, no sink).
         peak: the chosen candidate's logit for ``query="peaked"`` (8: about 95% of the weight over
             128 candidates; 30: one dominant key).
         sink_kind: the ``attn_sink`` drawn (when the case passes one): ``"randn"`` (``randn(H) * 2``,
@@ -229,7 +235,7 @@ def _pad_row(indices: torch.Tensor, width: int | None) -> torch.Tensor:
     return torch.cat([indices, pad], dim=1)
 
 
-QUERIES: tuple[str, ...] = ("random", "peaked", "flat")
+QUERIES: tuple[str, ...] = ("random", "peaked", "flat", "long-tail")
 SINK_KINDS: tuple[str, ...] = ("randn", "large", "mixed-inf")
 
 
@@ -246,13 +252,18 @@ def _cache(
     layer: int,
     num_layers: int,
     device: torch.device | str,
+    tail_rows: Callable[[int, int, formats.PackedFormat], torch.Tensor] | None = None,
 ) -> data.PackedKVCache:
-    """A packed cache, optionally with scaled rows and as one layer of a multi-layer page pool."""
+    """A packed cache, optionally with scaled rows, with the rows ``tail_rows(num_pages,
+    page_block_size, f)`` in place of the drawn ones (:func:`_long_tail_rows`) and as one layer of a
+    multi-layer page pool."""
     if not 0 <= layer < num_layers:
         raise ValueError(f"layer={layer}: expected 0 <= layer < num_layers={num_layers}")
     source = data.latent((num_pages, page_block_size, f.d_qk), generator, distribution=distribution)
     if value_scale != 1.0:
         source = (source.float() * value_scale).to(torch.bfloat16)  # a power of two: exact
+    if tail_rows is not None:
+        source = tail_rows(num_pages, page_block_size, f)
     layers = []
     for index in range(num_layers):
         # Other layers come from their own generator, so the case's other draws do not depend on
@@ -308,6 +319,60 @@ def _peaked_queries(
     return torch.where(taken.unsqueeze(-1) & (norm > 0), bumped, base).to(torch.bfloat16)
 
 
+#: ``"long-tail"`` rows: the logit gap between the top key and every tail key (natural-log units;
+#: the top scores ``+gap/2``, the tail ``-gap/2``). ``exp(-7.2)`` is ``7.5e-4``, below ``2**-10``
+#: (``9.8e-4``, half of E4M3's smallest subnormal ``2**-9``), where an unscaled E4M3 cast rounds to 0.
+TAIL_GAP = 7.2
+#: ``"long-tail"`` rows: the key element that carries the logit (``+x`` in the top rows, ``-x`` in
+#: the tail rows) and the tail rows' value in every other NoPE dim (the top rows hold 0 there).
+TAIL_KEY = 4.0
+TAIL_VALUE = 1.0
+
+
+def _long_tail_rows(num_pages: int, page_block_size: int, num_heads: int, f: formats.PackedFormat) -> torch.Tensor:
+    """``[P, ps, d_qk]`` BF16 rows of a ``"long-tail"`` cache, exact in E4M3 with power-of-two scales:
+    head ``h``'s key dim is ``h``; page 0's rows (the top keys) hold ``+TAIL_KEY`` in dims
+    ``0..H-1`` and 0 elsewhere, every other row (a tail key) ``-TAIL_KEY`` there and ``TAIL_VALUE`` in
+    the other NoPE dims (RoPE dims 0).
+
+    Raises:
+        ValueError: more heads than NoPE dims.
+    """
+    if num_heads > f.d_nope:
+        raise ValueError(f"num_heads={num_heads}: a long-tail case needs num_heads <= d_nope={f.d_nope}")
+    rows = torch.zeros((num_pages, page_block_size, f.d_qk))
+    rows[0, :, :num_heads] = TAIL_KEY
+    rows[1:, :, :num_heads] = -TAIL_KEY
+    rows[1:, :, num_heads : f.d_nope] = TAIL_VALUE
+    return rows.to(torch.bfloat16)
+
+
+def _long_tail_indices(num_tokens: int, topk: int, cache: data.PackedKVCache, generator: torch.Generator) -> torch.Tensor:
+    """``[T, topk]`` int32 rows, all lanes valid: lane 0 is token ``t``'s top key, slot
+    ``t % page_block_size`` of page 0; lanes ``1..topk-1`` distinct slots of pages ``1..``.
+
+    Raises:
+        ValueError: the pages past page 0 hold fewer than ``topk - 1`` slots.
+    """
+    ps = cache.page_block_size
+    others = cache.num_tokens - ps
+    if others < topk - 1:
+        raise ValueError(f"topk={topk}: a long-tail row needs topk - 1 <= {others} slots outside page 0")
+    rows = [torch.randperm(others, generator=generator)[: topk - 1] + ps for _ in range(num_tokens)]
+    top = (torch.arange(num_tokens) % ps).unsqueeze(1)
+    return torch.cat([top, torch.stack(rows)], dim=1).to(torch.int32)
+
+
+def _long_tail_queries(num_tokens: int, num_heads: int, d_qk: int, sm_scale: float) -> torch.Tensor:
+    """BF16 ``[T, H, d_qk]``: head ``h``'s query is ``TAIL_GAP / (2 * sm_scale * TAIL_KEY)`` in dim
+    ``h`` and 0 elsewhere, so it scores ``+TAIL_GAP/2`` on a top key and ``-TAIL_GAP/2`` on a tail key
+    (before the BF16 rounding of the query)."""
+    q = torch.zeros((num_tokens, num_heads, d_qk))
+    heads = torch.arange(num_heads)
+    q[:, heads, heads] = TAIL_GAP / (2.0 * sm_scale * TAIL_KEY)
+    return q.to(torch.bfloat16)
+
+
 def _large_sink(inputs: AttentionInputs, generator: torch.Generator, kind: str) -> torch.Tensor:
     """Per-head sinks comparable to the candidates' mass: median over tokens of the natural-log LSE
     (from the float64 oracle, without a sink) plus ``U(-1, 1)``; ``-inf`` on even heads for
@@ -338,17 +403,24 @@ def make_inputs(
         raise ValueError(f"query={values.query!r}: expected one of {QUERIES}")
     if values.sink_kind not in SINK_KINDS:
         raise ValueError(f"sink_kind={values.sink_kind!r}: expected one of {SINK_KINDS}")
+    long_tail = values.query == "long-tail"
+    if long_tail and (case.extra is not None or conventions.with_sink or main.topk_length is not None):
+        raise ValueError(f"{case.name}: query='long-tail' takes a main cache only, no sink and no topk_length")
     f, ef = formats.cache_formats(conventions.fmt)
     main_stride = main.page_stride if main.page_stride is not None else "padded"
     cache = _cache(
         generator, f, num_pages=main.num_pages, page_block_size=main.page_block_size,
         page_stride=main_stride, form=conventions.form, distribution=values.distribution,
         value_scale=main.value_scale, layer=main.layer, num_layers=main.num_layers, device=device,
+        tail_rows=(lambda p, ps, fmt_: _long_tail_rows(p, ps, case.num_heads, fmt_)) if long_tail else None,
     )  # fmt: skip
     q = data.latent((case.num_tokens, case.num_heads, f.d_qk), generator, distribution=values.distribution)
-    indices = data.sparse_indices(
-        case.num_tokens, main.topk, cache.num_tokens, generator, masked_fraction=main.masked_fraction
-    )
+    if long_tail:
+        indices = _long_tail_indices(case.num_tokens, main.topk, cache, generator)
+    else:
+        indices = data.sparse_indices(
+            case.num_tokens, main.topk, cache.num_tokens, generator, masked_fraction=main.masked_fraction
+        )
     indices, lengths = _lengths_and_stale(indices, main.topk_length)
     indices = _pad_row(indices, main.index_width)
     sink = data.attn_sink(case.num_heads, generator) if conventions.with_sink else None
@@ -378,6 +450,8 @@ def make_inputs(
         q = _peaked_queries(q, sources, sm_scale, values.peak)
     elif values.query == "flat":
         q = (q.float() * 2.0**-10).to(torch.bfloat16)
+    elif long_tail:
+        q = _long_tail_queries(case.num_tokens, case.num_heads, f.d_qk, sm_scale)
     inputs = AttentionInputs(
         case=case,
         q=q.to(device),
@@ -477,6 +551,7 @@ def _cf(name: str, num_tokens: int, num_heads: int, main: CacheCase, **kw: Any) 
 
 _C4 = CacheCase(128, page_block_size=64, num_pages=4)
 _C128 = CacheCase(128, page_block_size=2, num_pages=128)
+_TAIL = CacheCase(64, num_pages=4, masked_fraction=0.0)
 
 #: Data that makes each error class visible (the FlashInfer distribution's logits are about 0.01,
 #: a nearly uniform softmax under which a wrong score scale, a dropped sink or a wrong row hides).
@@ -568,6 +643,10 @@ CONFORMANCE_CASES: tuple[AttentionCase, ...] = (
         extra=replace(_C4, topk_length=50), values=_PEAKED, conventions=_V41, requires=("topk_length",)),
     _cf("v41-h64-peaked-T65", 65, 64, CacheCase(128), extra=_C4, values=_LARGE_SINK, conventions=_V41,
         requires=("tokens",)),
+    # one top key and 63 keys each below 2**-10 of its weight whose values share an offset the top's
+    # lacks: a kernel that casts P to E4M3 without a scale drops the tail's weight from the output
+    _cf("long-tail", 4, 16, _TAIL, values=Values("long-tail"), conventions=Conventions(with_sink=False)),
+    _cf("long-tail-dsv32", 4, 16, _TAIL, values=Values("long-tail"), conventions=Conventions("dsv3_2", with_sink=False)),
 )  # fmt: skip
 
 
@@ -758,7 +837,7 @@ def _length_classes(value: int | None, width: int, prefix: str) -> list[str]:
 def case_classes(case: AttentionCase) -> tuple[str, ...]:
     """The error classes a (fitted) case exercises, from its construction: ``peaked-main`` /
     ``peaked-extra`` (queries aligned with candidates of that cache), ``dominant-key``,
-    ``near-uniform``, ``sink`` / ``large-sink`` / ``minus-inf-sink``, ``dsv3_2``, ``extra-page-64``
+    ``near-uniform``, ``long-tail``, ``sink`` / ``large-sink`` / ``minus-inf-sink``, ``dsv3_2``, ``extra-page-64``
     / ``extra-page-2`` (other sizes: ``extra-page-N``), ``length-0`` / ``length-partial`` /
     ``length-beyond-row`` (``extra-`` prefixed for the extra cache), ``T-64-65`` (either side of
     the decode/prefill cutoff), ``decode`` / ``prefill``, ``per-layer-views``, ``mixed-magnitudes``,
@@ -775,6 +854,8 @@ def case_classes(case: AttentionCase) -> tuple[str, ...]:
             out.append("dominant-key")
     elif values.query == "flat":
         out.append("near-uniform")
+    elif values.query == "long-tail":
+        out.append("long-tail")
     if case.conventions.with_sink:
         out.append({"randn": "sink", "large": "large-sink", "mixed-inf": "minus-inf-sink"}[values.sink_kind])
     if fmt == "dsv3_2":
