@@ -347,7 +347,9 @@ def _long_tail_rows(num_pages: int, page_block_size: int, num_heads: int, f: for
     return rows.to(torch.bfloat16)
 
 
-def _long_tail_indices(num_tokens: int, topk: int, cache: data.PackedKVCache, generator: torch.Generator) -> torch.Tensor:
+def _long_tail_indices(
+    num_tokens: int, topk: int, cache: data.PackedKVCache, generator: torch.Generator
+) -> torch.Tensor:
     """``[T, topk]`` int32 rows, all lanes valid: lane 0 is token ``t``'s top key, slot
     ``t % page_block_size`` of page 0; lanes ``1..topk-1`` distinct slots of pages ``1..``.
 
@@ -646,7 +648,8 @@ CONFORMANCE_CASES: tuple[AttentionCase, ...] = (
     # one top key and 63 keys each below 2**-10 of its weight whose values share an offset the top's
     # lacks: a kernel that casts P to E4M3 without a scale drops the tail's weight from the output
     _cf("long-tail", 4, 16, _TAIL, values=Values("long-tail"), conventions=Conventions(with_sink=False)),
-    _cf("long-tail-dsv32", 4, 16, _TAIL, values=Values("long-tail"), conventions=Conventions("dsv3_2", with_sink=False)),
+    _cf("long-tail-dsv32", 4, 16, _TAIL, values=Values("long-tail"),
+        conventions=Conventions("dsv3_2", with_sink=False)),
 )  # fmt: skip
 
 
