@@ -104,7 +104,11 @@ class Values:
             natural-log units below it, a probability ``exp(-gap)`` below ``2**-10`` where an
             unscaled E4M3 cast of P rounds to 0; only the tail keys have values in the NoPE dims
             past ``num_heads``, so those outputs are the tail's weight alone; with small logits, so
-            the FP8 profile's score term stays small; main cache only, no sink).
+            the FP8 profile's score term stays small; main cache only, no sink) or
+            ``"skewed-query"`` (hand-built rows, :func:`_skewed_rows`: each query's logit signal,
+            ``+-SKEW_LOGIT``, in one dim and ``2**SKEW_LOG2`` times that element in a dim where
+            every key is 0, so the logits stay small; one E4M3 scale per (token, head) flushes the
+            signal, one per 64 dims keeps it; main cache only, no sink).
         peak: the chosen candidate's logit for ``query="peaked"`` (8: about 95% of the weight over
             128 candidates; 30: one dominant key).
         sink_kind: the ``attn_sink`` drawn (when the case passes one): ``"randn"`` (``randn(H) * 2``,
@@ -235,7 +239,7 @@ def _pad_row(indices: torch.Tensor, width: int | None) -> torch.Tensor:
     return torch.cat([indices, pad], dim=1)
 
 
-QUERIES: tuple[str, ...] = ("random", "peaked", "flat", "long-tail")
+QUERIES: tuple[str, ...] = ("random", "peaked", "flat", "long-tail", "skewed-query")
 SINK_KINDS: tuple[str, ...] = ("randn", "large", "mixed-inf")
 
 
@@ -252,18 +256,18 @@ def _cache(
     layer: int,
     num_layers: int,
     device: torch.device | str,
-    tail_rows: Callable[[int, int, formats.PackedFormat], torch.Tensor] | None = None,
+    rows: Callable[[int, int, formats.PackedFormat], torch.Tensor] | None = None,
 ) -> data.PackedKVCache:
-    """A packed cache, optionally with scaled rows, with the rows ``tail_rows(num_pages,
-    page_block_size, f)`` in place of the drawn ones (:func:`_long_tail_rows`) and as one layer of a
-    multi-layer page pool."""
+    """A packed cache, optionally with scaled rows, with the hand-built rows ``rows(num_pages,
+    page_block_size, f)`` in place of the drawn ones (:func:`_long_tail_rows`, :func:`_skewed_rows`)
+    and as one layer of a multi-layer page pool."""
     if not 0 <= layer < num_layers:
         raise ValueError(f"layer={layer}: expected 0 <= layer < num_layers={num_layers}")
     source = data.latent((num_pages, page_block_size, f.d_qk), generator, distribution=distribution)
     if value_scale != 1.0:
         source = (source.float() * value_scale).to(torch.bfloat16)  # a power of two: exact
-    if tail_rows is not None:
-        source = tail_rows(num_pages, page_block_size, f)
+    if rows is not None:
+        source = rows(num_pages, page_block_size, f)
     layers = []
     for index in range(num_layers):
         # Other layers come from their own generator, so the case's other draws do not depend on
@@ -375,6 +379,44 @@ def _long_tail_queries(num_tokens: int, num_heads: int, d_qk: int, sm_scale: flo
     return q.to(torch.bfloat16)
 
 
+#: ``"skewed-query"`` rows: head ``h``'s query holds ``a`` in dim ``SKEW_DIM + h``, where the keys hold
+#: ``+-SKEW_KEY`` by slot parity (logits ``+-SKEW_LOGIT``), and ``a * 2**SKEW_LOG2`` in dim ``h``, where
+#: every key holds 0: one E4M3 scale over a (token, head)'s whole query flushes ``a`` to 0 (below
+#: ``2**-10`` of the scale's ``448``: ``2**-18.8``), a scale per 64 dims keeps it.
+SKEW_DIM = 256
+SKEW_KEY = 2048.0
+SKEW_LOGIT = 2.0
+SKEW_LOG2 = 20
+
+
+def _skewed_rows(num_pages: int, page_block_size: int, num_heads: int, f: formats.PackedFormat) -> torch.Tensor:
+    """``[P, ps, d_qk]`` BF16 rows of a ``"skewed-query"`` cache, exact in E4M3 with power-of-two
+    scales: ``+SKEW_KEY`` (even slots) or ``-SKEW_KEY`` (odd slots) in dims
+    ``SKEW_DIM..SKEW_DIM+H-1``, 0 elsewhere.
+
+    Raises:
+        ValueError: ``SKEW_DIM + num_heads`` past the NoPE dims, or ``num_heads > SKEW_DIM``.
+    """
+    if num_heads > SKEW_DIM or SKEW_DIM + num_heads > f.d_nope:
+        raise ValueError(f"num_heads={num_heads}: a skewed-query case needs num_heads <= {min(SKEW_DIM, f.d_nope - SKEW_DIM)}")
+    slots = torch.arange(num_pages * page_block_size).reshape(num_pages, page_block_size)
+    sign = 1.0 - 2.0 * (slots % 2).float()
+    rows = torch.zeros((num_pages, page_block_size, f.d_qk))
+    rows[..., SKEW_DIM : SKEW_DIM + num_heads] = (SKEW_KEY * sign).unsqueeze(-1)
+    return rows.to(torch.bfloat16)
+
+
+def _skewed_queries(num_tokens: int, num_heads: int, d_qk: int, sm_scale: float) -> torch.Tensor:
+    """BF16 ``[T, H, d_qk]``: head ``h``'s query is ``a = SKEW_LOGIT / (sm_scale * SKEW_KEY)`` in dim
+    ``SKEW_DIM + h`` and ``a * 2**SKEW_LOG2`` in dim ``h`` (where every key is 0), 0 elsewhere."""
+    q = torch.zeros((num_tokens, num_heads, d_qk))
+    heads = torch.arange(num_heads)
+    a = SKEW_LOGIT / (sm_scale * SKEW_KEY)
+    q[:, heads, SKEW_DIM + heads] = a
+    q[:, heads, heads] = a * 2.0**SKEW_LOG2
+    return q.to(torch.bfloat16)
+
+
 def _large_sink(inputs: AttentionInputs, generator: torch.Generator, kind: str) -> torch.Tensor:
     """Per-head sinks comparable to the candidates' mass: median over tokens of the natural-log LSE
     (from the float64 oracle, without a sink) plus ``U(-1, 1)``; ``-inf`` on even heads for
@@ -406,15 +448,16 @@ def make_inputs(
     if values.sink_kind not in SINK_KINDS:
         raise ValueError(f"sink_kind={values.sink_kind!r}: expected one of {SINK_KINDS}")
     long_tail = values.query == "long-tail"
-    if long_tail and (case.extra is not None or conventions.with_sink or main.topk_length is not None):
-        raise ValueError(f"{case.name}: query='long-tail' takes a main cache only, no sink and no topk_length")
+    hand_built = {"long-tail": _long_tail_rows, "skewed-query": _skewed_rows}.get(values.query)
+    if hand_built is not None and (case.extra is not None or conventions.with_sink or main.topk_length is not None):
+        raise ValueError(f"{case.name}: query={values.query!r} takes a main cache only, no sink and no topk_length")
     f, ef = formats.cache_formats(conventions.fmt)
     main_stride = main.page_stride if main.page_stride is not None else "padded"
     cache = _cache(
         generator, f, num_pages=main.num_pages, page_block_size=main.page_block_size,
         page_stride=main_stride, form=conventions.form, distribution=values.distribution,
         value_scale=main.value_scale, layer=main.layer, num_layers=main.num_layers, device=device,
-        tail_rows=(lambda p, ps, fmt_: _long_tail_rows(p, ps, case.num_heads, fmt_)) if long_tail else None,
+        rows=None if hand_built is None else (lambda p, ps, fmt_: hand_built(p, ps, case.num_heads, fmt_)),
     )  # fmt: skip
     q = data.latent((case.num_tokens, case.num_heads, f.d_qk), generator, distribution=values.distribution)
     if long_tail:
@@ -454,6 +497,8 @@ def make_inputs(
         q = (q.float() * 2.0**-10).to(torch.bfloat16)
     elif long_tail:
         q = _long_tail_queries(case.num_tokens, case.num_heads, f.d_qk, sm_scale)
+    elif values.query == "skewed-query":
+        q = _skewed_queries(case.num_tokens, case.num_heads, f.d_qk, sm_scale)
     inputs = AttentionInputs(
         case=case,
         q=q.to(device),
@@ -650,6 +695,11 @@ CONFORMANCE_CASES: tuple[AttentionCase, ...] = (
     _cf("long-tail", 4, 16, _TAIL, values=Values("long-tail"), conventions=Conventions(with_sink=False)),
     _cf("long-tail-dsv32", 4, 16, _TAIL, values=Values("long-tail"),
         conventions=Conventions("dsv3_2", with_sink=False)),
+    # each query's logit signal 2**20 times smaller than an element where every key is 0: one E4M3 scale
+    # per (token, head) flushes the signal (a scale per 64 dims keeps it)
+    _cf("skewed-query", 4, 16, _TAIL, values=Values("skewed-query"), conventions=Conventions(with_sink=False)),
+    _cf("skewed-query-dsv32", 4, 16, _TAIL, values=Values("skewed-query"),
+        conventions=Conventions("dsv3_2", with_sink=False)),
 )  # fmt: skip
 
 
@@ -840,7 +890,7 @@ def _length_classes(value: int | None, width: int, prefix: str) -> list[str]:
 def case_classes(case: AttentionCase) -> tuple[str, ...]:
     """The error classes a (fitted) case exercises, from its construction: ``peaked-main`` /
     ``peaked-extra`` (queries aligned with candidates of that cache), ``dominant-key``,
-    ``near-uniform``, ``long-tail``, ``sink`` / ``large-sink`` / ``minus-inf-sink``, ``dsv3_2``, ``extra-page-64``
+    ``near-uniform``, ``long-tail``, ``skewed-query``, ``sink`` / ``large-sink`` / ``minus-inf-sink``, ``dsv3_2``, ``extra-page-64``
     / ``extra-page-2`` (other sizes: ``extra-page-N``), ``length-0`` / ``length-partial`` /
     ``length-beyond-row`` (``extra-`` prefixed for the extra cache), ``T-64-65`` (either side of
     the decode/prefill cutoff), ``decode`` / ``prefill``, ``per-layer-views``, ``mixed-magnitudes``,
@@ -857,8 +907,8 @@ def case_classes(case: AttentionCase) -> tuple[str, ...]:
             out.append("dominant-key")
     elif values.query == "flat":
         out.append("near-uniform")
-    elif values.query == "long-tail":
-        out.append("long-tail")
+    elif values.query in ("long-tail", "skewed-query"):
+        out.append(values.query)
     if case.conventions.with_sink:
         out.append({"randn": "sink", "large": "large-sink", "mixed-inf": "minus-inf-sink"}[values.sink_kind])
     if fmt == "dsv3_2":
