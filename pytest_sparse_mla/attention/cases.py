@@ -398,7 +398,8 @@ def _skewed_rows(num_pages: int, page_block_size: int, num_heads: int, f: format
         ValueError: ``SKEW_DIM + num_heads`` past the NoPE dims, or ``num_heads > SKEW_DIM``.
     """
     if num_heads > SKEW_DIM or SKEW_DIM + num_heads > f.d_nope:
-        raise ValueError(f"num_heads={num_heads}: a skewed-query case needs num_heads <= {min(SKEW_DIM, f.d_nope - SKEW_DIM)}")
+        most = min(SKEW_DIM, f.d_nope - SKEW_DIM)
+        raise ValueError(f"num_heads={num_heads}: a skewed-query case needs num_heads <= {most}")
     slots = torch.arange(num_pages * page_block_size).reshape(num_pages, page_block_size)
     sign = 1.0 - 2.0 * (slots % 2).float()
     rows = torch.zeros((num_pages, page_block_size, f.d_qk))
@@ -450,7 +451,10 @@ def make_inputs(
     long_tail = values.query == "long-tail"
     hand_built = {"long-tail": _long_tail_rows, "skewed-query": _skewed_rows}.get(values.query)
     if hand_built is not None and (case.extra is not None or conventions.with_sink or main.topk_length is not None):
-        raise ValueError(f"{case.name}: query={values.query!r} takes a main cache only, no sink and no topk_length")
+        raise ValueError(
+            f"{case.name}: query={values.query!r} takes a main cache only, no sink and no topk_length "
+            f"(extra={case.extra}, with_sink={conventions.with_sink}, topk_length={main.topk_length})"
+        )
     f, ef = formats.cache_formats(conventions.fmt)
     main_stride = main.page_stride if main.page_stride is not None else "padded"
     cache = _cache(
@@ -690,8 +694,8 @@ CONFORMANCE_CASES: tuple[AttentionCase, ...] = (
         extra=replace(_C4, topk_length=50), values=_PEAKED, conventions=_V41, requires=("topk_length",)),
     _cf("v41-h64-peaked-T65", 65, 64, CacheCase(128), extra=_C4, values=_LARGE_SINK, conventions=_V41,
         requires=("tokens",)),
-    # one top key and 63 keys each below 2**-10 of its weight whose values share an offset the top's
-    # lacks: a kernel that casts P to E4M3 without a scale drops the tail's weight from the output
+    # one top key and 63 keys each below 2**-10 of its weight whose values fill NoPE dims the top key
+    # leaves at 0: a kernel that casts P to E4M3 without a scale drops the tail's weight from the output
     _cf("long-tail", 4, 16, _TAIL, values=Values("long-tail"), conventions=Conventions(with_sink=False)),
     _cf("long-tail-dsv32", 4, 16, _TAIL, values=Values("long-tail"),
         conventions=Conventions("dsv3_2", with_sink=False)),
@@ -890,11 +894,11 @@ def _length_classes(value: int | None, width: int, prefix: str) -> list[str]:
 def case_classes(case: AttentionCase) -> tuple[str, ...]:
     """The error classes a (fitted) case exercises, from its construction: ``peaked-main`` /
     ``peaked-extra`` (queries aligned with candidates of that cache), ``dominant-key``,
-    ``near-uniform``, ``long-tail``, ``skewed-query``, ``sink`` / ``large-sink`` / ``minus-inf-sink``, ``dsv3_2``, ``extra-page-64``
-    / ``extra-page-2`` (other sizes: ``extra-page-N``), ``length-0`` / ``length-partial`` /
-    ``length-beyond-row`` (``extra-`` prefixed for the extra cache), ``T-64-65`` (either side of
-    the decode/prefill cutoff), ``decode`` / ``prefill``, ``per-layer-views``, ``mixed-magnitudes``,
-    ``padded-width``."""
+    ``near-uniform``, ``long-tail``, ``skewed-query`` (the hand-built FP8 cases), ``sink`` /
+    ``large-sink`` / ``minus-inf-sink``, ``dsv3_2``, ``extra-page-64`` / ``extra-page-2`` (other
+    sizes: ``extra-page-N``), ``length-0`` / ``length-partial`` / ``length-beyond-row`` (``extra-``
+    prefixed for the extra cache), ``T-64-65`` (either side of the decode/prefill cutoff), ``decode``
+    / ``prefill``, ``per-layer-views``, ``mixed-magnitudes``, ``padded-width``."""
     out: list[str] = [route_of(case.num_tokens)]
     main, extra, values, fmt = case.main, case.extra, case.values, case.conventions.fmt
     if case.num_tokens in (64, 65):
