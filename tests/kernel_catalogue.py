@@ -1034,12 +1034,16 @@ def _e4m3(x: torch.Tensor) -> torch.Tensor:
     return x.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).to(torch.float32)
 
 
-def _pow2_group_quantize(x: torch.Tensor, round_up: bool = True, group: int = 64) -> torch.Tensor:
+def _pow2_group_quantize(
+    x: torch.Tensor, round_up: bool = True, group: int = 64, signed_amax: bool = False
+) -> torch.Tensor:
     """``x [..., d]`` (``d`` a multiple of ``group``) quantized to E4M3 per ``group``-wide group with a
     power-of-two scale ``2**ceil(log2(max(amax, 1e-4) / 448))`` (``round_up=False``: ``floor``, the scale
-    one binade too small, so the group's largest values pass 448 and saturate)."""
+    one binade too small, so the group's largest values pass 448 and saturate; ``signed_amax``: the
+    group's signed max for ``amax``, so a group whose largest magnitude is negative saturates)."""
     groups = x.reshape(*x.shape[:-1], -1, group)
-    mantissa, exponent = torch.frexp(groups.abs().amax(dim=-1, keepdim=True).clamp(min=1e-4) / 448.0)
+    amax = groups.amax(dim=-1, keepdim=True) if signed_amax else groups.abs().amax(dim=-1, keepdim=True)
+    mantissa, exponent = torch.frexp(amax.clamp(min=1e-4) / 448.0)
     e = torch.where(mantissa == 0.5, exponent - 1, exponent) if round_up else exponent - 1
     return torch.ldexp(_e4m3(torch.ldexp(groups, -e)), e).reshape(x.shape)
 
@@ -1356,6 +1360,16 @@ class fp8_q_scale_rounded_down(_Fp8Kernel):
 class fp8_q_one_scale_per_head(_Fp8Kernel):
     def _quantize_q(self, q, f):
         return torch.cat([_pow2_group_quantize(q[..., : f.d_nope], group=f.d_nope), q[..., f.d_nope :]], dim=-1)
+
+
+@wrong(
+    "FP8 compute: the query's group scale from the group's signed max instead of its largest magnitude, "
+    "so a group whose largest element is negative saturates (an all-negative group at the 1e-4 floor)",
+    "flashinfer fp8_decode quantize_q_to_smem (the scale from the group's absolute max)",
+)
+class fp8_q_signed_amax(_Fp8Kernel):
+    def _quantize_q(self, q, f):
+        return torch.cat([_pow2_group_quantize(q[..., : f.d_nope], signed_amax=True), q[..., f.d_nope :]], dim=-1)
 
 
 @wrong(
@@ -2009,6 +2023,7 @@ FIRST_TESTS: dict[str, tuple[str, ...]] = {
     "fp8_p_scale_from_first_tile": (f"{_ACC}test_flashinfer_configurations_match_oracle[fi-wide-scales]",),
     "fp8_p_unscaled": (f"{_ACC}test_error_classes_are_visible[cf-long-tail]",),
     "fp8_q_one_scale_per_head": (f"{_ACC}test_error_classes_are_visible[cf-skewed-query]",),
+    "fp8_q_signed_amax": (f"{_ACC}test_error_classes_are_visible[cf-skewed-query]",),
     "length_near_int32_max_wraps": (_SEARCH_SHARD0,),
 }
 

@@ -29,10 +29,11 @@ def test_long_tail_rows_logits_and_output(name: str) -> None:
     # lane 0: slot t % ps of page 0; the 63 others: distinct slots past page 0
     assert idx[:, 0].tolist() == [t % ps for t in range(T)]
     assert bool((idx[:, 1:] >= ps).all()) and all(len(set(row.tolist())) == idx.shape[1] for row in idx)
+    signs = torch.tensor([(-1.0) ** h for h in range(H)], dtype=torch.float64)  # odd heads negated
     top = torch.zeros(f.d_qk, dtype=torch.float64)
-    top[:H] = 4.0
+    top[:H] = 4.0 * signs
     tail = torch.zeros(f.d_qk, dtype=torch.float64)
-    tail[:H] = -4.0
+    tail[:H] = -4.0 * signs
     tail[H : f.d_nope] = 1.0
     assert torch.equal(table[:ps], top.expand(ps, -1))  # exact in E4M3
     assert torch.equal(table[ps:], tail.expand(table.shape[0] - ps, -1))
@@ -40,7 +41,8 @@ def test_long_tail_rows_logits_and_output(name: str) -> None:
     n = idx.shape[1] - 1
     for h in range(H):
         a = float(inputs.q[0, h, h])
-        gap = 2.0 * inputs.sm_scale * a * 4.0  # +gap/2 on the top key, -gap/2 on each tail key
+        assert (a > 0) == (h % 2 == 0), (h, a)
+        gap = 2.0 * inputs.sm_scale * a * float(top[h])  # +gap/2 on the top key, -gap/2 on each tail key
         assert 7.0 < gap and math.exp(-gap) < 2.0**-10, (h, gap)
         tail_weight = n * math.exp(-gap) / (1.0 + n * math.exp(-gap))
         torch.testing.assert_close(out[:, h, H : f.d_nope], torch.full((T, f.d_nope - H), tail_weight,
@@ -55,10 +57,11 @@ def test_skewed_query_flushes_under_one_scale_and_matches_its_closed_form(name: 
     a = q[0, :, 256 : 256 + H].diagonal()
     big = q[0, :, :H].diagonal()
     assert torch.equal(big, a * 2.0**20)
+    assert bool((a[0::2] > 0).all()) and bool((a[1::2] < 0).all())  # odd heads' groups negative
     # one power-of-two E4M3 scale over the head (amax = big): a lands below 2**-10, half of E4M3's
     # smallest subnormal 2**-9, so it rounds to 0; a scale of its own 64-dim group keeps it
-    scale = 2.0 ** torch.ceil(torch.log2(big / 448.0))
-    assert bool((a / scale < 2.0**-10).all())
+    scale = 2.0 ** torch.ceil(torch.log2(big.abs() / 448.0))
+    assert bool((a.abs() / scale < 2.0**-10).all())
     table = inputs.cache.flat_dequantized().double()
     slots = torch.arange(table.shape[0])
     sign = torch.where(slots % 2 == 0, 1.0, -1.0).double()

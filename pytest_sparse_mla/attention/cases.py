@@ -323,6 +323,11 @@ def _peaked_queries(
     return torch.where(taken.unsqueeze(-1) & (norm > 0), bumped, base).to(torch.bfloat16)
 
 
+def _head_signs(num_heads: int) -> torch.Tensor:
+    """``[H]`` float: ``+1`` for even heads, ``-1`` for odd ones (the hand-built cases' signs)."""
+    return 1.0 - 2.0 * (torch.arange(num_heads) % 2).float()
+
+
 #: ``"long-tail"`` rows: the logit gap between the top key and every tail key (natural-log units;
 #: the top scores ``+gap/2``, the tail ``-gap/2``). ``exp(-7.2)`` is ``7.5e-4``, below ``2**-10``
 #: (``9.8e-4``, half of E4M3's smallest subnormal ``2**-9``), where an unscaled E4M3 cast rounds to 0.
@@ -337,7 +342,9 @@ def _long_tail_rows(num_pages: int, page_block_size: int, num_heads: int, f: for
     """``[P, ps, d_qk]`` BF16 rows of a ``"long-tail"`` cache, exact in E4M3 with power-of-two scales:
     head ``h``'s key dim is ``h``; page 0's rows (the top keys) hold ``+TAIL_KEY`` in dims
     ``0..H-1`` and 0 elsewhere, every other row (a tail key) ``-TAIL_KEY`` there and ``TAIL_VALUE`` in
-    the other NoPE dims (RoPE dims 0).
+    the other NoPE dims (RoPE dims 0); odd dims ``h`` (and odd heads' queries) negated
+    (:func:`_head_signs`), so a kernel that takes a signed max for an absolute one meets a negative
+    group.
 
     Raises:
         ValueError: more heads than NoPE dims.
@@ -345,8 +352,8 @@ def _long_tail_rows(num_pages: int, page_block_size: int, num_heads: int, f: for
     if num_heads > f.d_nope:
         raise ValueError(f"num_heads={num_heads}: a long-tail case needs num_heads <= d_nope={f.d_nope}")
     rows = torch.zeros((num_pages, page_block_size, f.d_qk))
-    rows[0, :, :num_heads] = TAIL_KEY
-    rows[1:, :, :num_heads] = -TAIL_KEY
+    rows[0, :, :num_heads] = TAIL_KEY * _head_signs(num_heads)
+    rows[1:, :, :num_heads] = -TAIL_KEY * _head_signs(num_heads)
     rows[1:, :, num_heads : f.d_nope] = TAIL_VALUE
     return rows.to(torch.bfloat16)
 
@@ -370,12 +377,12 @@ def _long_tail_indices(
 
 
 def _long_tail_queries(num_tokens: int, num_heads: int, d_qk: int, sm_scale: float) -> torch.Tensor:
-    """BF16 ``[T, H, d_qk]``: head ``h``'s query is ``TAIL_GAP / (2 * sm_scale * TAIL_KEY)`` in dim
-    ``h`` and 0 elsewhere, so it scores ``+TAIL_GAP/2`` on a top key and ``-TAIL_GAP/2`` on a tail key
-    (before the BF16 rounding of the query)."""
+    """BF16 ``[T, H, d_qk]``: head ``h``'s query is ``(-1)**h * TAIL_GAP / (2 * sm_scale * TAIL_KEY)``
+    in dim ``h`` and 0 elsewhere, so it scores ``+TAIL_GAP/2`` on a top key and ``-TAIL_GAP/2`` on a
+    tail key (before the BF16 rounding of the query)."""
     q = torch.zeros((num_tokens, num_heads, d_qk))
     heads = torch.arange(num_heads)
-    q[:, heads, heads] = TAIL_GAP / (2.0 * sm_scale * TAIL_KEY)
+    q[:, heads, heads] = TAIL_GAP / (2.0 * sm_scale * TAIL_KEY) * _head_signs(num_heads)
     return q.to(torch.bfloat16)
 
 
@@ -408,11 +415,13 @@ def _skewed_rows(num_pages: int, page_block_size: int, num_heads: int, f: format
 
 
 def _skewed_queries(num_tokens: int, num_heads: int, d_qk: int, sm_scale: float) -> torch.Tensor:
-    """BF16 ``[T, H, d_qk]``: head ``h``'s query is ``a = SKEW_LOGIT / (sm_scale * SKEW_KEY)`` in dim
-    ``SKEW_DIM + h`` and ``a * 2**SKEW_LOG2`` in dim ``h`` (where every key is 0), 0 elsewhere."""
+    """BF16 ``[T, H, d_qk]``: head ``h``'s query is ``a = (-1)**h * SKEW_LOGIT / (sm_scale * SKEW_KEY)``
+    in dim ``SKEW_DIM + h`` and ``a * 2**SKEW_LOG2`` in dim ``h`` (where every key is 0), 0 elsewhere:
+    odd heads' groups are negative, so a kernel that takes a signed max for an absolute one meets
+    them."""
     q = torch.zeros((num_tokens, num_heads, d_qk))
     heads = torch.arange(num_heads)
-    a = SKEW_LOGIT / (sm_scale * SKEW_KEY)
+    a = SKEW_LOGIT / (sm_scale * SKEW_KEY) * _head_signs(num_heads)
     q[:, heads, SKEW_DIM + heads] = a
     q[:, heads, heads] = a * 2.0**SKEW_LOG2
     return q.to(torch.bfloat16)
