@@ -1035,13 +1035,14 @@ def _e4m3(x: torch.Tensor) -> torch.Tensor:
 
 
 def _pow2_group_quantize(
-    x: torch.Tensor, round_up: bool = True, group: int = 64, signed_amax: bool = False
+    x: torch.Tensor, round_up: bool = True, group: int | None = 64, signed_amax: bool = False
 ) -> torch.Tensor:
-    """``x [..., d]`` (``d`` a multiple of ``group``) quantized to E4M3 per ``group``-wide group with a
-    power-of-two scale ``2**ceil(log2(max(amax, 1e-4) / 448))`` (``round_up=False``: ``floor``, the scale
-    one binade too small, so the group's largest values pass 448 and saturate; ``signed_amax``: the
-    group's signed max for ``amax``, so a group whose largest magnitude is negative saturates)."""
-    groups = x.reshape(*x.shape[:-1], -1, group)
+    """``x [..., d]`` (``d`` a multiple of ``group``; ``None``: one group of ``d``) quantized to E4M3 per
+    ``group``-wide group with a power-of-two scale ``2**ceil(log2(max(amax, 1e-4) / 448))``
+    (``round_up=False``: ``floor``, the scale one binade too small, so the group's largest values pass
+    448 and saturate; ``signed_amax``: the group's signed max for ``amax``, so a group whose largest
+    magnitude is negative saturates)."""
+    groups = x.reshape(*x.shape[:-1], -1, group or x.shape[-1])
     amax = groups.amax(dim=-1, keepdim=True) if signed_amax else groups.abs().amax(dim=-1, keepdim=True)
     mantissa, exponent = torch.frexp(amax.clamp(min=1e-4) / 448.0)
     e = torch.where(mantissa == 0.5, exponent - 1, exponent) if round_up else exponent - 1
@@ -1083,6 +1084,7 @@ class TileKernel:
     bf16_partials = False  # each tile's normalised partial output stored in BF16
     bf16_keys = False  # keys dequantized to BF16; QK as 64-wide chunk dots; exp2 domain
     fp8 = False  # FlashInfer FP8: Q NoPE and P (for V NoPE) quantized to E4M3
+    q_quantize: dict[str, Any] = {}  # read-only; FP8 wrong kernels set their own
 
     # --- hooks (the bugs override one each) ----------------------------------------------------
     def dequantize(self, cache: torch.Tensor, f: formats.PackedFormat, page_block_size: int | None) -> torch.Tensor:
@@ -1190,8 +1192,9 @@ class TileKernel:
 
     def _quantize_q(self, q: torch.Tensor, f: formats.PackedFormat) -> torch.Tensor:
         """FP8 mode: Q NoPE to E4M3 per (token, head, 64-wide group) with a power-of-two scale
-        ``2**ceil(log2(max(amax, 1e-4) / 448))``; RoPE stays BF16 (flashinfer ``quantize_q_to_smem``)."""
-        return torch.cat([_pow2_group_quantize(q[..., : f.d_nope]), q[..., f.d_nope :]], dim=-1)
+        ``2**ceil(log2(max(amax, 1e-4) / 448))``; RoPE stays BF16 (flashinfer ``quantize_q_to_smem``).
+        ``q_quantize`` (keyword arguments of ``_pow2_group_quantize``) selects a scaling bug."""
+        return torch.cat([_pow2_group_quantize(q[..., : f.d_nope], **self.q_quantize), q[..., f.d_nope :]], dim=-1)
 
     def _chunk(self, q: torch.Tensor, table: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor,
                sm_scale: float, f: formats.PackedFormat) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
@@ -1348,8 +1351,7 @@ class fp8_unit_scales(_Fp8Kernel):
     "flashinfer fp8_decode quantize_q_to_smem (the scale rounds amax / 448 up to a power of two)",
 )
 class fp8_q_scale_rounded_down(_Fp8Kernel):
-    def _quantize_q(self, q, f):
-        return torch.cat([_pow2_group_quantize(q[..., : f.d_nope], round_up=False), q[..., f.d_nope :]], dim=-1)
+    q_quantize = {"round_up": False}
 
 
 @wrong(
@@ -1358,8 +1360,7 @@ class fp8_q_scale_rounded_down(_Fp8Kernel):
     "flashinfer fp8_decode quantize_q_to_smem (one power-of-two scale per 64-wide group)",
 )
 class fp8_q_one_scale_per_head(_Fp8Kernel):
-    def _quantize_q(self, q, f):
-        return torch.cat([_pow2_group_quantize(q[..., : f.d_nope], group=f.d_nope), q[..., f.d_nope :]], dim=-1)
+    q_quantize = {"group": None}  # one group: every NoPE dim of the (token, head)
 
 
 @wrong(
@@ -1368,8 +1369,7 @@ class fp8_q_one_scale_per_head(_Fp8Kernel):
     "flashinfer fp8_decode quantize_q_to_smem (the scale from the group's absolute max)",
 )
 class fp8_q_signed_amax(_Fp8Kernel):
-    def _quantize_q(self, q, f):
-        return torch.cat([_pow2_group_quantize(q[..., : f.d_nope], signed_amax=True), q[..., f.d_nope :]], dim=-1)
+    q_quantize = {"signed_amax": True}
 
 
 @wrong(
