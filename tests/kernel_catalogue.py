@@ -1074,7 +1074,8 @@ class TileKernel:
 
     Switches (class attributes) select production approximations; each arithmetic bug of the
     catalogue overrides one hook (``dequantize``, ``masked_lane_row``, ``probabilities``,
-    ``merge``, ``normalise``, ``score_scale``).
+    ``merge``, ``normalise``, ``score_scale``; FP8: ``_quantize_p``) or sets ``q_quantize`` (the FP8
+    query's scaling).
     """
 
     compute_mode = "bf16"
@@ -1233,12 +1234,15 @@ class TileKernel:
             s = s + torch.bmm(qg[..., c : c + 64], keys_t[:, c : c + 64])
         return s
 
+    def _quantize_p(self, p: torch.Tensor) -> torch.Tensor:
+        """FP8 mode: P for P.V NoPE in E4M3 with the tile's scale ``max(P) / 448`` (flashinfer ``w_head_sc``)."""
+        top = p.amax(dim=-1, keepdim=True).clamp(min=1e-10) / 448.0
+        return _e4m3(p / top) * top
+
     def _pv(self, p: torch.Tensor, values: torch.Tensor, f: formats.PackedFormat) -> torch.Tensor:
         if self.fp8:
             nope = min(f.d_nope, f.d_v)
-            top = p.amax(dim=-1, keepdim=True).clamp(min=1e-10) / 448.0
-            p8 = _e4m3(p / top) * top
-            parts = [torch.bmm(p8, values[..., :nope])]
+            parts = [torch.bmm(self._quantize_p(p), values[..., :nope])]
             if nope < f.d_v:  # DSV4 V RoPE dims: a BF16 copy of P
                 parts.append(torch.bmm(p.to(torch.bfloat16).float(), values[..., nope:]))
             return torch.cat(parts, dim=-1)
@@ -1393,12 +1397,8 @@ class fp8_q_rope_quantized(_Fp8Kernel):
     "SGLang sparse_mla_q8kv8_prefill_sm90 kernel.cuh online_softmax_and_rescale_o (convert_type_out)",
 )
 class fp8_p_unscaled(_Fp8Kernel):
-    def _pv(self, p, values, f):
-        nope = min(f.d_nope, f.d_v)
-        parts = [torch.bmm(_e4m3(p), values[..., :nope])]
-        if nope < f.d_v:
-            parts.append(torch.bmm(p.to(torch.bfloat16).float(), values[..., nope:]))
-        return torch.cat(parts, dim=-1)
+    def _quantize_p(self, p):
+        return _e4m3(p)
 
 
 @wrong(
@@ -1425,15 +1425,10 @@ class fp8_p_scale_from_first_tile(_Fp8Kernel):
         self._m_i = m
         return m, p
 
-    def _pv(self, p, values, f):
-        nope = min(f.d_nope, f.d_v)
+    def _quantize_p(self, p):
         finite = torch.isfinite(self._m_i) & torch.isfinite(self._m_ref)
         shift = torch.where(finite, self._m_i - self._m_ref, torch.zeros_like(self._m_i))  # 0 .. threshold
-        p8 = _e4m3(p * torch.exp(shift) * 448.0) / 448.0 * torch.exp(-shift)  # the first tile's scale
-        parts = [torch.bmm(p8, values[..., :nope])]
-        if nope < f.d_v:
-            parts.append(torch.bmm(p.to(torch.bfloat16).float(), values[..., nope:]))
-        return torch.cat(parts, dim=-1)
+        return _e4m3(p * torch.exp(shift) * 448.0) / 448.0 * torch.exp(-shift)  # the first tile's scale
 
 
 # --- arithmetic bugs inside the tile kernel -------------------------------------------------------

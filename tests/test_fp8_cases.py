@@ -1,15 +1,19 @@
 """The hand-built FP8 cases (``attention.cases``: query kinds ``"long-tail"`` and ``"skewed-query"``)
 build what their docstrings claim: rows exact in E4M3, the stated logits, and oracle outputs equal to
-closed forms computed here from those logits (not read back from the code under test)."""
+closed forms computed here from those logits (not read back from the code under test); and each
+case, DSV3.2 variant included, fails the wrong FP8 kernels of its kind under the ``kernel-fp8``
+profile and passes ``approx_fp8`` (the gate stops at a kernel's first failing test, so it shows one
+case per kernel)."""
 
 from __future__ import annotations
 
 import math
 
+import kernel_catalogue as kc
 import pytest
 import torch
 
-from pytest_sparse_mla import formats
+from pytest_sparse_mla import formats, tolerances
 from pytest_sparse_mla.attention import cases, oracle_forward
 
 
@@ -76,3 +80,27 @@ def test_skewed_query_flushes_under_one_scale_and_matches_its_closed_form(name: 
             expected = 2048.0 * (even * math.exp(logit) - odd * math.exp(-logit)) / (
                 even * math.exp(logit) + odd * math.exp(-logit))  # fmt: skip
             assert math.isclose(float(out[t, h, 256 + h]), expected, rel_tol=1e-12), (t, h)
+
+
+@pytest.mark.parametrize(
+    ("name", "wrong"),
+    [
+        ("cf-long-tail", ("fp8_p_unscaled",)),
+        ("cf-long-tail-dsv32", ("fp8_p_unscaled",)),
+        ("cf-skewed-query", ("fp8_q_one_scale_per_head", "fp8_q_signed_amax")),
+        ("cf-skewed-query-dsv32", ("fp8_q_one_scale_per_head", "fp8_q_signed_amax")),
+    ],
+)
+def test_each_case_fails_its_wrong_fp8_kernels_and_passes_approx_fp8(name: str, wrong: tuple[str, ...]) -> None:
+    inputs = _inputs(name)
+    oracle = inputs.run(oracle_forward)
+
+    def ok(kernel: str) -> bool:
+        impl = getattr(kc, kernel)
+        profile = tolerances.DEFAULT_PROFILES[tolerances.profile_for(impl)]
+        result = inputs.run(impl.sparse_mla_forward)
+        return tolerances.compare_output(result.output, oracle.output, profile=profile,
+                                         fmt=inputs.case.conventions.fmt, scales=oracle.scales).ok  # fmt: skip
+
+    assert ok("approx_fp8")
+    assert not any(ok(k) for k in wrong), [k for k in wrong if ok(k)]

@@ -427,6 +427,14 @@ def _skewed_queries(num_tokens: int, num_heads: int, d_qk: int, sm_scale: float)
     return q.to(torch.bfloat16)
 
 
+#: The hand-built query kinds: ``kind -> (rows(num_pages, page_block_size, num_heads, f),
+#: queries(num_tokens, num_heads, d_qk, sm_scale))``.
+_HAND_BUILT: dict[str, tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]] = {
+    "long-tail": (_long_tail_rows, _long_tail_queries),
+    "skewed-query": (_skewed_rows, _skewed_queries),
+}
+
+
 def _large_sink(inputs: AttentionInputs, generator: torch.Generator, kind: str) -> torch.Tensor:
     """Per-head sinks comparable to the candidates' mass: median over tokens of the natural-log LSE
     (from the float64 oracle, without a sink) plus ``U(-1, 1)``; ``-inf`` on even heads for
@@ -457,8 +465,7 @@ def make_inputs(
         raise ValueError(f"query={values.query!r}: expected one of {QUERIES}")
     if values.sink_kind not in SINK_KINDS:
         raise ValueError(f"sink_kind={values.sink_kind!r}: expected one of {SINK_KINDS}")
-    long_tail = values.query == "long-tail"
-    hand_built = {"long-tail": _long_tail_rows, "skewed-query": _skewed_rows}.get(values.query)
+    hand_built = _HAND_BUILT.get(values.query)
     if hand_built is not None and (case.extra is not None or conventions.with_sink or main.topk_length is not None):
         raise ValueError(
             f"{case.name}: query={values.query!r} takes a main cache only, no sink and no topk_length "
@@ -470,10 +477,10 @@ def make_inputs(
         generator, f, num_pages=main.num_pages, page_block_size=main.page_block_size,
         page_stride=main_stride, form=conventions.form, distribution=values.distribution,
         value_scale=main.value_scale, layer=main.layer, num_layers=main.num_layers, device=device,
-        rows=None if hand_built is None else (lambda p, ps, fmt_: hand_built(p, ps, case.num_heads, fmt_)),
+        rows=None if hand_built is None else (lambda p, ps, fmt_: hand_built[0](p, ps, case.num_heads, fmt_)),
     )  # fmt: skip
     q = data.latent((case.num_tokens, case.num_heads, f.d_qk), generator, distribution=values.distribution)
-    if long_tail:
+    if values.query == "long-tail":
         indices = _long_tail_indices(case.num_tokens, main.topk, cache, generator)
     else:
         indices = data.sparse_indices(
@@ -508,10 +515,8 @@ def make_inputs(
         q = _peaked_queries(q, sources, sm_scale, values.peak)
     elif values.query == "flat":
         q = (q.float() * 2.0**-10).to(torch.bfloat16)
-    elif long_tail:
-        q = _long_tail_queries(case.num_tokens, case.num_heads, f.d_qk, sm_scale)
-    elif values.query == "skewed-query":
-        q = _skewed_queries(case.num_tokens, case.num_heads, f.d_qk, sm_scale)
+    elif hand_built is not None:
+        q = hand_built[1](case.num_tokens, case.num_heads, f.d_qk, sm_scale)
     inputs = AttentionInputs(
         case=case,
         q=q.to(device),
@@ -920,7 +925,7 @@ def case_classes(case: AttentionCase) -> tuple[str, ...]:
             out.append("dominant-key")
     elif values.query == "flat":
         out.append("near-uniform")
-    elif values.query in ("long-tail", "skewed-query"):
+    elif values.query in _HAND_BUILT:
         out.append(values.query)
     if case.conventions.with_sink:
         out.append({"randn": "sink", "large": "large-sink", "mixed-inf": "minus-inf-sink"}[values.sink_kind])
