@@ -102,6 +102,7 @@ __all__ = [
     "fault_entries",
     "is_context_error",
     "is_out_of_memory",
+    "says_out_of_memory",
     "judge_report",
     "last_call",
     "note_timeout",
@@ -167,7 +168,13 @@ def is_out_of_memory(exc: BaseException | None) -> bool:
         return False
     if isinstance(exc, OutOfDeviceMemory) or type(exc).__name__ == "OutOfMemoryError":
         return True
-    return isinstance(exc, Exception) and bool(_OUT_OF_MEMORY.search(f"{type(exc).__name__}: {exc}"))
+    return isinstance(exc, Exception) and says_out_of_memory(f"{type(exc).__name__}: {exc}")
+
+
+def says_out_of_memory(text: str) -> bool:
+    """Whether ``text`` (an error message, or a process's output) says the device ran out of memory
+    (:data:`_OUT_OF_MEMORY`): torch's, the CUDA runtime's or Triton's words for it."""
+    return bool(_OUT_OF_MEMORY.search(text))
 
 
 def release_device_memory() -> str:

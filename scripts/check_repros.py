@@ -10,6 +10,11 @@ Each ``repro.py`` runs twice: as written (a script that calls a peer directly ru
 ``pytest`` and ``pytest_sparse_mla`` made unimportable, proving it needs neither) and with
 ``--impl`` the bundled reference. A reproducer holds when the first run exits 1 (the discrepancy
 is there) and the second exits 0.
+A run that says the device ran out of memory (``pytest_sparse_mla.device_health.says_out_of_memory``:
+its verdict line, or the output of a run that crashed) says nothing about the kernel: on a GPU that
+other jobs share it is usually their memory. It is made again after each of
+``device_health.MEMORY_RETRY_DELAYS``; if every try runs out, the script is ``"inconclusive"`` (counted
+in the summary, never as holding, and its test is not reported as lacking a holding script).
 Then each test id listed in ``<xfail-dir>/<impl>.txt`` without a reproducer that holds is listed
 (a test whose failure is only a relation between calls has none). Exit 1 when a script does not
 hold (or, with ``--every-line``, a listed test has none); the JSON has one record per script.
@@ -27,8 +32,11 @@ import json
 import os
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
+
+from pytest_sparse_mla import device_health
 
 REFERENCE = "pytest_sparse_mla.implementations:ReferenceImplementation"
 ISOLATED = (
@@ -41,7 +49,8 @@ ISOLATED = (
 RUNNING: set[subprocess.Popen[str]] = set()
 
 
-def _run(cmd: list[str], cwd: Path, timeout: float) -> tuple[int, str]:
+def _run_once(cmd: list[str], cwd: Path, timeout: float) -> tuple[int, str, bool]:
+    """``(exit status, first line of the output, whether the run ran out of device memory)``."""
     with subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
         RUNNING.add(proc)
         try:
@@ -49,20 +58,41 @@ def _run(cmd: list[str], cwd: Path, timeout: float) -> tuple[int, str]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.communicate()
-            return 124, "timeout"
+            return 124, "timeout", False
         finally:
             RUNNING.discard(proc)
     text = (stdout.strip() or stderr.strip()).splitlines()
-    return proc.returncode, (text[0] if text else "")[:400]
+    line = (text[0] if text else "")[:400]
+    crashed = proc.returncode not in (0, 1)
+    out_of_memory = device_health.says_out_of_memory(line) or (crashed and device_health.says_out_of_memory(stderr))
+    return proc.returncode, line, out_of_memory
+
+
+def _run(cmd: list[str], cwd: Path, timeout: float) -> tuple[int, str, bool]:
+    """:func:`_run_once`, made again after each of ``MEMORY_RETRY_DELAYS`` while it runs out of
+    device memory; the third item says whether the last try did too."""
+    for delay in device_health.MEMORY_RETRY_DELAYS:
+        rc, line, out_of_memory = _run_once(cmd, cwd, timeout)
+        if not out_of_memory:
+            return rc, line, False
+        time.sleep(delay)
+    return _run_once(cmd, cwd, timeout)
 
 
 def check(script: Path, timeout: float) -> dict[str, object]:
     native = "directly" in script.read_text(encoding="utf-8").split('"""', 2)[1]
     first = [sys.executable, "-c", ISOLATED, str(script)] if native else [sys.executable, str(script)]
-    peer_rc, peer_out = _run(first, script.parent, timeout)
-    ref_rc, ref_out = _run([sys.executable, str(script), "--impl", REFERENCE], script.parent, timeout)
-    return {"script": str(script), "native": native, "peer_exit": peer_rc, "peer_says": peer_out,
-            "reference_exit": ref_rc, "reference_says": ref_out, "holds": peer_rc == 1 and ref_rc == 0}  # fmt: skip
+    peer_rc, peer_out, peer_oom = _run(first, script.parent, timeout)
+    ref_rc, ref_out, ref_oom = _run([sys.executable, str(script), "--impl", REFERENCE], script.parent, timeout)
+    record: dict[str, object] = {
+        "script": str(script), "native": native, "peer_exit": peer_rc, "peer_says": peer_out,
+        "reference_exit": ref_rc, "reference_says": ref_out,
+        "holds": peer_rc == 1 and ref_rc == 0 and not (peer_oom or ref_oom),
+    }  # fmt: skip
+    if peer_oom or ref_oom:
+        sides = " and ".join(side for side, oom in (("peer", peer_oom), ("reference", ref_oom)) if oom)
+        record["inconclusive"] = f"out of device memory on every try ({sides}): an environment condition"
+    return record
 
 
 def _xfail_ids(path: Path) -> list[str]:
@@ -157,11 +187,13 @@ def main() -> int:
             matches = [r for nodeid, recs in runs.items() if nodeid.endswith(test_id) or nodeid.startswith(test_id)
                        for r in recs]  # fmt: skip
             unrun = any(n.endswith(test_id) or n.startswith(test_id) for n in not_run.get(impl, ()))
-            if not any(r["holds"] for r in matches) and not unrun:  # a test with a script not run is not judged
+            unjudged = unrun or any("inconclusive" in r for r in matches)  # a script not run, or out of memory
+            if not any(r["holds"] for r in matches) and not unjudged:
                 missing.setdefault(impl, []).append(test_id)
     summary: dict[str, object] = {
         "scripts": len(records),
         "hold": sum(1 for r in records if r["holds"]),
+        "inconclusive": sum(1 for r in records if "inconclusive" in r),
         "xfail_lines_without_a_holding_script": missing,
     }
     if interrupted:
@@ -171,7 +203,8 @@ def main() -> int:
     print(json.dumps(summary, indent=1))
     for rec in records:
         if not rec["holds"]:
-            print(f"NOT HOLDING peer={rec['peer_exit']} ref={rec['reference_exit']} {rec['script']}: "
+            verdict = "INCONCLUSIVE" if "inconclusive" in rec else "NOT HOLDING"
+            print(f"{verdict} peer={rec['peer_exit']} ref={rec['reference_exit']} {rec['script']}: "
                   f"{rec['peer_says']} | {rec['reference_says']}")  # fmt: skip
     if interrupted:  # the scripts still running belong to threads that would be waited for at exit
         sys.stdout.flush()

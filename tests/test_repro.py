@@ -379,3 +379,57 @@ def test_an_interrupted_reproducer_check_writes_what_it_checked(tmp_path: Path) 
     assert summary["interrupted"] is True and summary["not_run"] == 1, summary
     assert summary["scripts"] == 2 and summary["hold"] == 2
     assert summary["xfail_lines_without_a_holding_script"] == {}, summary
+
+
+OUT_OF_MEMORY_SCRIPT = '''"""A reproducer stand-in: its peer run says out of memory on its first {n} runs."""
+import sys
+from pathlib import Path
+if "--impl" in sys.argv:
+    sys.exit(0)
+runs = Path(__file__).with_name("runs")
+k = int(runs.read_text()) if runs.exists() else 0
+runs.write_text(str(k + 1))
+if k < {n}:
+    print("DISCREPANCY: raised RuntimeError: Triton Error [CUDA]: out of memory")
+else:
+    print("DISCREPANCY: no error raised; expected a TypeError or ValueError naming 'q'")
+sys.exit(1)
+'''
+
+
+@pytest.mark.parametrize("oom_runs", [1, 3])
+def test_a_reproducer_that_runs_out_of_device_memory_is_retried_then_inconclusive(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], oom_runs: int
+) -> None:
+    """Out of device memory is an environment condition (another job's memory on a shared GPU), not the
+    discrepancy a reproducer exists to show: the check makes the run again (after
+    ``device_health.MEMORY_RETRY_DELAYS``, three tries in all) and holds on the real verdict; when every
+    try runs out, the script is inconclusive, never holding, and its xfail line is not reported as
+    lacking a holding script."""
+    from pytest_sparse_mla import device_health
+
+    folder = tmp_path / "repro" / "repro-fake"
+    script = folder / "test_q" / "call0" / "repro.py"
+    script.parent.mkdir(parents=True)
+    script.write_text(OUT_OF_MEMORY_SCRIPT.format(n=oom_runs))
+    entry = {"impl": "fake", "nodeid": "suites/t.py::test_q", "outcome": "xfailed", "scripts": [str(script)]}
+    (folder / "index.jsonl").write_text(json.dumps(entry) + "\n")
+    xfail = tmp_path / "xfail"
+    xfail.mkdir()
+    (xfail / "fake.txt").write_text("suites/t.py::test_q  # k\n")
+    out = tmp_path / "check.json"
+    monkeypatch.setattr(device_health, "MEMORY_RETRY_DELAYS", (0.0, 0.0))
+    monkeypatch.setattr(sys, "argv", ["check_repros.py", str(tmp_path / "repro"), "--json", str(out),
+                                      "--xfail-dir", str(xfail)])  # fmt: skip
+    rc = runpy.run_path(str(CHECK_REPROS))["main"]()
+    capsys.readouterr()
+    got = json.loads(out.read_text())
+    (record,) = got["records"]
+    assert (script.parent / "runs").read_text() == str(min(oom_runs + 1, 3))
+    if oom_runs == 1:
+        assert rc == 0 and record["holds"] and "inconclusive" not in record, record
+        assert "naming 'q'" in str(record["peer_says"])
+    else:
+        assert rc == 1 and not record["holds"] and "peer" in str(record["inconclusive"]), record
+        assert got["summary"]["inconclusive"] == 1 and got["summary"]["hold"] == 0
+    assert got["summary"]["xfail_lines_without_a_holding_script"] == {}, got["summary"]
