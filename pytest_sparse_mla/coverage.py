@@ -32,6 +32,14 @@ RAN = "sparse_mla_ran"
 FITTED = "sparse_mla_fitted"
 #: ``user_properties`` key of a search test's summary (``search_run.SearchRun.summary``).
 SEARCH = "sparse_mla_search"
+#: The search's counters of draws not made (``search_run``'s ``NotMade`` kinds and regions), as the
+#: terminal table names them.
+NOT_MADE = {
+    "cold-shape": "shape not warm, warm-up budget spent",
+    "time-limit": "time share spent",
+    "out-of-memory": "out of device memory",
+    "not-made-in-region": "inside a region found",
+}
 _KEY = pytest.StashKey["Coverage"]()
 
 
@@ -147,6 +155,10 @@ class Coverage:
 
         lines = [f"{report['tests']} search tests, {report['calls']} calls drawn (shrinking included), "
                  f"{report['failed']} failed"]  # fmt: skip
+        spent = report.get("spent", {})
+        not_made = [f"{NOT_MADE[k]} {spent[k]}" for k in NOT_MADE if spent.get(k)]
+        if not_made:
+            lines.append(f"calls not made: {', '.join(not_made)}")
         names = [d.name for d in input_space.DIMENSIONS]
         names += sorted(set(report["dims"]) - set(names))
         width = max(len(n) for n in names)

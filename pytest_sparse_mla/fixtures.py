@@ -414,7 +414,9 @@ def sparse_mla_search(
     (derandomized: a distinct seed per shard, ``shards.hypothesis_seed``) and takes every ``k``-th
     covering call of all the matrix's shards.
     On CUDA the kernel is warmed on each new shape outside the test's time limit, up to a warm-up
-    budget of the test's own limit (``search_run``, "Compiling is not judged time").
+    budget of the test's own limit (``search_run``, "Compiling is not judged time"). The run makes
+    judged calls for ``search_run.TIME_SHARE`` of that limit, then no more but the diagnosis of
+    each discrepancy it reports (``search_run``, "A run ends inside its time limit").
     The known regions are the ``# [KEY] region: ...`` lines of ``--sparse-mla-xfail-file``
     (``pytest_sparse_mla.regions``). What the run drew goes to the test's ``user_properties``
     (terminal summary "sparse-mla search", ``--sparse-mla-report-json`` ``"search"``). A test
@@ -436,12 +438,14 @@ def sparse_mla_search(
 
     known = regions.read_regions(sparse_mla_options.xfail_file) if sparse_mla_options.xfail_file else []
     limit = request.node.get_closest_marker("timeout")
+    seconds = float(limit.args[0]) if limit is not None and limit.args and limit.args[0] else None
     return search_run.SearchRun(
         sparse_mla_options.search_examples, sparse_mla_options.search_seed, sparse_mla_search_shard, keep,
         shrink=not _expected_to_fail(request), known=known, confirm=_expected_to_fail(request),
         shards=sparse_mla_options.search_shards * (g.count if (g := sparse_mla_options.search_shard_group) else 1),
         untimed=lambda: device_health.untimed(request.node),
-        warm_seconds=float(limit.args[0]) if limit is not None and limit.args and limit.args[0] else None,
+        warm_seconds=seconds,
+        judged_seconds=seconds * search_run.TIME_SHARE if seconds is not None else None,
     )  # fmt: skip
 
 

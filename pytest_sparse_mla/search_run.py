@@ -44,6 +44,16 @@ can spend minutes this way, so a run's warm-ups have a budget (``warm_seconds``,
 own limit): once it is spent, a call of a shape not yet warm is not made (``spent["cold-shape"]``)
 and the run goes on with the shapes it has compiled.
 
+**A run ends inside its time limit.** A kernel with several distinct bugs costs a region search
+each (dozens of calls) and Hypothesis's shrinking; on a shared GPU that can outlast the test's limit,
+and pytest-timeout would then end the test with nothing reported. So a run has a share of the limit
+for judged time (``judged_seconds``: the fixture gives :data:`TIME_SHARE` of the test's ``timeout``;
+seconds outside the warm-ups): once it is spent, no further call is made (``spent["time-limit"]``
+counts those not made, a cut Hypothesis round once), except the one each discrepancy is reported
+with; a region search cut this way keeps the region of the moves it made (the call's own classes
+when none), and the report says so. A run that found nothing passes on the calls it judged, and its
+summary says how many it did not make.
+
 **Out of device memory is not a discrepancy.** A call that runs out of device memory (the guard's
 tries, ``device_health.with_memory_retries``, all failed, or the inputs or the oracle could not be
 allocated) is not made: ``spent["out-of-memory"]`` counts it, and the run goes on. Nor is it a pass:
@@ -69,10 +79,17 @@ from pytest_sparse_mla.covering import with_main
 from pytest_sparse_mla.envelope import Envelope
 from pytest_sparse_mla.errors import KnownDiscrepancy, NewDiscrepancy
 
-__all__ = ["ColdShape", "NotMade", "OutOfMemory", "Discrepancy", "MAX_DISCREPANCIES", "SearchRun", "moves"]
+__all__ = [
+    "ColdShape", "NotMade", "OutOfMemory", "OutOfTime", "Discrepancy", "MAX_DISCREPANCIES", "TIME_SHARE",
+    "SearchRun", "moves",
+]  # fmt: skip
 
 #: A run stops looking once it holds this many distinct discrepancies.
 MAX_DISCREPANCIES = 8
+#: The share of a search test's time limit its run spends on judged calls before it makes no more
+#: (module docstring, "A run ends inside its time limit"): the rest is for the call in flight and
+#: the diagnosis of each discrepancy reported.
+TIME_SHARE = 0.5
 #: Seed offset between two rounds of one run (far above any shard index).
 ROUND_STRIDE = 1_000_003
 
@@ -88,6 +105,13 @@ class ColdShape(NotMade):
     spent: the call is not made (module docstring, "Compiling is not judged time")."""
 
     counter = "cold-shape"
+
+
+class OutOfTime(NotMade):
+    """A call met after the run's share of the time limit (``judged_seconds``) is spent: not made
+    (module docstring, "A run ends inside its time limit")."""
+
+    counter = "time-limit"
 
 
 class OutOfMemory(NotMade):
@@ -108,6 +132,7 @@ class Discrepancy:
         message: the failure's text on that call (the check, the likely cause, the call in words).
         recorded: the recorded calls of that call (``--sparse-mla-repro-dir``).
         count: calls that failed inside its region (the first included).
+        cut: its region search was cut by the run's time share (the region holds the moves made).
     """
 
     region: regions.Region
@@ -115,6 +140,7 @@ class Discrepancy:
     message: str
     recorded: list[Any] = field(default_factory=list)
     count: int = 1
+    cut: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         """JSON form (the run's summary): ``key`` is the cause, the same in every test and shard that
@@ -122,13 +148,15 @@ class Discrepancy:
         run's own name for it."""
         first = next((line for line in self.message.splitlines() if line.strip()), "")
         cause = self.region.key if self.region.known else f"new: {self.region.text()}"
-        return {**self.region.as_dict(), "key": cause, "name": self.region.key, "check": first[:300],
-                "call": self.call.describe(), "count": self.count}  # fmt: skip
+        out = {**self.region.as_dict(), "key": cause, "name": self.region.key, "check": first[:300],
+               "call": self.call.describe(), "count": self.count}  # fmt: skip
+        return {**out, "region_search": "cut by the time limit"} if self.cut else out
 
     def text(self) -> str:
         """The block of the failure message for this discrepancy."""
         kind = "known" if self.region.known else "new"
-        return (f"[{self.region.key}] ({kind}; region: {self.region.text()}; {self.count} failing call(s))\n"
+        cut = "; region search cut by the time limit" if self.cut else ""
+        return (f"[{self.region.key}] ({kind}; region: {self.region.text()}{cut}; {self.count} failing call(s))\n"
                 + "\n".join("    " + line for line in self.message.strip().splitlines()))  # fmt: skip
 
 
@@ -206,12 +234,14 @@ class SearchRun:
             limit (``device_health.untimed`` of the test's item); ``None``: warm-ups are timed.
         warm_seconds: the run's warm-up budget in seconds (module docstring, "Compiling is not
             judged time"); ``None``: unlimited.
+        judged_seconds: the run's share of the time limit in seconds, warm-ups not counted (module
+            docstring, "A run ends inside its time limit"); ``None``: unlimited.
     """
 
     def __init__(
         self, examples: int, seed: int | None, shard: int, keep: Any, shrink: bool = True, shards: int = 1,
         known: Sequence[regions.Region] = (), confirm: bool = True, untimed: Callable[[], Any] | None = None,
-        warm_seconds: float | None = None,
+        warm_seconds: float | None = None, judged_seconds: float | None = None,
     ) -> None:  # fmt: skip
         self.examples, self.seed, self.shard, self.shards = examples, seed, shard, max(1, shards)
         self.keep, self.shrink, self.known = keep, shrink, list(known)
@@ -223,6 +253,7 @@ class SearchRun:
         self._confirm_left = {r.key: regions.CONFIRM_CALLS if confirm else 0 for r in self.known}
         self._phase = "random"
         self._untimed, self.warm_seconds, self.warm_spent = untimed, warm_seconds, 0.0
+        self.judged_seconds, self._started = judged_seconds, 0.0
         #: Whether the property should explain a failure (``search.diagnose``: several more oracle
         #: calls): only for the call a discrepancy is reported with, not for each call Hypothesis
         #: shrinks through or the region search moves.
@@ -362,6 +393,9 @@ class SearchRun:
             NewDiscrepancy, KnownDiscrepancy: the discrepancies found (module docstring).
             Exception: the first failure as it is, for a verdict-only run.
         """
+        import time
+
+        self._started = self._started or time.monotonic()
         try:
             self._check(prop, envelope, device, covering, self.examples if examples is None else examples)
         except BaseException:
@@ -388,7 +422,7 @@ class SearchRun:
         self._phase = "random"
         self._rounds = 0
         left = budget - covered  # the covering calls are drawn instead of random ones, not beside them
-        while left > 0 and len(self.found) < MAX_DISCREPANCIES:
+        while left > 0 and len(self.found) < MAX_DISCREPANCIES and not self.out_of_time():
             made, failure = self._round(prop, envelope, device, left)
             left -= max(made, 1)
             if failure is None:
@@ -423,7 +457,23 @@ class SearchRun:
                 return r
         return None
 
-    def _judge(self, prop: Callable[[Any], None], call: Any) -> Exception | None:
+    def out_of_time(self) -> bool:
+        """Whether the run's share of the time limit (``judged_seconds``) is spent: seconds since the
+        first ``check``, less those spent warming."""
+        import time
+
+        if self.judged_seconds is None or not self._started:
+            return False
+        return time.monotonic() - self._started - self.warm_spent >= self.judged_seconds
+
+    def _judge(self, prop: Callable[[Any], None], call: Any, timed: bool = True) -> Exception | None:
+        """``prop(call)``'s failure, or ``None``.
+
+        Raises:
+            OutOfTime: ``timed`` and the run's time share is spent (the call is not made).
+            OutOfMemory, ColdShape: the call was not made (:class:`NotMade`)."""
+        if timed and self.out_of_time():
+            raise OutOfTime(call.describe())
         recording.begin_test()  # the recording then holds this call only
         from pytest_sparse_mla import device_health
 
@@ -484,6 +534,9 @@ class SearchRun:
 
         @given(call=search.calls(envelope, device))
         def body(call: Any) -> None:
+            if self.out_of_time():  # the rest of the round (draws and shrinking) is not made: counted once
+                state["late"] = True
+                reject()
             if self._inside(call) is not None:
                 if self._try(prop, call) is None:
                     reject()
@@ -505,7 +558,10 @@ class SearchRun:
         test = self._seeded(self.settings(budget)(body), self._rounds, prop)
         self._rounds += 1
         try:
-            test()
+            try:
+                test()
+            finally:
+                self.spent["time-limit"] += int(state.get("late", False))
         except Unsatisfiable:  # every draw lay inside a region
             return state["made"], None
         except BaseException as exc:
@@ -520,6 +576,7 @@ class SearchRun:
     ) -> None:  # fmt: skip
         """The region of a failure (module docstring, 3), then its smallest call's record."""
         phase, self._phase = self._phase, "region-search"
+        cut_before = self.spent["time-limit"]
         original = regions.features(call)
         conditions: dict[str, set[str]] = {}
         core: dict[str, set[str]] = {}
@@ -546,15 +603,16 @@ class SearchRun:
             merged = _merge(current, simplest, call) if simplest is not None and simplest in failing else current
             if covering.fits(merged, envelope, device) and self._inside(merged) is None:  # never into a known region
                 current = merged
-        self.hints = True  # the call the discrepancy is reported with: explained
+        cut = self.spent["time-limit"] > cut_before
+        self.hints = True  # the call the discrepancy is reported with: explained (made after the time share too)
         try:
-            final = self._judge(prop, current)
+            final = self._judge(prop, current, timed=False)
         except NotMade as not_made:
             self.spent[not_made.counter] += 1
             final = None
         if final is None:  # the moves' merge lost the failure (or is a shape not warm): keep the call as found
             try:
-                current, final = call, self._judge(prop, call) or exc
+                current, final = call, self._judge(prop, call, timed=False) or exc
             except NotMade as not_made:
                 self.spent[not_made.counter] += 1
                 current, final = call, exc
@@ -571,7 +629,7 @@ class SearchRun:
                 return
         region = regions.Region(f"new-{sum(not d.region.known for d in self.found) + 1}",
                                 {k: frozenset(v) for k, v in conditions.items()})  # fmt: skip
-        self.found.append(Discrepancy(region, current, _text(final), recording.recorded_calls()))
+        self.found.append(Discrepancy(region, current, _text(final), recording.recorded_calls(), cut=cut))
 
     def _raise(self) -> None:
         short = self.spent.get("out-of-memory", 0)
@@ -588,9 +646,12 @@ class SearchRun:
             return
         recording.restore_calls([c for d in self.found for c in d.recorded])
         new = [d for d in self.found if not d.region.known]
+        late = self.spent.get("time-limit", 0)
+        stopped = (f"; the run's share of the time limit ({self.judged_seconds:g} s of judged time) ran out and "
+                   f"{late} call{'' if late == 1 else 's'} {'was' if late == 1 else 'were'} not made") if late else ""
         head = (f"{len(self.found)} distinct discrepanc{'y' if len(self.found) == 1 else 'ies'} "
                 f"({len(new)} new, {len(self.found) - len(new)} in known regions) "
-                f"in {len(self.drawn)} calls{f'; {unjudged}' if short else ''}:")  # fmt: skip
+                f"in {len(self.drawn)} calls{f'; {unjudged}' if short else ''}{stopped}:")  # fmt: skip
         text = "\n".join([head, *(d.text() for d in self.found)])
         raise (NewDiscrepancy if new else KnownDiscrepancy)(text)
 

@@ -169,3 +169,50 @@ def test_empty_first_tile_names_the_caches_whose_rows_start_with_no_valid_lane()
     assert regions.features(replace(full, empty_fraction=0.5))["empty_first_tile"] == "both"
     assert regions.features(replace(zero_length, extra=None))["empty_first_tile"] == "main"
     assert regions.features(replace(full, main=replace(full.main, lengths=(1, 5))))["empty_first_tile"] == "none"
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["passing", "failing"])
+def test_a_run_makes_no_call_after_its_share_of_the_time_limit(fails: bool) -> None:
+    """``judged_seconds`` (the fixture's ``TIME_SHARE`` of the test's limit): once spent, the run makes
+    no further call, so a slow kernel or one with many bugs is reported inside the limit instead of
+    being ended by pytest-timeout with nothing said. A passing run stops drawing and passes on what it
+    judged; a failing one cuts its region search (the region is the call's own classes) but still
+    makes the call its discrepancy is reported with, and the message says what was not made."""
+    import time
+
+    from pytest_sparse_mla import search_run
+    from pytest_sparse_mla.errors import NewDiscrepancy
+
+    made: list[object] = []
+
+    def prop(call) -> None:
+        made.append(call)
+        time.sleep(0.05)
+        if fails:
+            raise AssertionError("wrong output")
+
+    run = search_run.SearchRun(40, None, 0, lambda key, value: None, judged_seconds=0.01 if fails else 0.2)
+    if not fails:
+        run.check(prop, ReferenceImplementation.envelope, "cpu", covering=False)
+        assert 2 <= len(made) <= 8 and run.spent["time-limit"] >= 1, (len(made), run.spent)
+        return
+    with pytest.raises(NewDiscrepancy, match=r"ran out and \d+ calls? (was|were) not made") as info:
+        run.check(prop, ReferenceImplementation.envelope, "cpu", covering=False)
+    (found,) = run.found
+    assert found.cut and "region search cut by the time limit" in str(info.value), str(info.value)
+    assert found.as_dict()["region_search"] == "cut by the time limit"
+    assert len(made) == 2 and run.spent["time-limit"] >= 1, (len(made), run.spent)  # the first call, the report's
+    assert set(found.region.conditions) == set(regions.FEATURES), found.region  # the call's own classes
+
+
+def test_the_search_table_says_which_draws_were_not_made() -> None:
+    """The terminal table's second line counts the draws not made, by reason (``coverage.NOT_MADE``):
+    a search that made few calls says why instead of looking thorough."""
+    from pytest_sparse_mla import coverage
+
+    cov = coverage.Coverage()
+    summary = {"calls": 17, "failed": 0, "seed": None, "dims": {}, "ends": {}, "seconds": {"warm-up": 247},
+               "spent": {"covering": 9, "cold-shape": 659, "time-limit": 2}, "discrepancies": []}  # fmt: skip
+    cov.search.append(summary)
+    lines = cov.search_lines()
+    assert lines[1] == "calls not made: shape not warm, warm-up budget spent 659, time share spent 2", lines
