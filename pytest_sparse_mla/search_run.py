@@ -69,6 +69,7 @@ outside every region, confirmations inside known regions, region searches, draws
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -253,7 +254,10 @@ class SearchRun:
         self._confirm_left = {r.key: regions.CONFIRM_CALLS if confirm else 0 for r in self.known}
         self._phase = "random"
         self._untimed, self.warm_seconds, self.warm_spent = untimed, warm_seconds, 0.0
-        self.judged_seconds, self._started = judged_seconds, 0.0
+        self.judged_seconds: float | None = judged_seconds
+        self._started: float | None = None  # the clock at the first check
+        #: The clock of the time share (seconds; a self-test replaces it).
+        self.clock: Callable[[], float] = time.monotonic
         #: Whether the property should explain a failure (``search.diagnose``: several more oracle
         #: calls): only for the call a discrepancy is reported with, not for each call Hypothesis
         #: shrinks through or the region search moves.
@@ -393,9 +397,8 @@ class SearchRun:
             NewDiscrepancy, KnownDiscrepancy: the discrepancies found (module docstring).
             Exception: the first failure as it is, for a verdict-only run.
         """
-        import time
-
-        self._started = self._started or time.monotonic()
+        if self._started is None:
+            self._started = self.clock()
         try:
             self._check(prop, envelope, device, covering, self.examples if examples is None else examples)
         except BaseException:
@@ -460,11 +463,9 @@ class SearchRun:
     def out_of_time(self) -> bool:
         """Whether the run's share of the time limit (``judged_seconds``) is spent: seconds since the
         first ``check``, less those spent warming."""
-        import time
-
-        if self.judged_seconds is None or not self._started:
+        if self.judged_seconds is None or self._started is None:
             return False
-        return time.monotonic() - self._started - self.warm_spent >= self.judged_seconds
+        return self.clock() - self._started - self.warm_spent >= self.judged_seconds
 
     def _judge(self, prop: Callable[[Any], None], call: Any, timed: bool = True) -> Exception | None:
         """``prop(call)``'s failure, or ``None``.
@@ -561,7 +562,8 @@ class SearchRun:
             try:
                 test()
             finally:
-                self.spent["time-limit"] += int(state.get("late", False))
+                if state.get("late"):
+                    self.spent["time-limit"] += 1
         except Unsatisfiable:  # every draw lay inside a region
             return state["made"], None
         except BaseException as exc:

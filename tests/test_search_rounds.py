@@ -177,9 +177,8 @@ def test_a_run_makes_no_call_after_its_share_of_the_time_limit(fails: bool) -> N
     no further call, so a slow kernel or one with many bugs is reported inside the limit instead of
     being ended by pytest-timeout with nothing said. A passing run stops drawing and passes on what it
     judged; a failing one cuts its region search (the region is the call's own classes) but still
-    makes the call its discrepancy is reported with, and the message says what was not made."""
-    import time
-
+    makes the call its discrepancy is reported with, and the message says what was not made. The
+    run's clock advances one second per call made (a kernel call of a second; nothing else counts)."""
     from pytest_sparse_mla import search_run
     from pytest_sparse_mla.errors import NewDiscrepancy
 
@@ -187,14 +186,14 @@ def test_a_run_makes_no_call_after_its_share_of_the_time_limit(fails: bool) -> N
 
     def prop(call) -> None:
         made.append(call)
-        time.sleep(0.05)
         if fails:
             raise AssertionError("wrong output")
 
-    run = search_run.SearchRun(40, None, 0, lambda key, value: None, judged_seconds=0.01 if fails else 0.2)
+    run = search_run.SearchRun(40, None, 0, lambda key, value: None, judged_seconds=0.5 if fails else 3.5)
+    run.clock = lambda: float(len(made))
     if not fails:
         run.check(prop, ReferenceImplementation.envelope, "cpu", covering=False)
-        assert 2 <= len(made) <= 8 and run.spent["time-limit"] >= 1, (len(made), run.spent)
+        assert len(made) == 4 and run.spent["time-limit"] == 1, (len(made), run.spent)  # 0, 1, 2, 3 s: then none
         return
     with pytest.raises(NewDiscrepancy, match=r"ran out and \d+ calls? (was|were) not made") as info:
         run.check(prop, ReferenceImplementation.envelope, "cpu", covering=False)
@@ -203,6 +202,7 @@ def test_a_run_makes_no_call_after_its_share_of_the_time_limit(fails: bool) -> N
     assert found.as_dict()["region_search"] == "cut by the time limit"
     assert len(made) == 2 and run.spent["time-limit"] >= 1, (len(made), run.spent)  # the first call, the report's
     assert set(found.region.conditions) == set(regions.FEATURES), found.region  # the call's own classes
+    assert "region-search" not in run.spent and "shrinking" not in run.spent, run.spent
 
 
 def test_the_search_table_says_which_draws_were_not_made() -> None:
