@@ -44,7 +44,7 @@ from pytest_sparse_mla.envelope import Envelope
 
 __all__ = [
     "DrawnCache", "DrawnCall", "LARGEST_SCALE_LANES", "SCALE_ENDS", "SearchInputs", "build", "calls", "diagnose",
-    "next_step", "pool_class", "record", "rewritten_in_place", "unshrunk_phases",
+    "next_step", "pool_class", "record", "rewritten_in_place", "unshrunk_phases", "with_shape_of",
 ]  # fmt: skip
 
 INT32_MIN = -(2**31)
@@ -603,6 +603,41 @@ def next_step(call: DrawnCall, step: int) -> DrawnCall:
     shapes, scalars and layout, new contents (queries, cache bytes, indices, lengths, sink), drawn
     from another seed."""
     return dataclasses.replace(call, seed=(call.seed + 7919 * step) % (2**31))
+
+
+#: The fields of a call and of a cache that set its tensors' shapes, strides, alignment and which
+#: keywords it passes (what ``search_speed.shape_key`` sees, and what a JIT kernel compiles or
+#: autotunes for); every other field is a value: contents, masks, scales, the logit regime.
+CALL_SHAPE_FIELDS = ("fmt", "num_tokens", "num_heads", "lse_convention", "strided_query")
+CACHE_SHAPE_FIELDS = ("width", "page_block_size", "num_pages", "form", "stride", "layer", "num_layers", "canary")
+
+
+def with_shape_of(call: DrawnCall, shape: DrawnCall, *, shape_lengths: bool = False) -> DrawnCall:
+    """``call``'s values on ``shape``'s tensor shapes: the fields of :data:`CALL_SHAPE_FIELDS` and,
+    per cache, :data:`CACHE_SHAPE_FIELDS` from ``shape``, and which optional tensors are passed
+    (``extra`` cache, ``topk_length`` per cache, ``attn_sink``) as ``shape`` passes them; the rest
+    (seed, logit regime, ``sm_scale``, sink offsets, masks, index pattern, stale lanes, value
+    exponents, scale ends, poison) from ``call`` where ``shape`` passes the tensor too. Length
+    bounds are ``call``'s unless ``shape_lengths`` (then ``shape``'s: for a row narrower than
+    ``call``'s lengths). The search judges a drawn call this way once its warm-up budget is spent
+    and the call's own shape was never compiled (``search_run``, "Compiling is not judged time")."""
+
+    def cache(values: DrawnCache | None, on: DrawnCache | None) -> DrawnCache | None:
+        if on is None:
+            return None
+        if values is None:
+            return on
+        lengths = on.lengths if on.lengths is None or values.lengths is None or shape_lengths else values.lengths
+        return dataclasses.replace(values, lengths=lengths, **{f: getattr(on, f) for f in CACHE_SHAPE_FIELDS})
+
+    main = cache(call.main, shape.main)
+    assert main is not None  # every call has a main cache
+    sink = None if shape.sink is None else (call.sink if call.sink is not None else shape.sink)
+    lse_scale = call.lse_scale if call.lse_convention == shape.lse_convention else shape.lse_scale
+    return dataclasses.replace(
+        call, main=main, extra=cache(call.extra, shape.extra), sink=sink, lse_scale=lse_scale,
+        **{f: getattr(shape, f) for f in CALL_SHAPE_FIELDS},
+    )  # fmt: skip
 
 
 def rewritten_in_place(target: SearchInputs, source: SearchInputs) -> SearchInputs:

@@ -41,8 +41,13 @@ shape, strides, dtype and alignment, which keywords are given: :meth:`SearchRun.
 (:meth:`SearchRun.warm`, ``search_speed.warm``) inside ``untimed``: the test's time limit stops while
 a Triton autotuner or JIT compiles (``device_health.untimed``). A kernel that autotunes per shape
 can spend minutes this way, so a run's warm-ups have a budget (``warm_seconds``, default the test's
-own limit): once it is spent, a call of a shape not yet warm is not made (``spent["cold-shape"]``)
-and the run goes on with the shapes it has compiled.
+own limit): once it is spent, a drawn call of a shape not yet warm is judged on the shape of a call
+this process has warmed (its values kept: seed, logit regime, ``sm_scale``, sink, masks, index
+pattern, stale lanes, value exponents, scale ends; ``search.with_shape_of``; the warm call picked
+by the drawn seed; ``spent["warm-twin"]`` counts them), so the budget of judged calls is still
+spent on a kernel that autotunes per shape. A call for which no warm shape fits the envelope, a
+region search's move to a new shape and a shape that still turns out cold are not made
+(``spent["cold-shape"]``).
 
 **A run ends inside its time limit.** A kernel with several distinct bugs costs a region search
 each (dozens of calls) and Hypothesis's shrinking; on a shared GPU that can outlast the test's limit,
@@ -252,6 +257,14 @@ class SearchRun:
         self.found: list[Discrepancy] = []
         self.failed = False
         self._confirm_left = {r.key: regions.CONFIRM_CALLS if confirm else 0 for r in self.known}
+        #: A call of each shape this process has warmed (``search_speed.shape_key`` -> the call):
+        #: the shapes a drawn call of a cold shape is judged on once the warm-up budget is spent.
+        self._warm_calls: dict[tuple[Any, ...], Any] = {}
+        self._noted: tuple[Any, Any] = (None, None)  # the shape key and call :meth:`note` saw last
+        self._envelope: Envelope | None = None
+        self._device = "cpu"
+        #: The call :meth:`_judge` made last: the drawn one, or its warm twin.
+        self.judged: Any = None
         self._phase = "random"
         self._untimed, self.warm_seconds, self.warm_spent = untimed, warm_seconds, 0.0
         self.judged_seconds: float | None = judged_seconds
@@ -275,6 +288,9 @@ class SearchRun:
         key = self._shape(inputs)
         if key is not None and not self._is_warm(key) and self._warm_budget_spent():
             raise ColdShape(call.describe())
+        if key is not None and self._is_warm(key):
+            self._warm_calls.setdefault(key, call)
+        self._noted = (key, call)
         self.drawn.append(search.record(call, inputs))
         for dim, labels in covering.ends_of(call).items():
             self.ends.setdefault(dim, Counter()).update(labels)
@@ -313,6 +329,8 @@ class SearchRun:
         from pytest_sparse_mla import search_speed
 
         search_speed.WARMED.add(key)  # the guard (guard.GuardedImplementation) then does not warm it again
+        if self._noted[0] == key:  # the call noted last has this shape (not a property's derived call)
+            self._warm_calls.setdefault(key, self._noted[1])
         self.spent["warm-up"] += 1
         start = time.perf_counter()
         with self._untimed() if self._untimed is not None else contextlib.nullcontext():
@@ -408,6 +426,7 @@ class SearchRun:
             self.keep(coverage.SEARCH, self.summary())
 
     def _check(self, prop: Callable[[Any], None], envelope: Envelope, device: str, cover: bool, budget: int) -> None:
+        self._envelope, self._device = envelope, device
         verdict_only = self._verdict_only()
         self.hints = verdict_only  # a verdict-only run raises its first failure as it is
         self._phase = "covering"
@@ -421,7 +440,7 @@ class SearchRun:
             if exc is not None:
                 if verdict_only:
                     raise exc
-                self._discover(prop, call, exc, envelope, device)
+                self._discover(prop, self.judged, exc, envelope, device)
         self._phase = "random"
         self._rounds = 0
         left = budget - covered  # the covering calls are drawn instead of random ones, not beside them
@@ -467,14 +486,44 @@ class SearchRun:
             return False
         return self.clock() - self._started - self.warm_spent >= self.judged_seconds
 
-    def _judge(self, prop: Callable[[Any], None], call: Any, timed: bool = True) -> Exception | None:
-        """``prop(call)``'s failure, or ``None``.
+    def _judge(
+        self, prop: Callable[[Any], None], call: Any, timed: bool = True, twin: bool = False
+    ) -> Exception | None:  # fmt: skip
+        """``prop(call)``'s failure, or ``None``; with ``twin``, a call of a cold shape met once the
+        warm-up budget is spent is judged on a warm shape instead (:meth:`_warm_twin`).
+        :attr:`judged` is the call made.
 
         Raises:
             OutOfTime: ``timed`` and the run's time share is spent (the call is not made).
             OutOfMemory, ColdShape: the call was not made (:class:`NotMade`)."""
         if timed and self.out_of_time():
             raise OutOfTime(call.describe())
+        self.judged = call
+        try:
+            return self._judge_once(prop, call)
+        except ColdShape:
+            other = self._warm_twin(call) if twin else None
+            if other is None:
+                raise
+        self.judged = other
+        verdict = self._judge_once(prop, other)
+        self.spent["warm-twin"] += 1
+        return verdict
+
+    def _warm_twin(self, call: Any) -> Any:
+        """``call``'s values on the shape of a warm call (``search.with_shape_of``; the warm call
+        picked by ``call.seed``), or ``None`` when none fits the envelope outside every region."""
+        if not self._warm_calls or self._envelope is None:
+            return None
+        shapes = list(self._warm_calls.values())
+        shape = shapes[call.seed % len(shapes)]
+        for shape_lengths in (False, True):
+            other = search.with_shape_of(call, shape, shape_lengths=shape_lengths)
+            if covering.fits(other, self._envelope, self._device) and self._inside(other) is None:
+                return other
+        return None
+
+    def _judge_once(self, prop: Callable[[Any], None], call: Any) -> Exception | None:
         recording.begin_test()  # the recording then holds this call only
         from pytest_sparse_mla import device_health
 
@@ -506,7 +555,7 @@ class SearchRun:
             return None
         hints, self.hints = self.hints, self.hints or confirming
         try:
-            exc = self._judge(prop, call)
+            exc = self._judge(prop, call, twin=not confirming)
         except NotMade as not_made:
             self.spent[not_made.counter] += 1
             return None
@@ -542,7 +591,7 @@ class SearchRun:
                 if self._try(prop, call) is None:
                     reject()
             try:
-                exc = self._judge(prop, call)
+                exc = self._judge(prop, call, twin=True)
             except NotMade as not_made:
                 self.spent[not_made.counter] += 1
                 reject()
@@ -553,7 +602,7 @@ class SearchRun:
                 self.spent["shrinking"] += 1
             if exc is not None:
                 state["failed"] = True
-                state["last"] = (call, exc)
+                state["last"] = (self.judged, exc)
                 raise exc
 
         test = self._seeded(self.settings(budget)(body), self._rounds, prop)

@@ -9,6 +9,7 @@ The stacks are written by hand: frames named as Triton 3.6's and TileLang's file
 
 from __future__ import annotations
 
+import time
 import traceback
 from types import SimpleNamespace
 
@@ -254,3 +255,55 @@ def test_an_error_while_warming_is_left_to_the_judged_call(monkeypatch) -> None:
     impl = _guarded(calls, contextlib.nullcontext, fail_first=True)
     impl.sparse_mla_forward(*inputs, sm_scale=0.1)  # the warm-up's error is dropped; the judged call runs
     assert calls == ["warm", "judged"]
+
+
+@pytest.mark.full_tier  # a search run of a wrong kernel, shrunk and reported; 659 draws built (CONTRIBUTING.md)
+@pytest.mark.parametrize("twins", [True, False], ids=["warm-twins", "no-twins"])
+def test_once_the_warm_up_budget_is_spent_a_drawn_call_is_judged_on_a_warm_shape(monkeypatch, twins: bool) -> None:
+    """A kernel that autotunes per shape spends the warm-up budget on its first shape; after that a
+    drawn call of a new shape is judged with its own values on a shape already warm
+    (``search.with_shape_of``), so a bug of values (here: wrong when the NoPE exponent is above 20)
+    is still found. The shape keys are the real ones of the built tensors (``search_speed.shape_key``
+    on CPU tensors that read as CUDA). Without the twins (``SearchRun._warm_twin`` off) the same run
+    makes only the draws that happen to have the warm shape (1 or 2) and finds nothing."""
+    from pytest_sparse_mla import search, search_run
+    from pytest_sparse_mla.envelope import Envelope, Widths
+    from pytest_sparse_mla.errors import NewDiscrepancy
+
+    class CudaLooking(torch.Tensor):  # a CPU tensor whose device reads as CUDA: the shape key is all it feeds
+        @property
+        def device(self) -> SimpleNamespace:  # type: ignore[override]
+            return SimpleNamespace(type="cuda")
+
+    real_key = search_speed.shape_key
+    monkeypatch.setattr(search_speed, "shape_key",
+                        lambda q, kv, idx, kw: real_key(q.as_subclass(CudaLooking), kv, idx, kw))  # fmt: skip
+    monkeypatch.setattr(search_speed, "WARMED", set())
+    monkeypatch.setattr(search_speed, "warm", lambda impl, inputs: time.sleep(0.05))
+    if not twins:
+        monkeypatch.setattr(search_run.SearchRun, "_warm_twin", lambda self, call: None)
+    small = Envelope(formats=("dsv4",), num_heads=(1, 2, 4), topk=Widths(max=64), extra_cache_formats=(),
+                     page_block_sizes=(64,), max_tokens=4)  # cheap builds: every rejected draw is built  # fmt: skip
+    run = search_run.SearchRun(12, None, 0, lambda *a: None, warm_seconds=0.01)
+    made: list[tuple[object, ...]] = []
+
+    def prop(call: search.DrawnCall) -> None:
+        inputs = search.build(call)
+        run.note(call, inputs)
+        run.warm(None, inputs)
+        made.append(search_speed.shape_key(inputs.q, inputs.kv_cache, inputs.indices, inputs.kwargs))
+        if call.main.value_exponent > 20:
+            raise AssertionError("wrong output for large NoPE values")
+
+    if not twins:
+        run.check(prop, small, "cpu", covering=False)  # nothing found: only draws of the one warm shape are made
+        assert len(made) < 4 and run.spent["cold-shape"] > 100 and "warm-twin" not in run.spent, run.spent
+        return
+    with pytest.raises(NewDiscrepancy, match="wrong output for large NoPE values"):
+        run.check(prop, small, "cpu", covering=False)
+    assert len(search_speed.WARMED) == 1 and set(made) == search_speed.WARMED, made  # every call on the warm shape
+    assert run.spent["warm-twin"] >= 2 and run.spent["warm-up"] == 1, run.spent
+    (found,) = run.found
+    assert found.call.main.value_exponent > 20 and found.region.conditions.get("value_exponent") == {"above-2**20"}, (
+        found.region.text()
+    )
