@@ -35,6 +35,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
+from typing import Any
 
 from pytest_sparse_mla import device_health
 
@@ -153,8 +154,10 @@ def main() -> int:
     done: dict[int, dict[str, object]] = {}
     interrupted = False
     pool = ThreadPoolExecutor(opts.jobs)
-    futures = {pool.submit(check, script, opts.timeout): k for k, (_, script) in enumerate(jobs)}
-    try:
+    futures: dict[Any, int] = {}
+    try:  # an interrupt while the jobs are submitted too: threads may run already
+        for k, (_, script) in enumerate(jobs):
+            futures[pool.submit(check, script, opts.timeout)] = k
         for future in as_completed(futures):
             done[futures[future]] = future.result()
     except KeyboardInterrupt:
