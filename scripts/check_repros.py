@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -146,6 +147,9 @@ def main() -> int:
     parser.add_argument("--every-line", action="store_true",
                         help="also fail when an xfail line has no holding script")
     opts = parser.parse_args()
+    # SIGINT ends the check (the interface above) even where it was started with SIGINT ignored (a
+    # command a non-interactive shell ran in the background: Python then keeps ignoring it).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     folders = _impl_folders(opts.root)
     jobs = breadth_first([(impl, script) for impl, folder in folders for script in folder.glob("**/repro.py")])
     if not jobs:
