@@ -255,6 +255,28 @@ def _peers_line(m: dict[str, Any]) -> list[str]:
     return ["Peers: " + "; ".join(words) + "."]
 
 
+def _sanitizer_lines(logs: dict[str, dict[str, Any]]) -> list[str]:
+    """The sanitizer section: per implementation, what its compute-sanitizer memcheck log says
+    (``sanitizer.summarize_log``); nothing without a log."""
+    if not logs:
+        return []
+    out = [
+        "",
+        "## Sanitizer lane",
+        "",
+        "`SANITIZER=1 scripts/device_conformance.sh` (compute-sanitizer memcheck, `--padding 4096`, one "
+        "process; `pytest_sparse_mla.sanitizer`): a report fails its test (see the failures below); the log's totals:",
+        "",
+        "| implementation | memcheck reports | error summary | first report |",
+        "| --- | ---: | ---: | --- |",
+    ]
+    for name, log in logs.items():
+        total = "not written (the run was cut)" if log.get("error_summary") is None else str(log["error_summary"])
+        first = _short(str(log["first"]).replace("\n", "; "), 200) if log.get("first") else "none"
+        out.append(f"| `{name}` | {log.get('reports', 0)} | {total} | {first} |")
+    return out
+
+
 def _search_lines(impls: dict[str, Any]) -> list[str]:
     """The "Search" section: what each implementation's search drew (``search``: the merged summary,
     ``shards.merge_summaries``), which machine ran which shards (``shard_groups``), the machines whose
@@ -433,6 +455,7 @@ def markdown(doc: dict[str, Any]) -> str:
             out += ["", "xfail lines without a holding script (a relation between calls, or not run here):", ""]
             for name, ids in missing.items():
                 out += [f"* `{name}`: " + ", ".join(f"`{i.split('::', 1)[-1]}`" for i in ids)]
+    out += _sanitizer_lines(doc.get("sanitizer") or {})
     out += _search_lines(impls)
     out += _cause_lines(impls)
     out += ["", "## Failures not listed in an xfail file", ""]

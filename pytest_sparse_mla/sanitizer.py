@@ -30,7 +30,7 @@ import os
 import re
 from pathlib import Path
 
-__all__ = ["ENV", "TIMEOUT_FACTOR", "active", "begin_test", "first_error", "log_path"]
+__all__ = ["ENV", "TIMEOUT_FACTOR", "active", "begin_test", "first_error", "log_path", "summarize_log"]
 
 #: environment variable naming compute-sanitizer's ``--log-file``.
 ENV = "SPARSE_MLA_SANITIZER_LOG"
@@ -84,7 +84,30 @@ def first_error() -> str | None:
             text = f.read().decode("utf-8", "replace")
     except OSError:
         return None
-    match = _REPORT.search(text)
+    return _report_at(text, _REPORT.search(text))
+
+
+#: the frontend's last line: ``========= ERROR SUMMARY: 3 errors`` (``1 error``).
+_SUMMARY = re.compile(r"^=+ ERROR SUMMARY: (\d+) errors?", re.MULTILINE)
+
+
+def summarize_log(text: str) -> dict[str, object]:
+    """What a whole sanitizer log (``--log-file``) says: ``{"reports": N, "error_summary": M,
+    "first": text}``: ``N`` memcheck reports (first lines matched as in :func:`first_error`), ``M``
+    the total of its ``ERROR SUMMARY: M errors`` lines (``None`` when there is none: the frontend
+    did not finish, e.g. killed at a time limit), ``first`` the first report (as
+    :func:`first_error` gives it) or ``None``. Used by ``scripts/conformance_report.py`` for the
+    report's sanitizer section."""
+    summaries = [int(m.group(1)) for m in _SUMMARY.finditer(text)]
+    return {
+        "reports": len(_REPORT.findall(text)),
+        "error_summary": sum(summaries) if summaries else None,
+        "first": _report_at(text, _REPORT.search(text)),
+    }
+
+
+def _report_at(text: str, match: re.Match[str] | None) -> str | None:
+    """The report starting at ``match`` (up to :data:`_MAX_LINES` lines, the ``=`` prefix dropped)."""
     if match is None:
         return None
     lines: list[str] = []

@@ -27,7 +27,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pytest_sparse_mla import catalogue
+from pytest_sparse_mla import catalogue, sanitizer
 from pytest_sparse_mla.conformance import _matches, markdown, read_junit, read_xfail_file
 from pytest_sparse_mla.conformance import build as build_doc
 
@@ -100,6 +100,12 @@ def build(results: Path, smoke_path: Path | None = None, notes_path: Path | None
             row["hold"] += int(bool(rec.get("holds")))
             row["native"] += int(bool(rec.get("native")))
         doc["reproducers"] = {"summary": data.get("summary", {}), "per_implementation": per}
+    logs = sorted(results.glob("sanitizer-*.log"))  # SANITIZER=1 runs (scripts/device_conformance.sh)
+    if logs:
+        doc["sanitizer"] = {
+            p.name[len("sanitizer-") : -len(".log")]: sanitizer.summarize_log(p.read_text("utf-8", "replace"))
+            for p in logs
+        }
     bench = results / "bench" / "results.json"
     if bench.exists():
         doc["benchmarks"] = json.loads(bench.read_text())

@@ -490,3 +490,41 @@ def test_an_access_the_sanitizer_reports_fails_its_own_test_and_the_run_goes_on(
     assert device_health.default_timeout(types.SimpleNamespace(obj=None), "cuda") == (
         device_health.BASE_SECONDS["cuda"] * sanitizer.TIMEOUT_FACTOR
     )
+
+
+SANITIZER_LOG = """========= COMPUTE-SANITIZER
+========= Invalid __global__ read of size 2 bytes
+=========     at _tiled_sparse_decode_kernel+0x1c0
+=========     by thread (0,0,0) in block (3,0,0)
+=========
+========= Invalid __global__ read of size 2 bytes
+=========     at _tiled_sparse_decode_kernel+0x1c0
+=========     by thread (1,0,0) in block (3,0,0)
+=========
+========= ERROR SUMMARY: 2 errors
+"""
+
+
+def test_the_conformance_report_says_what_each_sanitizer_log_holds(tmp_path: Path) -> None:
+    """``sanitizer.summarize_log`` counts a whole log's memcheck reports and reads its ERROR SUMMARY
+    line (hand-written logs of compute-sanitizer's format: two reports; a clean run; a run cut before
+    the summary), and ``scripts/conformance_report.py`` puts one row per log in the report."""
+    import runpy
+
+    from pytest_sparse_mla import conformance, sanitizer
+
+    got = sanitizer.summarize_log(SANITIZER_LOG)
+    assert got["reports"] == 2 and got["error_summary"] == 2, got
+    assert str(got["first"]).splitlines()[:2] == ["Invalid __global__ read of size 2 bytes",
+                                                  "at _tiled_sparse_decode_kernel+0x1c0"], got  # fmt: skip
+    clean = "========= COMPUTE-SANITIZER\n========= ERROR SUMMARY: 0 errors\n"
+    assert sanitizer.summarize_log(clean) == {"reports": 0, "error_summary": 0, "first": None}
+    assert sanitizer.summarize_log("========= COMPUTE-SANITIZER\n")["error_summary"] is None
+    (tmp_path / "sanitizer-wrong.log").write_text(SANITIZER_LOG)
+    (tmp_path / "sanitizer-clean.log").write_text(clean)
+    report = runpy.run_path(str(Path(__file__).resolve().parents[1] / "scripts" / "conformance_report.py"),
+                            run_name="conformance_report")  # fmt: skip
+    doc = report["build"](tmp_path, notes_path=tmp_path / "no-notes.json")
+    text = conformance.markdown(doc)
+    assert "| `clean` | 0 | 0 | none |" in text, text
+    assert "| `wrong` | 2 | 2 | Invalid __global__ read of size 2 bytes; at _tiled_sparse_decode_kernel+0x1c0;" in text
