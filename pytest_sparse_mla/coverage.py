@@ -36,9 +36,9 @@ SEARCH = "sparse_mla_search"
 #: terminal table names them.
 NOT_MADE = {
     "cold-shape": "shape not warm, warm-up budget spent",
-    "time-limit": "time share spent",
+    "time-limit": "refinement past the time share (region moves, shrinking phases)",
     "out-of-memory": "out of device memory",
-    "not-made-in-region": "inside a region found",
+    "not-made-in-region": "inside a region (found or known)",
 }
 _KEY = pytest.StashKey["Coverage"]()
 

@@ -414,9 +414,9 @@ def sparse_mla_search(
     (derandomized: a distinct seed per shard, ``shards.hypothesis_seed``) and takes every ``k``-th
     covering call of all the matrix's shards.
     On CUDA the kernel is warmed on each new shape outside the test's time limit, up to a warm-up
-    budget of the test's own limit (``search_run``, "Compiling is not judged time"). The run makes
-    judged calls for ``search_run.TIME_SHARE`` of that limit, then no more but the diagnosis of
-    each discrepancy it reports (``search_run``, "A run ends inside its time limit").
+    budget of the test's own limit (``search_run``, "Compiling is not judged time"). Past
+    ``search_run.TIME_SHARE`` of that limit the run stops refining (region searches, shrinking) and
+    still makes its draws (``search_run``, "A run ends inside its time limit").
     The known regions are the ``# [KEY] region: ...`` lines of ``--sparse-mla-xfail-file``
     (``pytest_sparse_mla.regions``). What the run drew goes to the test's ``user_properties``
     (terminal summary "sparse-mla search", ``--sparse-mla-report-json`` ``"search"``). A test

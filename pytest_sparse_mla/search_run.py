@@ -53,11 +53,13 @@ region search's move to a new shape and a shape that still turns out cold are no
 each (dozens of calls) and Hypothesis's shrinking; on a shared GPU that can outlast the test's limit,
 and pytest-timeout would then end the test with nothing reported. So a run has a share of the limit
 for judged time (``judged_seconds``: the fixture gives :data:`TIME_SHARE` of the test's ``timeout``;
-seconds outside the warm-ups): once it is spent, no further call is made (``spent["time-limit"]``
-counts those not made, a cut Hypothesis round once), except the one each discrepancy is reported
-with; a region search cut this way keeps the region of the moves it made (the call's own classes
-when none), and the report says so. A run that found nothing passes on the calls it judged, and its
-summary says how many it did not make.
+seconds outside the warm-ups): once it is spent, the run stops refining: no further region-search
+move and no further shrinking step is made (``spent["time-limit"]`` counts the moves not made and
+each shrinking phase cut, once), and a failure met after that keeps the call as drawn. The covering
+calls, the random draws (bounded by the budget) and the confirmations of known regions are still
+made, so an expected failure is still met, and every discrepancy is still reported with its
+diagnosis. The region of a cut search keeps, for each dimension not fully moved, the call's own
+class (never wider than the evidence), and the report says "region search cut by the time limit".
 
 **Out of device memory is not a discrepancy.** A call that runs out of device memory (the guard's
 tries, ``device_health.with_memory_retries``, all failed, or the inputs or the oracle could not be
@@ -261,6 +263,7 @@ class SearchRun:
         #: the shapes a drawn call of a cold shape is judged on once the warm-up budget is spent.
         self._warm_calls: dict[tuple[Any, ...], Any] = {}
         self._noted: tuple[Any, Any] = (None, None)  # the shape key and call :meth:`note` saw last
+        self._round_shapes: list[Any] | None = None  # inside a round: its warm calls (once a twin was made)
         self._envelope: Envelope | None = None
         self._device = "cpu"
         #: The call :meth:`_judge` made last: the drawn one, or its warm twin.
@@ -444,7 +447,7 @@ class SearchRun:
         self._phase = "random"
         self._rounds = 0
         left = budget - covered  # the covering calls are drawn instead of random ones, not beside them
-        while left > 0 and len(self.found) < MAX_DISCREPANCIES and not self.out_of_time():
+        while left > 0 and len(self.found) < MAX_DISCREPANCIES:
             made, failure = self._round(prop, envelope, device, left)
             left -= max(made, 1)
             if failure is None:
@@ -487,14 +490,15 @@ class SearchRun:
         return self.clock() - self._started - self.warm_spent >= self.judged_seconds
 
     def _judge(
-        self, prop: Callable[[Any], None], call: Any, timed: bool = True, twin: bool = False
+        self, prop: Callable[[Any], None], call: Any, timed: bool = False, twin: bool = False
     ) -> Exception | None:  # fmt: skip
         """``prop(call)``'s failure, or ``None``; with ``twin``, a call of a cold shape met once the
         warm-up budget is spent is judged on a warm shape instead (:meth:`_warm_twin`).
         :attr:`judged` is the call made.
 
         Raises:
-            OutOfTime: ``timed`` and the run's time share is spent (the call is not made).
+            OutOfTime: ``timed`` (a region-search move) and the run's time share is spent (the call
+                is not made).
             OutOfMemory, ColdShape: the call was not made (:class:`NotMade`)."""
         if timed and self.out_of_time():
             raise OutOfTime(call.describe())
@@ -511,16 +515,21 @@ class SearchRun:
         return verdict
 
     def _warm_twin(self, call: Any) -> Any:
-        """``call``'s values on the shape of a warm call (``search.with_shape_of``; the warm call
-        picked by ``call.seed``), or ``None`` when none fits the envelope outside every region."""
-        if not self._warm_calls or self._envelope is None:
+        """``call``'s values on the shape of a warm call (``search.with_shape_of``; the warm calls
+        tried from the one ``call.seed`` picks; inside a Hypothesis round, the warm calls of the
+        round's first twin, so that shrinking and Hypothesis's replay see the same twin), or ``None``
+        when none fits the envelope outside every region."""
+        shapes = self._round_shapes or list(self._warm_calls.values())
+        if self._round_shapes is not None:  # inside a round: the first twin fixes the round's warm calls
+            self._round_shapes = shapes
+        if not shapes or self._envelope is None:
             return None
-        shapes = list(self._warm_calls.values())
-        shape = shapes[call.seed % len(shapes)]
-        for shape_lengths in (False, True):
-            other = search.with_shape_of(call, shape, shape_lengths=shape_lengths)
-            if covering.fits(other, self._envelope, self._device) and self._inside(other) is None:
-                return other
+        for i in range(len(shapes)):  # from the one the seed picks, the first that fits
+            shape = shapes[(call.seed + i) % len(shapes)]
+            for shape_lengths in (False, True):
+                other = search.with_shape_of(call, shape, shape_lengths=shape_lengths)
+                if covering.fits(other, self._envelope, self._device) and self._inside(other) is None:
+                    return other
         return None
 
     def _judge_once(self, prop: Callable[[Any], None], call: Any) -> Exception | None:
@@ -580,12 +589,14 @@ class SearchRun:
         from hypothesis import given, reject
         from hypothesis.errors import Unsatisfiable
 
-        state: dict[str, Any] = {"made": 0, "failed": False, "last": None}
+        state: dict[str, Any] = {"made": 0, "failed": False, "last": None, "drawn": None}
 
         @given(call=search.calls(envelope, device))
         def body(call: Any) -> None:
-            if self.out_of_time():  # the rest of the round (draws and shrinking) is not made: counted once
+            if state["failed"] and self.out_of_time():  # shrinking stops (counted once per round)
                 state["late"] = True
+                if call == state["drawn"]:  # Hypothesis's replay of its smallest failing call: the same failure
+                    raise state["last"][1]
                 reject()
             if self._inside(call) is not None:
                 if self._try(prop, call) is None:
@@ -602,15 +613,17 @@ class SearchRun:
                 self.spent["shrinking"] += 1
             if exc is not None:
                 state["failed"] = True
-                state["last"] = (self.judged, exc)
+                state["last"], state["drawn"] = (self.judged, exc), call
                 raise exc
 
         test = self._seeded(self.settings(budget)(body), self._rounds, prop)
         self._rounds += 1
+        self._round_shapes = []  # fixed at the round's first twin (_warm_twin)
         try:
             try:
                 test()
             finally:
+                self._round_shapes = None
                 if state.get("late"):
                     self.spent["time-limit"] += 1
         except Unsatisfiable:  # every draw lay inside a region
@@ -631,15 +644,18 @@ class SearchRun:
         original = regions.features(call)
         conditions: dict[str, set[str]] = {}
         core: dict[str, set[str]] = {}
+        unmoved: set[str] = set()  # dimensions a move of which the time share left unmade
         current = call
         for dim, alts in moves(call, envelope):
             fits = [a for a in alts if covering.fits(a, envelope, device)]
             failing, passing = [], set()
             for alt in fits:
                 try:
-                    verdict = self._judge(prop, alt)
+                    verdict = self._judge(prop, alt, timed=True)
                 except NotMade as not_made:  # not made: neither keeps nor loses the failure
                     self.spent[not_made.counter] += 1
+                    if isinstance(not_made, OutOfTime) and dim is not None:
+                        unmoved.add(dim)
                     continue
                 self.spent["region-search"] += 1
                 if verdict is None:
@@ -669,14 +685,18 @@ class SearchRun:
                 current, final = call, exc
         self.hints = False
         self._phase = phase
-        conditions = core or conditions  # the dimensions the failure needs alone, when there are some
+        if cut:  # what was not moved stays at the call's own class: never wider than the evidence
+            conditions = {**conditions, **{k: {original[k]} for k in unmoved}}
+        else:
+            conditions = core or conditions  # the dimensions the failure needs alone, when there are some
         exact = not conditions
         if exact:  # no move made it go away: the region is the call's own classes, never everything
             conditions = {k: {v} for k, v in regions.features(current).items()}
         for d in self.found:  # the same cause met again: one class both need alone (a narrow first region)
-            if not exact and not d.region.known and _same_cause(d.region.conditions, conditions):
+            if not exact and not cut and not d.region.known and _same_cause(d.region.conditions, conditions):
                 d.region = regions.Region(d.region.key, _widened(d.region.conditions, conditions))
                 d.count += 1
+                d.cut = d.cut or cut
                 return
         region = regions.Region(f"new-{sum(not d.region.known for d in self.found) + 1}",
                                 {k: frozenset(v) for k, v in conditions.items()})  # fmt: skip
@@ -698,8 +718,8 @@ class SearchRun:
         recording.restore_calls([c for d in self.found for c in d.recorded])
         new = [d for d in self.found if not d.region.known]
         late = self.spent.get("time-limit", 0)
-        stopped = (f"; the run's share of the time limit ({self.judged_seconds:g} s of judged time) ran out and "
-                   f"{late} call{'' if late == 1 else 's'} {'was' if late == 1 else 'were'} not made") if late else ""
+        stopped = (f"; the run's share of the time limit ({self.judged_seconds:g} s of judged time) ran out: "
+                   f"{late} region-search move(s) or shrinking phase(s) not made") if late else ""
         head = (f"{len(self.found)} distinct discrepanc{'y' if len(self.found) == 1 else 'ies'} "
                 f"({len(new)} new, {len(self.found) - len(new)} in known regions) "
                 f"in {len(self.drawn)} calls{f'; {unjudged}' if short else ''}{stopped}:")  # fmt: skip
