@@ -94,9 +94,9 @@ __all__ = [
 
 #: A run stops looking once it holds this many distinct discrepancies.
 MAX_DISCREPANCIES = 8
-#: The share of a search test's time limit its run spends on judged calls before it makes no more
-#: (module docstring, "A run ends inside its time limit"): the rest is for the call in flight and
-#: the diagnosis of each discrepancy reported.
+#: The share of a search test's time limit (judged time) after which its run stops refining: no
+#: region-search move or shrinking step is made past it (module docstring, "A run ends inside its
+#: time limit"); the rest is for the draws still due and each reported discrepancy's diagnosis.
 TIME_SHARE = 0.5
 #: Seed offset between two rounds of one run (far above any shard index).
 ROUND_STRIDE = 1_000_003
@@ -116,8 +116,8 @@ class ColdShape(NotMade):
 
 
 class OutOfTime(NotMade):
-    """A call met after the run's share of the time limit (``judged_seconds``) is spent: not made
-    (module docstring, "A run ends inside its time limit")."""
+    """A region-search move met after the run's share of the time limit (``judged_seconds``) is
+    spent: not made (module docstring, "A run ends inside its time limit")."""
 
     counter = "time-limit"
 
