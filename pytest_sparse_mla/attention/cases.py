@@ -266,7 +266,7 @@ def _cache(
     source = data.latent((num_pages, page_block_size, f.d_qk), generator, distribution=distribution)
     if value_scale != 1.0:
         source = (source.float() * value_scale).to(torch.bfloat16)  # a power of two: exact
-    if rows is not None:
+    if rows is not None:  # drawn first all the same: the case's later draws keep their generator stream
         source = rows(num_pages, page_block_size, f)
     layers = []
     for index in range(num_layers):
