@@ -188,7 +188,7 @@ def test_past_its_time_share_a_run_stops_refining_but_still_draws_and_reports() 
         made.append(call)
         raise AssertionError("wrong output")
 
-    run = search_run.SearchRun(4, None, 0, lambda key, value: None, judged_seconds=0.5)
+    run = search_run.SearchRun(2, None, 0, lambda key, value: None, judged_seconds=0.5)  # two rounds
     run.clock = lambda: float(len(made))
     with pytest.raises(NewDiscrepancy, match=r"ran out: \d+ region-search move\(s\) or shrinking phase") as info:
         run.check(prop, ReferenceImplementation.envelope, "cpu", covering=False)
