@@ -138,6 +138,7 @@ def test_a_passing_test_writes_nothing(_suite):
     assert not out.exists() or not any(out.iterdir())
 
 
+@pytest.mark.full_tier  # a CPU peer lane: a pytest process on a peer, then its scripts (about 10 s)
 def test_a_peer_script_calls_the_peer_without_pytest_or_this_package(_suite):
     from pytest_sparse_mla.implementations import BUILTINS
 
@@ -161,6 +162,7 @@ def test_a_peer_script_calls_the_peer_without_pytest_or_this_package(_suite):
         assert ref.returncode == 0, ref.stdout + ref.stderr
 
 
+@pytest.mark.full_tier  # a CPU peer lane: a pytest process on a peer, then its scripts (about 10 s)
 def test_page_split_scripts_call_sglangs_split_and_start_from_poisoned_memory(_suite):
     from pytest_sparse_mla.implementations import BUILTINS
 
