@@ -20,7 +20,13 @@ outside it.
       # [masked-lanes] region: fmt=dsv3_2 masked_lanes=-1,other-negative
 
   (:func:`read_regions`; ``dimension=class[,class...]`` words, classes as :func:`features` names
-  them). The search spends nothing inside a known region beyond confirming it once per test
+  them).
+* A few dimensions exist only once a call is built (:data:`BUILT`, :func:`built_features`: the
+  largest query element, which ``search.build`` derives from the drawn keys and logit regime). A
+  drawn call has no class in them, so a region naming one holds no call until it is built: the
+  search builds such a call, then skips it or confirms the known discrepancy with it
+  (``search_run.SearchRun.note``). Only known regions name them; a region the search finds moves
+  the drawn values only. The search spends nothing inside a known region beyond confirming it once per test
   (:data:`CONFIRM_CALLS` calls at most), reports a failure inside it under its key
   (:class:`~pytest_sparse_mla.errors.KnownDiscrepancy`) and one outside every known region as new.
 
@@ -38,7 +44,8 @@ from typing import Any
 
 from pytest_sparse_mla.envelope import ALL_FORMATS
 
-__all__ = ["CONFIRM_CALLS", "FEATURES", "Region", "features", "parse_region", "read_regions"]
+__all__ = ["BUILT", "CONFIRM_CALLS", "E4M3_MAX", "FEATURES", "Region", "built_features", "features", "parse_region",
+           "read_regions"]
 
 #: Calls the search makes inside a known region per test to confirm the discrepancy still shows
 #: (a strict xfail then reports a fix); every later call drawn inside it is not made.
@@ -74,7 +81,15 @@ FEATURES: dict[str, tuple[str, ...]] = {
     "storage_offset": ("alone", "layer0-of-pool", "layer1+"),
     "extra_storage_offset": ("none", "alone", "layer0-of-pool", "layer1+"),
     "query_layout": ("contiguous", "strided"),
+    "query_peak": ("e4m3-range", "beyond-e4m3"),
 }
+
+#: The dimensions of :data:`FEATURES` only a built call has (:func:`built_features`).
+BUILT = ("query_peak",)
+
+#: E4M3's largest finite magnitude (OCP 8-bit Floating Point Specification (OFP8) v1.0, 2023:
+#: S.1111.110 = 448; ``torch.finfo(torch.float8_e4m3fn).max``).
+E4M3_MAX = 448.0
 
 
 def _bucket(value: int, edges: Iterable[tuple[int, str]], top: str) -> str:
@@ -105,7 +120,8 @@ def _first_tile_empty(c: Any) -> bool:
 
 def features(call: Any) -> dict[str, str]:
     """The class of each dimension of ``call`` (a ``search.DrawnCall``): ``{name: class}`` with the
-    names and classes of :data:`FEATURES` (the main cache's for per-cache dimensions).
+    names and classes of :data:`FEATURES` (the main cache's for per-cache dimensions), but for the
+    :data:`BUILT` ones, which only :func:`built_features` of the built call has.
 
     Token counts: ``"decode"`` is 2..64, ``"prefill"`` 65..256, ``"prefill-large"`` above 256
     (FlashInfer's decode cutoff, ``envelope.DECODE_MAX_TOKENS``). Score offsets: ``"near-zero"`` is
@@ -159,6 +175,18 @@ def features(call: Any) -> dict[str, str]:
         "extra_storage_offset": "none" if call.extra is None else _offset(call.extra),
         "query_layout": "strided" if call.strided_query else "contiguous",
     }
+
+
+def built_features(q: Any) -> dict[str, str]:
+    """The classes of the :data:`BUILT` dimensions of a built call whose query is ``q`` (a tensor
+    ``[num_tokens, num_heads, d_qk]``, any float dtype, any device; no torch import here).
+
+    ``query_peak``: ``"e4m3-range"`` when every ``|q|`` element is at most :data:`E4M3_MAX` (448),
+    else ``"beyond-e4m3"``: a query a kernel casts to E4M3 without a scale loses it (saturates, or
+    becomes NaN where the cast does not saturate). An empty query is ``"e4m3-range"``.
+    """
+    peak = float(q.detach().float().abs().amax()) if q.numel() else 0.0
+    return {"query_peak": "e4m3-range" if peak <= E4M3_MAX else "beyond-e4m3"}
 
 
 def _empty_first_tile(call: Any) -> str:

@@ -25,7 +25,9 @@ property (a function that judges one ``search.DrawnCall`` and raises on a discre
 4. **Known regions** (``# [KEY] region: ...`` beside the xfail entries; ``regions.read_regions``):
    calls inside one are not made, except, in a test the xfail file lists, up to
    ``regions.CONFIRM_CALLS`` until one fails, which confirms the discrepancy under its key. The
-   region search never moves a call into a known region.
+   region search never moves a call into a known region. A region that names a dimension only a
+   built call has (``regions.BUILT``: the largest query element) is decided once the call is built
+   (:meth:`SearchRun.note`): a call built inside it is not made, or made to confirm it, the same way.
 
 At the end the run raises one :class:`~pytest_sparse_mla.errors.NewDiscrepancy` listing every
 distinct discrepancy (its key, region, check, likely cause, smallest call), or a
@@ -120,6 +122,14 @@ class OutOfTime(NotMade):
     spent: not made (module docstring, "A run ends inside its time limit")."""
 
     counter = "time-limit"
+
+
+class InRegion(NotMade):
+    """A call that, once built, lies in a region by a dimension only a built call has
+    (``regions.BUILT``): a known region already confirmed (or not to be confirmed in this test), a
+    found one, or any known one during a region search: not made."""
+
+    counter = "not-made-in-region"
 
 
 class OutOfMemory(NotMade):
@@ -263,6 +273,11 @@ class SearchRun:
         #: the shapes a drawn call of a cold shape is judged on once the warm-up budget is spent.
         self._warm_calls: dict[tuple[Any, ...], Any] = {}
         self._noted: tuple[Any, Any] = (None, None)  # the shape key and call :meth:`note` saw last
+        #: The known region the call being judged confirms by a dimension only its build has
+        #: (:meth:`note`), or ``None``; ``_built_open``: whether the next note is a judged call's first.
+        self.built_region: regions.Region | None = None
+        self._built_open = False
+        self._confirming_allowed = True  # a region search never confirms (never moves into a known region)
         self._round_shapes: list[Any] | None = None  # inside a round: its warm calls (once a twin was made)
         self._envelope: Envelope | None = None
         self._device = "cpu"
@@ -291,12 +306,30 @@ class SearchRun:
         key = self._shape(inputs)
         if key is not None and not self._is_warm(key) and self._warm_budget_spent():
             raise ColdShape(call.describe())
+        if self._built_open and inputs is not None:  # the judged call's own build (not a derived call's)
+            self._built_open = False
+            self._classify_built(call, inputs)
         if key is not None and self._is_warm(key):
             self._warm_calls.setdefault(key, call)
         self._noted = (key, call)
         self.drawn.append(search.record(call, inputs))
         for dim, labels in covering.ends_of(call).items():
             self.ends.setdefault(dim, Counter()).update(labels)
+
+    def _classify_built(self, call: Any, inputs: Any) -> None:
+        """The region ``call`` lies in by its :data:`regions.BUILT` dimensions (``inputs.q``), where its
+        drawn values alone put it in none: a known region still to be confirmed is kept in
+        :attr:`built_region` (the call is made and confirms it, as a drawn call inside it would);
+        any other region raises :class:`InRegion`."""
+        if self._inside(call) is not None or not any(set(r.conditions) & set(regions.BUILT) for r in self.known):
+            return
+        region = self._inside(call, regions.built_features(inputs.q))
+        if region is None:
+            return
+        if region.known and self._confirming_allowed and self._confirm_left.get(region.key, 0) > 0:
+            self.built_region = region
+            return
+        raise InRegion(call.describe())
 
     @staticmethod
     def _shape(inputs: Any) -> tuple[Any, ...] | None:
@@ -472,8 +505,10 @@ class SearchRun:
                         return alt
         return call
 
-    def _inside(self, call: Any) -> regions.Region | None:
-        feats = regions.features(call)
+    def _inside(self, call: Any, built: dict[str, str] | None = None) -> regions.Region | None:
+        """The region ``call`` lies in (found ones first), with its :data:`regions.BUILT` classes
+        ``built`` once built; ``None`` outside every region."""
+        feats = {**regions.features(call), **(built or {})}
         for d in self.found:
             if d.region.contains(feats):
                 return d.region
@@ -536,6 +571,8 @@ class SearchRun:
         recording.begin_test()  # the recording then holds this call only
         from pytest_sparse_mla import device_health
 
+        self.built_region, self._built_open = None, True
+
         try:
             prop(call)
         except NotMade:  # not made: the caller counts it
@@ -570,16 +607,31 @@ class SearchRun:
             return None
         finally:
             self.hints = hints
-        if region is None:
+        if region is None and self.built_region is None:
             self.spent[self._phase] += 1
             return exc
-        self.spent["confirming-known"] += 1  # judged with its diagnosis: the call a known discrepancy is reported with
+        self._confirmed(prop, region or self.built_region, exc)
+        return None
+
+    def _confirmed(self, prop: Callable[[Any], None], region: regions.Region, exc: Exception | None) -> None:
+        """Count the call just judged (:attr:`judged`) as a confirmation of the known ``region``; its
+        failure is the discrepancy's, reported under the region's key (a call found inside the region
+        only once built is judged again with its diagnosis, the call it is reported with)."""
+        self.spent["confirming-known"] += 1
         if exc is None:
             self._confirm_left[region.key] -= 1
-        else:
-            self._confirm_left[region.key] = 0
-            self.found.append(Discrepancy(region, call, _text(exc), recording.recorded_calls()))
-        return None
+            return
+        call = self.judged
+        if not self.hints:  # judged without its diagnosis: once more with it
+            self.hints = True
+            try:
+                exc = self._judge(prop, call) or exc
+            except NotMade as not_made:
+                self.spent[not_made.counter] += 1
+            finally:
+                self.hints = False
+        self._confirm_left[region.key] = 0
+        self.found.append(Discrepancy(region, call, _text(exc), recording.recorded_calls()))
 
     def _round(
         self, prop: Callable[[Any], None], envelope: Envelope, device: str, budget: int
@@ -605,6 +657,9 @@ class SearchRun:
                 exc = self._judge(prop, call, twin=True)
             except NotMade as not_made:
                 self.spent[not_made.counter] += 1
+                reject()
+            if self.built_region is not None:  # inside a known region once built: it confirms it, never fails
+                self._confirmed(prop, self.built_region, exc)
                 reject()
             if not state["failed"]:
                 state["made"] += 1
@@ -640,6 +695,7 @@ class SearchRun:
     ) -> None:  # fmt: skip
         """The region of a failure (module docstring, 3), then its smallest call's record."""
         phase, self._phase = self._phase, "region-search"
+        self._confirming_allowed = False  # its moves never into a known region, by built dimensions either
         cut_before = self.spent["time-limit"]
         original = regions.features(call)
         conditions: dict[str, set[str]] = {}
@@ -685,6 +741,7 @@ class SearchRun:
                 current, final = call, exc
         self.hints = False
         self._phase = phase
+        self._confirming_allowed = True
         if cut:  # what was not moved stays at the call's own class: never wider than the evidence
             conditions = {**conditions, **{k: {original[k]} for k in unmoved}}
         else:

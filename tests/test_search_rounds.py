@@ -245,3 +245,47 @@ def test_the_search_table_says_which_draws_were_not_made() -> None:
     lines = cov.search_lines()
     assert lines[1] == ("calls not made: shape not warm, warm-up budget spent 659, refinement past the time share "
                         "(region moves, shrinking phases) 2"), lines
+
+
+def test_a_known_region_of_a_built_dimension_is_confirmed_and_the_search_goes_past_it() -> None:
+    """A known region may name a dimension only a built call has (``regions.BUILT``: ``query_peak``,
+    the largest ``|q|`` against E4M3's 448, which ``search.build`` derives from the drawn keys and
+    logits). The property fails a call whose built query holds an element beyond 448 (as a kernel
+    that casts the query to E4M3 unscaled: NaN) and a strided query (read as contiguous). Without
+    the region the first is reported as new; with it, it is confirmed under its key, the calls built
+    inside it afterwards are not made, and the search goes past it to the strided bug."""
+    from pytest_sparse_mla import search, search_run
+    from pytest_sparse_mla.errors import KnownDiscrepancy, NewDiscrepancy
+
+    def search_with(known: list[regions.Region]) -> tuple[search_run.SearchRun, list[bool], BaseException]:
+        run = search_run.SearchRun(8, None, 0, lambda *a: None, known=known, confirm=True)
+        beyond_made: list[bool] = []
+
+        def prop(call) -> None:
+            inputs = search.build(call, "cpu")
+            run.note(call, inputs)
+            beyond = bool((inputs.q.float().abs() > 448).any())
+            beyond_made.append(beyond)
+            if beyond:
+                raise AssertionError("non-finite output: a query element beyond E4M3's range")
+            if call.strided_query:
+                raise AssertionError("strided queries read as contiguous")
+
+        with pytest.raises((NewDiscrepancy, KnownDiscrepancy)) as info:
+            run.check(prop, ReferenceImplementation.envelope, "cpu")
+        return run, beyond_made, info.value
+
+    run, beyond_made, raised = search_with([])
+    assert isinstance(raised, NewDiscrepancy) and any("beyond E4M3" in d.message for d in run.found), raised
+    assert sum(beyond_made) > regions.CONFIRM_CALLS  # the bug is met again and again: found, moved, shrunk
+
+    known = [regions.parse_region("e4m3-query", "query_peak=beyond-e4m3")]
+    run, beyond_made, raised = search_with(known)
+    assert isinstance(raised, NewDiscrepancy), raised
+    found = [(d.region.key, d.region.known) for d in run.found]
+    assert ("e4m3-query", True) in found, found
+    new = [d for d in run.found if not d.region.known]
+    assert new and all("beyond E4M3" not in d.message for d in new), [d.message for d in new]
+    assert any(d.region.conditions.get("query_layout") == {"strided"} for d in new), [d.region.text() for d in new]
+    assert sum(beyond_made) <= 2, beyond_made  # the confirming call, then once more with its diagnosis
+    assert run.spent["not-made-in-region"] >= 1, run.spent
