@@ -20,15 +20,15 @@ outside it.
       # [masked-lanes] region: fmt=dsv3_2 masked_lanes=-1,other-negative
 
   (:func:`read_regions`; ``dimension=class[,class...]`` words, classes as :func:`features` names
-  them).
+  them). The search spends nothing inside a known region beyond confirming it once per test
+  (:data:`CONFIRM_CALLS` calls at most), reports a failure inside it under its key
+  (:class:`~pytest_sparse_mla.errors.KnownDiscrepancy`) and one outside every known region as new.
 * A few dimensions exist only once a call is built (:data:`BUILT`, :func:`built_features`: the
   largest query element, which ``search.build`` derives from the drawn keys and logit regime). A
   drawn call has no class in them, so a region naming one holds no call until it is built: the
   search builds such a call, then skips it or confirms the known discrepancy with it
   (``search_run.SearchRun.note``). Only known regions name them; a region the search finds moves
-  the drawn values only. The search spends nothing inside a known region beyond confirming it once per test
-  (:data:`CONFIRM_CALLS` calls at most), reports a failure inside it under its key
-  (:class:`~pytest_sparse_mla.errors.KnownDiscrepancy`) and one outside every known region as new.
+  the drawn values only.
 
 Pure data and text: imports neither torch, pytest nor hypothesis.
 """
