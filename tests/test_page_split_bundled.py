@@ -581,6 +581,7 @@ def test_rejects_bad_arguments(kwargs, error, match, sparse_mla_device):
 SUITES = Path(__file__).resolve().parents[1] / "suites"
 
 
+@pytest.mark.full_tier  # whole suites in a pytest process (the Triton split interpreted on the CPU)
 def test_triton_builtin_passes_the_page_split_suites(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
