@@ -277,7 +277,6 @@ class SearchRun:
         #: (:meth:`note`), or ``None``; ``_built_open``: whether the next note is a judged call's first.
         self.built_region: regions.Region | None = None
         self._built_open = False
-        self._confirming_allowed = True  # a region search never confirms (never moves into a known region)
         self._round_shapes: list[Any] | None = None  # inside a round: its warm calls (once a twin was made)
         self._envelope: Envelope | None = None
         self._device = "cpu"
@@ -320,13 +319,15 @@ class SearchRun:
         """The region ``call`` lies in by its :data:`regions.BUILT` dimensions (``inputs.q``), where its
         drawn values alone put it in none: a known region still to be confirmed is kept in
         :attr:`built_region` (the call is made and confirms it, as a drawn call inside it would);
-        any other region raises :class:`InRegion`."""
+        any other region raises :class:`InRegion`, and so does every region during a region search
+        (which never moves into a known region)."""
         if self._inside(call) is not None or not any(set(r.conditions) & set(regions.BUILT) for r in self.known):
             return
         region = self._inside(call, regions.built_features(inputs.q))
         if region is None:
             return
-        if region.known and self._confirming_allowed and self._confirm_left.get(region.key, 0) > 0:
+        confirming = region.known and self._confirm_left.get(region.key, 0) > 0
+        if confirming and self._phase != "region-search":
             self.built_region = region
             return
         raise InRegion(call.describe())
@@ -695,7 +696,6 @@ class SearchRun:
     ) -> None:  # fmt: skip
         """The region of a failure (module docstring, 3), then its smallest call's record."""
         phase, self._phase = self._phase, "region-search"
-        self._confirming_allowed = False  # its moves never into a known region, by built dimensions either
         cut_before = self.spent["time-limit"]
         original = regions.features(call)
         conditions: dict[str, set[str]] = {}
@@ -741,7 +741,6 @@ class SearchRun:
                 current, final = call, exc
         self.hints = False
         self._phase = phase
-        self._confirming_allowed = True
         if cut:  # what was not moved stays at the call's own class: never wider than the evidence
             conditions = {**conditions, **{k: {original[k]} for k in unmoved}}
         else:
@@ -753,7 +752,6 @@ class SearchRun:
             if not exact and not cut and not d.region.known and _same_cause(d.region.conditions, conditions):
                 d.region = regions.Region(d.region.key, _widened(d.region.conditions, conditions))
                 d.count += 1
-                d.cut = d.cut or cut
                 return
         region = regions.Region(f"new-{sum(not d.region.known for d in self.found) + 1}",
                                 {k: frozenset(v) for k, v in conditions.items()})  # fmt: skip
