@@ -24,11 +24,14 @@ outside it.
   (:data:`CONFIRM_CALLS` calls at most), reports a failure inside it under its key
   (:class:`~pytest_sparse_mla.errors.KnownDiscrepancy`) and one outside every known region as new.
 * A few dimensions exist only once a call is built (:data:`BUILT`, :func:`built_features`: the
-  largest query element, which ``search.build`` derives from the drawn keys and logit regime). A
-  drawn call has no class in them, so a region naming one holds no call until it is built: the
-  search builds such a call, then skips it or confirms the known discrepancy with it
-  (``search_run.SearchRun.note``). Only known regions name them; a region the search finds moves
-  the drawn values only.
+  largest query element and the heaviest lane's share of a row's softmax weight, which
+  ``search.build`` derives from the drawn keys and logit regime). A drawn call has no class in
+  them, so a region naming one holds no call until it is built: the search builds such a call, then
+  skips it or confirms the known discrepancy with it (``search_run.SearchRun.note``). Only known
+  regions name them; a region the search finds moves the drawn values only.
+* A property that judges a call derived from the drawn one (the lane-order property permutes each
+  row and pads it with ``-1`` lanes) gives the search the derived call's classes
+  (:func:`permuted_and_padded`), so a known region of ``-1`` lanes holds its padded calls.
 
 Pure data and text: imports neither torch, pytest nor hypothesis.
 """
@@ -44,8 +47,8 @@ from typing import Any
 
 from pytest_sparse_mla.envelope import ALL_FORMATS
 
-__all__ = ["BUILT", "CONFIRM_CALLS", "E4M3_MAX", "FEATURES", "Region", "built_features", "features", "parse_region",
-           "read_regions"]
+__all__ = ["BUILT", "CONFIRM_CALLS", "E4M3_MAX", "FEATURES", "Region", "TOP_LANE_WEIGHT", "built_features", "features",
+           "parse_region", "permuted_and_padded", "read_regions"]
 
 #: Calls the search makes inside a known region per test to confirm the discrepancy still shows
 #: (a strict xfail then reports a fix); every later call drawn inside it is not made.
@@ -60,6 +63,7 @@ FEATURES: dict[str, tuple[str, ...]] = {
     "topk_length": ("none", "in-row", "negative", "beyond", "int32-end"),
     "masked_lanes": ("none", "-1", "other-negative", "all"),
     "mask_placement": ("none", "trailing", "scattered"),
+    "extra_masked_lanes": ("none", "-1", "other-negative", "all"),
     "empty_rows": ("none", "some", "all"),
     "empty_first_tile": ("none", "main", "extra", "both"),
     "index_pattern": ("uniform", "few", "ends", "one-page"),
@@ -68,6 +72,8 @@ FEATURES: dict[str, tuple[str, ...]] = {
     "page_block_size": ("1-3", "4-63", "64", "65-255", "256+"),
     "extra_cache": ("none", "present"),
     "value_exponent": ("below-2**-20", "2**-20..2**20", "above-2**20"),
+    "rope_exponent": ("below-2**-20", "2**-20..2**20", "above-2**20"),
+    "value_spread": ("none", "wide"),
     "scale_end": ("none", "smallest", "largest"),
     "extra_scale_end": ("none", "smallest", "largest"),
     "score_spread": ("0", "small", "large"),
@@ -82,10 +88,16 @@ FEATURES: dict[str, tuple[str, ...]] = {
     "extra_storage_offset": ("none", "alone", "layer0-of-pool", "layer1+"),
     "query_layout": ("contiguous", "strided"),
     "query_peak": ("e4m3-range", "beyond-e4m3"),
+    "top_lane_weight": ("below-0.99", "0.99+"),
 }
 
 #: The dimensions of :data:`FEATURES` only a built call has (:func:`built_features`).
-BUILT = ("query_peak",)
+BUILT = ("query_peak", "top_lane_weight")
+
+#: The share of a row's softmax weight (its lanes', the sink left out) on its heaviest lane from
+#: which ``top_lane_weight`` is ``"0.99+"``: the row's output is then that lane's value row to within
+#: 1%, so an error in a single value element is no longer averaged away by the other lanes.
+TOP_LANE_WEIGHT = 0.99
 
 #: E4M3's largest finite magnitude (OCP 8-bit Floating Point Specification (OFP8) v1.0, 2023:
 #: S.1111.110 = 448; ``torch.finfo(torch.float8_e4m3fn).max``).
@@ -118,6 +130,19 @@ def _first_tile_empty(c: Any) -> bool:
     return c is not None and ((c.lengths is not None and c.lengths[0] <= 0) or c.masked_fraction >= 1.0)
 
 
+def _masks(c: Any) -> str:
+    """The ``masked_lanes`` class of cache ``c`` (a ``search.DrawnCache`` or ``None``)."""
+    if c is None or c.masked_fraction <= 0:
+        return "none"
+    if c.masked_fraction >= 1.0:
+        return "all"
+    return "-1" if c.mask_value == -1 else "other-negative"
+
+
+def _exponent(e: int) -> str:
+    return "below-2**-20" if e < -20 else ("above-2**20" if e > 20 else "2**-20..2**20")
+
+
 def features(call: Any) -> dict[str, str]:
     """The class of each dimension of ``call`` (a ``search.DrawnCall``): ``{name: class}`` with the
     names and classes of :data:`FEATURES` (the main cache's for per-cache dimensions), but for the
@@ -133,11 +158,7 @@ def features(call: Any) -> dict[str, str]:
     m = call.main
     T = call.num_tokens
     stride = m.stride if isinstance(m.stride, str) else "padded+"
-    masked = "none"
-    if m.masked_fraction >= 1.0:
-        masked = "all"
-    elif m.masked_fraction > 0:
-        masked = "-1" if m.mask_value == -1 else "other-negative"
+    masked = _masks(m)
     return {
         "fmt": call.fmt,
         "num_tokens": str(T) if T <= 1 else ("decode" if T <= 64 else "prefill" if T <= 256 else "prefill-large"),
@@ -146,6 +167,7 @@ def features(call: Any) -> dict[str, str]:
         "topk_length": _lengths(m),
         "masked_lanes": masked,
         "mask_placement": "none" if masked == "none" else ("scattered" if m.scattered else "trailing"),
+        "extra_masked_lanes": _masks(call.extra),
         "empty_rows": "none" if call.empty_fraction <= 0 else ("all" if call.empty_fraction >= 1 else "some"),
         "empty_first_tile": _empty_first_tile(call),
         "index_pattern": m.pattern,
@@ -154,9 +176,9 @@ def features(call: Any) -> dict[str, str]:
         "extra_cache": "none" if call.extra is None else "present",
         "extra_stale_lanes": "none" if call.extra is None
         else (call.extra.stale if call.extra.lengths is not None else "no-lengths"),
-        "value_exponent": "below-2**-20"
-        if m.value_exponent < -20
-        else ("above-2**20" if m.value_exponent > 20 else "2**-20..2**20"),
+        "value_exponent": _exponent(m.value_exponent),
+        "rope_exponent": _exponent(m.rope_exponent),
+        "value_spread": "wide" if m.wide else "none",
         "scale_end": getattr(m, "scale_end", "none"),
         "extra_scale_end": "none" if call.extra is None else getattr(call.extra, "scale_end", "none"),
         "score_spread": "0" if call.score_spread == 0 else ("small" if call.score_spread <= 2 else "large"),
@@ -177,16 +199,50 @@ def features(call: Any) -> dict[str, str]:
     }
 
 
-def built_features(q: Any) -> dict[str, str]:
+def built_features(q: Any, scores: Any) -> dict[str, str]:
     """The classes of the :data:`BUILT` dimensions of a built call whose query is ``q`` (a tensor
-    ``[num_tokens, num_heads, d_qk]``, any float dtype, any device; no torch import here).
+    ``[num_tokens, num_heads, d_qk]``, any float dtype) and whose logits are ``scores`` (float64
+    ``[num_tokens, num_heads, topk + extra_topk]``, ``-inf`` on lanes that do not attend:
+    ``search.SearchInputs.scores``); any device, no torch import here.
 
     ``query_peak``: ``"e4m3-range"`` when every ``|q|`` element is at most :data:`E4M3_MAX` (448),
     else ``"beyond-e4m3"``: a query a kernel casts to E4M3 without a scale loses it (saturates, or
     becomes NaN where the cast does not saturate). An empty query is ``"e4m3-range"``.
+
+    ``top_lane_weight``: ``"0.99+"`` when some (token, head) row with a valid lane puts at least
+    :data:`TOP_LANE_WEIGHT` of its lanes' softmax weight (the sink left out) on one lane (a row of
+    one valid lane, a peaked or widely spread row), else ``"below-0.99"``: where one lane carries the
+    row, an element of its value row a kernel loses (an FP8 cast that flushes it to 0) shows in the
+    output as itself, where many lanes of comparable weight average it away.
     """
     peak = float(q.detach().float().abs().amax()) if q.numel() else 0.0
-    return {"query_peak": "e4m3-range" if peak <= E4M3_MAX else "beyond-e4m3"}
+    top = 0.0
+    if scores.numel():
+        s = scores.detach()
+        live = s.amax(-1, keepdim=True)
+        finite = live.isfinite()
+        w = (s - live.where(finite, live.new_zeros(()))).exp()
+        share = w.amax(-1) / w.sum(-1).clamp_min(1e-300)
+        top = float(share.where(finite.squeeze(-1), share.new_zeros(())).amax())
+    return {"query_peak": "e4m3-range" if peak <= E4M3_MAX else "beyond-e4m3",
+            "top_lane_weight": "0.99+" if top >= TOP_LANE_WEIGHT else "below-0.99"}
+
+
+def permuted_and_padded(feats: Mapping[str, str], *, main_padded: bool, extra_padded: bool) -> dict[str, str]:
+    """The classes of a call whose rows a property permutes within their lengths and pads with
+    trailing ``-1`` lanes (the lane-order property, ``suites/test_attention_search.py``), from
+    ``feats``, the drawn call's (:func:`features`): ``main_padded`` / ``extra_padded`` say which
+    caches' rows got ``-1`` lanes. A cache with no masked lane gets ``-1`` ones (trailing, as the
+    padding sits past the row's lanes); the main cache's masked lanes, permuted with the others,
+    are ``scattered``. Every other class is the drawn call's."""
+    out = dict(feats)
+    if out["masked_lanes"] in ("-1", "other-negative"):
+        out["mask_placement"] = "scattered"
+    if main_padded and out["masked_lanes"] == "none":
+        out["masked_lanes"], out["mask_placement"] = "-1", "trailing"
+    if extra_padded and out["extra_masked_lanes"] == "none":
+        out["extra_masked_lanes"] = "-1"
+    return out
 
 
 def _empty_first_tile(call: Any) -> str:

@@ -26,8 +26,11 @@ property (a function that judges one ``search.DrawnCall`` and raises on a discre
    calls inside one are not made, except, in a test the xfail file lists, up to
    ``regions.CONFIRM_CALLS`` until one fails, which confirms the discrepancy under its key. The
    region search never moves a call into a known region. A region that names a dimension only a
-   built call has (``regions.BUILT``: the largest query element) is decided once the call is built
-   (:meth:`SearchRun.note`): a call built inside it is not made, or made to confirm it, the same way.
+   built call has (``regions.BUILT``: the largest query element, the heaviest lane's weight) is
+   decided once the call is built (:meth:`SearchRun.note`): a call built inside it is not made, or
+   made to confirm it, the same way. A property that judges a derived call (rows padded with ``-1``
+   lanes) gives its classes (``judged_as`` of :meth:`SearchRun.check`); every region is decided on
+   those.
 
 At the end the run raises one :class:`~pytest_sparse_mla.errors.NewDiscrepancy` listing every
 distinct discrepancy (its key, region, check, likely cause, smallest call), or a
@@ -209,6 +212,8 @@ def moves(call: Any, envelope: Envelope) -> list[tuple[str | None, list[Any]]]:
     add("page_block_size", [with_main(call, page_block_size=p) for p in sizes])
     add("extra_cache", [rep(call, extra=None)])
     add("value_exponent", [with_main(call, value_exponent=0)])
+    add("rope_exponent", [with_main(call, rope_exponent=0)])
+    add("value_spread", [with_main(call, wide=False)])
     add("scale_end", [with_main(call, scale_end="none")])
     add("score_spread", [rep(call, score_spread=s) for s in (0.3, 0.0, 8.0)])
     add("score_offset", [rep(call, score_offset=0.0)])
@@ -226,8 +231,10 @@ def moves(call: Any, envelope: Envelope) -> list[tuple[str | None, list[Any]]]:
         add("extra_stale_lanes", [rep(call, extra=dataclasses.replace(call.extra, stale=s))
                                   for s in ("-1", "1<<30", "poisoned-slot")])  # fmt: skip
         add("extra_scale_end", [rep(call, extra=dataclasses.replace(call.extra, scale_end="none"))])
+        add("extra_masked_lanes", [rep(call, extra=dataclasses.replace(call.extra, masked_fraction=0.0)),
+                                   rep(call, extra=dataclasses.replace(call.extra, masked_fraction=0.5, mask_value=-1))])
     add("query_layout", [rep(call, strided_query=not call.strided_query)])
-    add(None, [with_main(call, wide=False, rope_exponent=0), rep(call, seed=0)])
+    add(None, [rep(call, seed=0)])
     return out
 
 
@@ -279,6 +286,7 @@ class SearchRun:
         self._built_open = False
         self._round_shapes: list[Any] | None = None  # inside a round: its warm calls (once a twin was made)
         self._envelope: Envelope | None = None
+        self._judged_as: Callable[[Any, dict[str, str]], dict[str, str]] | None = None
         self._device = "cpu"
         #: The call :meth:`_judge` made last: the drawn one, or its warm twin.
         self.judged: Any = None
@@ -323,7 +331,7 @@ class SearchRun:
         (which never moves into a known region)."""
         if self._inside(call) is not None or not any(set(r.conditions) & set(regions.BUILT) for r in self.known):
             return
-        region = self._inside(call, regions.built_features(inputs.q))
+        region = self._inside(call, regions.built_features(inputs.q, inputs.scores))
         if region is None:
             return
         confirming = region.known and self._confirm_left.get(region.key, 0) > 0
@@ -440,13 +448,17 @@ class SearchRun:
 
     def check(
         self, prop: Callable[[Any], None], envelope: Envelope, device: str = "cpu", *, covering: bool = True,
-        examples: int | None = None,
+        examples: int | None = None, judged_as: Callable[[Any, dict[str, str]], dict[str, str]] | None = None,
     ) -> None:  # fmt: skip
         """Run ``prop`` (judges one ``search.DrawnCall``, raises on a discrepancy) over this shard's
         covering calls (unless ``covering`` is false: a property that derives several calls from
         each drawn one, whose ends another property of the run covers) and random draws inside
         ``envelope`` up to ``examples`` calls in all, the covering calls counted (``examples``
         instead, for a property that makes several calls per draw), in rounds (module docstring).
+        ``judged_as(call, classes)``: for a property that judges a call derived from the drawn one
+        (rows permuted and padded), the classes of the call it judges, from the drawn call and its
+        ``regions.features`` (e.g. ``regions.permuted_and_padded``): regions, known and found, are
+        decided on these.
 
         Raises:
             NewDiscrepancy, KnownDiscrepancy: the discrepancies found (module docstring).
@@ -454,6 +466,7 @@ class SearchRun:
         """
         if self._started is None:
             self._started = self.clock()
+        self._judged_as = judged_as
         try:
             self._check(prop, envelope, device, covering, self.examples if examples is None else examples)
         except BaseException:
@@ -506,10 +519,16 @@ class SearchRun:
                         return alt
         return call
 
+    def _features(self, call: Any) -> dict[str, str]:
+        """The classes of the call the property judges for drawn ``call``: ``regions.features``,
+        changed by the property's ``judged_as`` (:meth:`check`) where it judges a derived call."""
+        feats = regions.features(call)
+        return feats if self._judged_as is None else self._judged_as(call, feats)
+
     def _inside(self, call: Any, built: dict[str, str] | None = None) -> regions.Region | None:
         """The region ``call`` lies in (found ones first), with its :data:`regions.BUILT` classes
         ``built`` once built; ``None`` outside every region."""
-        feats = {**regions.features(call), **(built or {})}
+        feats = {**self._features(call), **(built or {})}
         for d in self.found:
             if d.region.contains(feats):
                 return d.region
@@ -697,7 +716,7 @@ class SearchRun:
         """The region of a failure (module docstring, 3), then its smallest call's record."""
         phase, self._phase = self._phase, "region-search"
         cut_before = self.spent["time-limit"]
-        original = regions.features(call)
+        original = self._features(call)
         conditions: dict[str, set[str]] = {}
         core: dict[str, set[str]] = {}
         unmoved: set[str] = set()  # dimensions a move of which the time share left unmade
@@ -715,7 +734,7 @@ class SearchRun:
                     continue
                 self.spent["region-search"] += 1
                 if verdict is None:
-                    passing.add(regions.features(alt)[dim] if dim is not None else "")
+                    passing.add(self._features(alt)[dim] if dim is not None else "")
                 else:
                     failing.append(alt)
             if dim is not None and passing:  # needed: the region leaves out the classes that passed
@@ -747,7 +766,7 @@ class SearchRun:
             conditions = core or conditions  # the dimensions the failure needs alone, when there are some
         exact = not conditions
         if exact:  # no move made it go away: the region is the call's own classes, never everything
-            conditions = {k: {v} for k, v in regions.features(current).items()}
+            conditions = {k: {v} for k, v in self._features(current).items()}
         for d in self.found:  # the same cause met again: one class both need alone (a narrow first region)
             if not exact and not cut and not d.region.known and _same_cause(d.region.conditions, conditions):
                 d.region = regions.Region(d.region.key, _widened(d.region.conditions, conditions))

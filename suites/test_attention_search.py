@@ -43,7 +43,7 @@ import torch
 
 pytest.importorskip("hypothesis")
 
-from pytest_sparse_mla import search  # noqa: E402
+from pytest_sparse_mla import regions, search  # noqa: E402
 from pytest_sparse_mla.attention import oracle_forward  # noqa: E402
 from pytest_sparse_mla.guard import check_result_shapes  # noqa: E402
 
@@ -103,11 +103,17 @@ def _reorder(indices: torch.Tensor, lengths: torch.Tensor | None, generator: tor
     return indices.gather(1, keys.argsort(dim=1).to(indices.device))
 
 
-def _padded(indices: torch.Tensor, widths: object) -> torch.Tensor:
+def _pads(width: int, widths: Any) -> bool:
+    """Whether :func:`_padded` adds ``-1`` lanes to a row of ``width`` lanes (``widths``: the
+    envelope's ``topk`` or ``extra_topk``)."""
+    return widths.fit(width + 1)[1] > width
+
+
+def _padded(indices: torch.Tensor, widths: Any) -> torch.Tensor:
     """``indices`` with ``-1`` lanes up to the next width ``widths`` takes (itself when none)."""
     width = indices.shape[1]
     wider = widths.fit(width + 1)[1]
-    if wider <= width:
+    if not _pads(width, widths):
         return indices
     pad = torch.full((indices.shape[0], wider - width), -1, dtype=indices.dtype, device=indices.device)
     return torch.cat([indices, pad], dim=1)
@@ -128,7 +134,12 @@ def test_a_drawn_call_does_not_depend_on_lane_order_or_padding(
         moved_inputs = dataclasses.replace(inputs, indices=moved, kwargs=kw)
         _judge(sparse_mla_impl, moved_inputs, sparse_mla_tolerances, sparse_mla_search)
 
-    sparse_mla_search.check(drawn, env, sparse_mla_device.type, covering=False)
+    def judged_as(call: search.DrawnCall, classes: dict[str, str]) -> dict[str, str]:
+        """The classes of the permuted, padded call (a known region of -1 lanes holds it)."""
+        extra = call.extra is not None and _pads(call.extra.width, env.extra_topk)
+        return regions.permuted_and_padded(classes, main_padded=_pads(call.main.width, env.topk), extra_padded=extra)
+
+    sparse_mla_search.check(drawn, env, sparse_mla_device.type, covering=False, judged_as=judged_as)
 
 
 def test_a_call_sequence_on_the_same_buffers_matches_fresh_calls(

@@ -289,3 +289,64 @@ def test_a_known_region_of_a_built_dimension_is_confirmed_and_the_search_goes_pa
     assert any(d.region.conditions.get("query_layout") == {"strided"} for d in new), [d.region.text() for d in new]
     assert sum(beyond_made) <= 2, beyond_made  # the confirming call, then once more with its diagnosis
     assert run.spent["not-made-in-region"] >= 1, run.spent
+
+
+@pytest.mark.parametrize(
+    ("scores", "expected"),
+    [
+        ([[0.0, float("-inf")]], "0.99+"),  # one valid lane: all its row's weight
+        ([[0.0, 0.0]], "below-0.99"),  # two equal lanes: 1/2 each
+        ([[0.0, -5.0]], "0.99+"),  # 1 / (1 + e**-5) = 0.99331
+        ([[0.0, -4.0]], "below-0.99"),  # 1 / (1 + e**-4) = 0.98201
+        ([[float("-inf"), float("-inf")], [0.0, 0.0]], "below-0.99"),  # an empty row has no heaviest lane
+        ([[1000.0, 0.0]], "0.99+"),  # large logits: shifted by the row's largest, no overflow
+    ],
+)
+def test_top_lane_weight_is_the_heaviest_lanes_share_of_its_row(scores, expected) -> None:
+    """``regions.built_features``'s ``top_lane_weight`` against shares computed by hand (softmax over a
+    row's valid lanes, ``-inf`` where a lane does not attend; threshold ``regions.TOP_LANE_WEIGHT``)."""
+    import torch
+
+    s = torch.tensor(scores, dtype=torch.float64).unsqueeze(1)  # [T, H=1, N]
+    q = torch.zeros(s.shape[0], 1, 8, dtype=torch.bfloat16)
+    assert regions.built_features(q, s) == {"query_peak": "e4m3-range", "top_lane_weight": expected}
+
+
+def test_the_lane_order_property_s_padding_lies_in_a_known_region_of_minus_one_lanes() -> None:
+    """A property that judges a call derived from the drawn one (rows padded with ``-1`` lanes, here
+    rows of odd width, as an envelope of even widths pads them) and a kernel that scores a ``-1`` lane
+    (FlashMLA's contract masks it) and reads strided queries as contiguous. The padded calls' drawn
+    classes say ``masked_lanes=none``: without ``judged_as`` the known region ``masked_lanes=-1,...``
+    does not hold them and the scored padding is reported as new; with the classes of the judged call
+    (``regions.permuted_and_padded``) it is confirmed under its key and the search goes on to the
+    strided bug."""
+    from pytest_sparse_mla import search_run
+    from pytest_sparse_mla.errors import KnownDiscrepancy, NewDiscrepancy
+
+    def padded(call) -> bool:
+        return call.main.width % 2 == 1
+
+    def prop(call) -> None:
+        run.note(call)
+        if padded(call) or (0 < call.main.masked_fraction and call.main.mask_value == -1):
+            raise AssertionError("a -1 lane scored with logit 0")
+        if call.strided_query:
+            raise AssertionError("strided queries read as contiguous")
+
+    def judged_as(call, classes):
+        return regions.permuted_and_padded(classes, main_padded=padded(call), extra_padded=False)
+
+    known = [regions.parse_region("masked-lane-scored", "masked_lanes=-1,other-negative,all")]
+    outcomes = {}
+    for name, how in (("drawn", None), ("judged", judged_as)):
+        run = search_run.SearchRun(8, None, 0, lambda *a: None, known=known, confirm=True)
+        with pytest.raises((NewDiscrepancy, KnownDiscrepancy)):
+            run.check(prop, ReferenceImplementation.envelope, "cpu", covering=False, judged_as=how)
+        outcomes[name] = run.found
+    assert any(not d.region.known and "-1 lane scored" in d.message for d in outcomes["drawn"]), \
+        [(d.region.text(), d.message[:60]) for d in outcomes["drawn"]]  # fmt: skip
+    found = outcomes["judged"]
+    assert ("masked-lane-scored", True) in [(d.region.key, d.region.known) for d in found], [d.region.text() for d in found]
+    new = [d for d in found if not d.region.known]
+    assert new and all("-1 lane scored" not in d.message for d in new), [d.message[:60] for d in new]
+    assert any(d.region.conditions.get("query_layout") == {"strided"} for d in new), [d.region.text() for d in new]
