@@ -231,8 +231,9 @@ def moves(call: Any, envelope: Envelope) -> list[tuple[str | None, list[Any]]]:
         add("extra_stale_lanes", [rep(call, extra=dataclasses.replace(call.extra, stale=s))
                                   for s in ("-1", "1<<30", "poisoned-slot")])  # fmt: skip
         add("extra_scale_end", [rep(call, extra=dataclasses.replace(call.extra, scale_end="none"))])
-        add("extra_masked_lanes", [rep(call, extra=dataclasses.replace(call.extra, masked_fraction=0.0)),
-                                   rep(call, extra=dataclasses.replace(call.extra, masked_fraction=0.5, mask_value=-1))])
+        unmasked = dataclasses.replace(call.extra, masked_fraction=0.0)
+        add("extra_masked_lanes", [rep(call, extra=unmasked),
+                                   rep(call, extra=dataclasses.replace(unmasked, masked_fraction=0.5, mask_value=-1))])
     add("query_layout", [rep(call, strided_query=not call.strided_query)])
     add(None, [rep(call, seed=0)])
     return out

@@ -346,7 +346,8 @@ def test_the_lane_order_property_s_padding_lies_in_a_known_region_of_minus_one_l
     assert any(not d.region.known and "-1 lane scored" in d.message for d in outcomes["drawn"]), \
         [(d.region.text(), d.message[:60]) for d in outcomes["drawn"]]  # fmt: skip
     found = outcomes["judged"]
-    assert ("masked-lane-scored", True) in [(d.region.key, d.region.known) for d in found], [d.region.text() for d in found]
+    keys = [(d.region.key, d.region.known) for d in found]
+    assert ("masked-lane-scored", True) in keys, [d.region.text() for d in found]
     new = [d for d in found if not d.region.known]
     assert new and all("-1 lane scored" not in d.message for d in new), [d.message[:60] for d in new]
     assert any(d.region.conditions.get("query_layout") == {"strided"} for d in new), [d.region.text() for d in new]
