@@ -24,7 +24,7 @@ outside it.
   (:data:`CONFIRM_CALLS` calls at most), reports a failure inside it under its key
   (:class:`~pytest_sparse_mla.errors.KnownDiscrepancy`) and one outside every known region as new.
 * A few dimensions exist only once a call is built (:data:`BUILT`, :func:`built_features`: the
-  largest query element and the heaviest lane's share of a row's softmax weight, which
+  largest query element and the heaviest cache slot's share of a row's softmax weight, which
   ``search.build`` derives from the drawn keys and logit regime). A drawn call has no class in
   them, so a region naming one holds no call until it is built: the search builds such a call, then
   skips it or confirms the known discrepancy with it (``search_run.SearchRun.note``). Only known
@@ -47,7 +47,7 @@ from typing import Any
 
 from pytest_sparse_mla.envelope import ALL_FORMATS
 
-__all__ = ["BUILT", "CONFIRM_CALLS", "E4M3_MAX", "FEATURES", "Region", "TOP_LANE_WEIGHT", "built_features", "features",
+__all__ = ["BUILT", "CONFIRM_CALLS", "E4M3_MAX", "FEATURES", "Region", "TOP_SLOT_WEIGHT", "built_features", "features",
            "parse_region", "permuted_and_padded", "read_regions"]
 
 #: Calls the search makes inside a known region per test to confirm the discrepancy still shows
@@ -88,16 +88,16 @@ FEATURES: dict[str, tuple[str, ...]] = {
     "extra_storage_offset": ("none", "alone", "layer0-of-pool", "layer1+"),
     "query_layout": ("contiguous", "strided"),
     "query_peak": ("e4m3-range", "beyond-e4m3"),
-    "top_lane_weight": ("below-0.99", "0.99+"),
+    "top_slot_weight": ("below-0.99", "0.99+"),
 }
 
 #: The dimensions of :data:`FEATURES` only a built call has (:func:`built_features`).
-BUILT = ("query_peak", "top_lane_weight")
+BUILT = ("query_peak", "top_slot_weight")
 
-#: The share of a row's softmax weight (its lanes', the sink left out) on its heaviest lane from
-#: which ``top_lane_weight`` is ``"0.99+"``: the row's output is then that lane's value row to within
-#: 1%, so an error in a single value element is no longer averaged away by the other lanes.
-TOP_LANE_WEIGHT = 0.99
+#: The share of a row's softmax weight (its lanes', the sink left out) on its heaviest cache slot from
+#: which ``top_slot_weight`` is ``"0.99+"``: the row's output is then that slot's value row to within
+#: 1%, so an error in a single value element is no longer averaged away by the other slots.
+TOP_SLOT_WEIGHT = 0.99
 
 #: E4M3's largest finite magnitude (OCP 8-bit Floating Point Specification (OFP8) v1.0, 2023:
 #: S.1111.110 = 448; ``torch.finfo(torch.float8_e4m3fn).max``).
@@ -199,21 +199,24 @@ def features(call: Any) -> dict[str, str]:
     }
 
 
-def built_features(q: Any, scores: Any) -> dict[str, str]:
+def built_features(q: Any, scores: Any, slots: Any) -> dict[str, str]:
     """The classes of the :data:`BUILT` dimensions of a built call whose query is ``q`` (a tensor
-    ``[num_tokens, num_heads, d_qk]``, any float dtype) and whose logits are ``scores`` (float64
+    ``[num_tokens, num_heads, d_qk]``, any float dtype), whose logits are ``scores`` (float64
     ``[num_tokens, num_heads, topk + extra_topk]``, ``-inf`` on lanes that do not attend:
-    ``search.SearchInputs.scores``); any device, no torch import here.
+    ``search.SearchInputs.scores``) and whose lanes name the cache slots ``slots`` (int64
+    ``[num_tokens, topk + extra_topk]``, one number per distinct slot of either cache, any value on
+    a lane that does not attend); any device, no torch import here.
 
     ``query_peak``: ``"e4m3-range"`` when every ``|q|`` element is at most :data:`E4M3_MAX` (448),
     else ``"beyond-e4m3"``: a query a kernel casts to E4M3 without a scale loses it (saturates, or
     becomes NaN where the cast does not saturate). An empty query is ``"e4m3-range"``.
 
-    ``top_lane_weight``: ``"0.99+"`` when some (token, head) row with a valid lane puts at least
-    :data:`TOP_LANE_WEIGHT` of its lanes' softmax weight (the sink left out) on one lane (a row of
-    one valid lane, a peaked or widely spread row), else ``"below-0.99"``: where one lane carries the
-    row, an element of its value row a kernel loses (an FP8 cast that flushes it to 0) shows in the
-    output as itself, where many lanes of comparable weight average it away.
+    ``top_slot_weight``: ``"0.99+"`` when some (token, head) row with a valid lane puts at least
+    :data:`TOP_SLOT_WEIGHT` of its lanes' softmax weight (the sink left out) on one cache slot (a row
+    of one valid lane, lanes that all name one slot, a peaked or widely spread row; duplicate lanes'
+    weights summed), else ``"below-0.99"``: where one slot carries the row, an element of its value
+    row a kernel loses (an FP8 cast that flushes it to 0) shows in the output as itself, where many
+    slots of comparable weight average it away.
     """
     peak = float(q.detach().float().abs().amax()) if q.numel() else 0.0
     top = 0.0
@@ -221,11 +224,21 @@ def built_features(q: Any, scores: Any) -> dict[str, str]:
         s = scores.detach()
         live = s.amax(-1, keepdim=True)
         finite = live.isfinite()
-        w = (s - live.where(finite, live.new_zeros(()))).exp()
-        share = w.amax(-1) / w.sum(-1).clamp_min(1e-300)
+        w = (s - live.where(finite, live.new_zeros(()))).exp()  # [T, H, N]; 0 where a lane does not attend
+        ids, order = slots.to(s.device).sort(dim=-1)  # each token's lanes by slot: a slot's lanes adjacent
+        cum = w.gather(-1, order.unsqueeze(1).expand_as(w)).cumsum(-1)
+        last = ids.new_ones(ids.shape, dtype=bool)  # lane j is the last of its slot
+        last[:, :-1] = ids[:, 1:] != ids[:, :-1]
+        pos = ids.new_tensor(list(range(ids.shape[-1]))).expand_as(ids)
+        ends = pos.where(last, pos.new_full((), -1)).cummax(-1).values  # the last end at or before lane j
+        before = ends.roll(1, -1)  # the last lane of the slot before lane j's: -1 for the first slot
+        before[:, 0] = -1
+        prev = cum.gather(-1, before.clamp_min(0).unsqueeze(1).expand_as(cum)) * (before >= 0).unsqueeze(1)
+        per_slot = (cum - prev) * last.unsqueeze(1)  # the slot's summed weight at its last lane, 0 elsewhere
+        share = per_slot.amax(-1) / w.sum(-1).clamp_min(1e-300)
         top = float(share.where(finite.squeeze(-1), share.new_zeros(())).amax())
     return {"query_peak": "e4m3-range" if peak <= E4M3_MAX else "beyond-e4m3",
-            "top_lane_weight": "0.99+" if top >= TOP_LANE_WEIGHT else "below-0.99"}
+            "top_slot_weight": "0.99+" if top >= TOP_SLOT_WEIGHT else "below-0.99"}
 
 
 def permuted_and_padded(feats: Mapping[str, str], *, main_padded: bool, extra_padded: bool) -> dict[str, str]:

@@ -26,7 +26,7 @@ property (a function that judges one ``search.DrawnCall`` and raises on a discre
    calls inside one are not made, except, in a test the xfail file lists, up to
    ``regions.CONFIRM_CALLS`` until one fails, which confirms the discrepancy under its key. The
    region search never moves a call into a known region. A region that names a dimension only a
-   built call has (``regions.BUILT``: the largest query element, the heaviest lane's weight) is
+   built call has (``regions.BUILT``: the largest query element, the heaviest slot's weight) is
    decided once the call is built (:meth:`SearchRun.note`): a call built inside it is not made, or
    made to confirm it, the same way. A property that judges a derived call (rows padded with ``-1``
    lanes) gives its classes (``judged_as`` of :meth:`SearchRun.check`); every region is decided on
@@ -304,14 +304,17 @@ class SearchRun:
 
     # --- what the property reports ---------------------------------------------------------------
 
-    def note(self, call: Any, inputs: Any = None) -> None:
-        """Record one built call (every call made: covering, drawn, shrunk, region searches).
+    def note(self, call: Any, inputs: Any = None, judged: Any = None) -> None:
+        """Record one built call (every call made: covering, drawn, shrunk, region searches):
+        ``inputs`` are its built tensors (``search.build``), ``judged`` the tensors the property
+        passes to the kernel when they differ from ``inputs`` (rows permuted and padded: another
+        shape): the shape warmed and looked up is theirs.
 
         Raises:
-            ColdShape: on CUDA, ``inputs`` has a shape not yet warmed and the warm-up budget is spent
-                (the call is not recorded and must not be made).
+            ColdShape: on CUDA, the judged inputs have a shape not yet warmed and the warm-up budget
+                is spent (the call is not recorded and must not be made).
         """
-        key = self._shape(inputs)
+        key = self._shape(judged if judged is not None else inputs)
         if key is not None and not self._is_warm(key) and self._warm_budget_spent():
             raise ColdShape(call.describe())
         if self._built_open and inputs is not None:  # the judged call's own build (not a derived call's)
@@ -332,7 +335,7 @@ class SearchRun:
         (which never moves into a known region)."""
         if self._inside(call) is not None or not any(set(r.conditions) & set(regions.BUILT) for r in self.known):
             return
-        region = self._inside(call, regions.built_features(inputs.q, inputs.scores))
+        region = self._inside(call, regions.built_features(inputs.q, inputs.scores, _slots(inputs)))
         if region is None:
             return
         confirming = region.known and self._confirm_left.get(region.key, 0) > 0
@@ -800,6 +803,19 @@ class SearchRun:
                 f"in {len(self.drawn)} calls{f'; {unjudged}' if short else ''}{stopped}:")  # fmt: skip
         text = "\n".join([head, *(d.text() for d in self.found)])
         raise (NewDiscrepancy if new else KnownDiscrepancy)(text)
+
+
+def _slots(inputs: Any) -> Any:
+    """``[T, topk + extra_topk]`` int64: the cache slot each lane of a built call names, the extra
+    cache's offset by ``2**40`` (``regions.built_features``'s ``slots``)."""
+    main = inputs.indices.long().reshape(inputs.indices.shape[0], -1)
+    extra = inputs.kwargs.get("extra_indices")
+    if extra is None:
+        return main
+    both = main.new_empty((main.shape[0], main.shape[1] + extra.shape[-1]))
+    both[:, : main.shape[1]] = main
+    both[:, main.shape[1] :] = extra.long().reshape(extra.shape[0], -1) + (1 << 40)
+    return both
 
 
 def _failed_call(exc: BaseException) -> bool:

@@ -292,24 +292,29 @@ def test_a_known_region_of_a_built_dimension_is_confirmed_and_the_search_goes_pa
 
 
 @pytest.mark.parametrize(
-    ("scores", "expected"),
+    ("scores", "slots", "expected"),
     [
-        ([[0.0, float("-inf")]], "0.99+"),  # one valid lane: all its row's weight
-        ([[0.0, 0.0]], "below-0.99"),  # two equal lanes: 1/2 each
-        ([[0.0, -5.0]], "0.99+"),  # 1 / (1 + e**-5) = 0.99331
-        ([[0.0, -4.0]], "below-0.99"),  # 1 / (1 + e**-4) = 0.98201
-        ([[float("-inf"), float("-inf")], [0.0, 0.0]], "below-0.99"),  # an empty row has no heaviest lane
-        ([[1000.0, 0.0]], "0.99+"),  # large logits: shifted by the row's largest, no overflow
+        ([[0.0, float("-inf")]], [[3, 4]], "0.99+"),  # one valid lane: all its row's weight
+        ([[0.0, 0.0]], [[3, 4]], "below-0.99"),  # two equal lanes on two slots: 1/2 each
+        ([[0.0, 0.0]], [[4, 4]], "0.99+"),  # two lanes naming one slot: its weight is both's
+        ([[0.0, 0.0, 0.0]], [[4, 7, 4]], "below-0.99"),  # slot 4 holds 2/3
+        ([[0.0, -5.0]], [[3, 4]], "0.99+"),  # 1 / (1 + e**-5) = 0.99331
+        ([[0.0, -4.0]], [[3, 4]], "below-0.99"),  # 1 / (1 + e**-4) = 0.98201
+        ([[0.0, -4.0, 0.0]], [[3, 4, 3]], "0.99+"),  # slot 3: 2 / (2 + e**-4) = 0.99093 (each lane 0.495)
+        ([[float("-inf"), float("-inf")], [0.0, 0.0]], [[1, 1], [1, 2]], "below-0.99"),  # an empty row: no slot
+        ([[1000.0, 0.0]], [[3, 4]], "0.99+"),  # large logits: shifted by the row's largest, no overflow
     ],
 )
-def test_top_lane_weight_is_the_heaviest_lanes_share_of_its_row(scores, expected) -> None:
-    """``regions.built_features``'s ``top_lane_weight`` against shares computed by hand (softmax over a
-    row's valid lanes, ``-inf`` where a lane does not attend; threshold ``regions.TOP_LANE_WEIGHT``)."""
+def test_top_slot_weight_is_the_heaviest_slots_share_of_its_row(scores, slots, expected) -> None:
+    """``regions.built_features``'s ``top_slot_weight`` against shares computed by hand (softmax over a
+    row's valid lanes, ``-inf`` where a lane does not attend, lanes naming one slot summed; threshold
+    ``regions.TOP_SLOT_WEIGHT``)."""
     import torch
 
     s = torch.tensor(scores, dtype=torch.float64).unsqueeze(1)  # [T, H=1, N]
     q = torch.zeros(s.shape[0], 1, 8, dtype=torch.bfloat16)
-    assert regions.built_features(q, s) == {"query_peak": "e4m3-range", "top_lane_weight": expected}
+    got = regions.built_features(q, s, torch.tensor(slots, dtype=torch.int64))
+    assert got == {"query_peak": "e4m3-range", "top_slot_weight": expected}
 
 
 def test_the_lane_order_property_s_padding_lies_in_a_known_region_of_minus_one_lanes() -> None:

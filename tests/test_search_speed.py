@@ -9,6 +9,8 @@ The stacks are written by hand: frames named as Triton 3.6's and TileLang's file
 
 from __future__ import annotations
 
+import dataclasses
+
 import time
 import traceback
 from types import SimpleNamespace
@@ -258,14 +260,20 @@ def test_an_error_while_warming_is_left_to_the_judged_call(monkeypatch) -> None:
 
 
 @pytest.mark.full_tier  # a search run of a wrong kernel, shrunk and reported; 659 draws built (CONTRIBUTING.md)
-@pytest.mark.parametrize("twins", [True, False], ids=["warm-twins", "no-twins"])
-def test_once_the_warm_up_budget_is_spent_a_drawn_call_is_judged_on_a_warm_shape(monkeypatch, twins: bool) -> None:
+@pytest.mark.parametrize(("twins", "derived"), [(True, False), (False, False), (True, True)],
+                         ids=["warm-twins", "no-twins", "derived-inputs"])
+def test_once_the_warm_up_budget_is_spent_a_drawn_call_is_judged_on_a_warm_shape(
+    monkeypatch, twins: bool, derived: bool
+) -> None:  # fmt: skip
     """A kernel that autotunes per shape spends the warm-up budget on its first shape; after that a
     drawn call of a new shape is judged with its own values on a shape already warm
     (``search.with_shape_of``), so a bug of values (here: wrong when the NoPE exponent is above 20)
     is still found. The shape keys are the real ones of the built tensors (``search_speed.shape_key``
     on CPU tensors that read as CUDA). Without the twins (``SearchRun._warm_twin`` off) the same run
-    makes only the draws that happen to have the warm shape (1 or 2) and finds nothing."""
+    makes only the draws that happen to have the warm shape (1 or 2) and finds nothing. A property
+    that judges inputs of another shape than the drawn call's (the lane-order property pads each row
+    with a ``-1`` lane) names them to ``note`` (``judged=``): the shapes warmed are those judged, and
+    the twins are made on them the same way."""
     from pytest_sparse_mla import search, search_run
     from pytest_sparse_mla.envelope import Envelope, Widths
     from pytest_sparse_mla.errors import NewDiscrepancy
@@ -289,9 +297,13 @@ def test_once_the_warm_up_budget_is_spent_a_drawn_call_is_judged_on_a_warm_shape
 
     def prop(call: search.DrawnCall) -> None:
         inputs = search.build(call)
-        run.note(call, inputs)
-        run.warm(None, inputs)
-        made.append(search_speed.shape_key(inputs.q, inputs.kv_cache, inputs.indices, inputs.kwargs))
+        judged = inputs
+        if derived:  # one -1 lane more per row: another indices shape than the drawn call's
+            pad = torch.full((inputs.indices.shape[0], 1), -1, dtype=inputs.indices.dtype)
+            judged = dataclasses.replace(inputs, indices=torch.cat([inputs.indices, pad], dim=1))
+        run.note(call, inputs, judged=judged)
+        run.warm(None, judged)
+        made.append(search_speed.shape_key(judged.q, judged.kv_cache, judged.indices, judged.kwargs))
         if call.main.value_exponent > 20:
             raise AssertionError("wrong output for large NoPE values")
 
