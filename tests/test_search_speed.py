@@ -10,7 +10,6 @@ The stacks are written by hand: frames named as Triton 3.6's and TileLang's file
 from __future__ import annotations
 
 import dataclasses
-
 import time
 import traceback
 from types import SimpleNamespace
