@@ -344,7 +344,7 @@ def test_the_lane_order_property_s_padding_lies_in_a_known_region_of_minus_one_l
     known = [regions.parse_region("masked-lane-scored", "masked_lanes=-1,other-negative,all")]
     outcomes = {}
     for name, how in (("drawn", None), ("judged", judged_as)):
-        run = search_run.SearchRun(8, None, 0, lambda *a: None, known=known, confirm=True)
+        run = search_run.SearchRun(4, None, 0, lambda *a: None, known=known, confirm=True)
         with pytest.raises((NewDiscrepancy, KnownDiscrepancy)):
             run.check(prop, ReferenceImplementation.envelope, "cpu", covering=False, judged_as=how)
         outcomes[name] = run.found
