@@ -130,9 +130,13 @@ class OutOfTime(NotMade):
 class InRegion(NotMade):
     """A call that, once built, lies in a region by a dimension only a built call has
     (``regions.BUILT``): a known region already confirmed (or not to be confirmed in this test), a
-    found one, or any known one during a region search: not made."""
+    found one, or any known one during a region search: not made. ``key``: the region's."""
 
     counter = "not-made-in-region"
+
+    def __init__(self, text: str, key: str) -> None:
+        super().__init__(text)
+        self.key = key
 
 
 class OutOfMemory(NotMade):
@@ -168,7 +172,7 @@ class Discrepancy:
         finds it (a known region's key; ``new: <region>`` for one found in this run), ``name`` the
         run's own name for it."""
         first = next((line for line in self.message.splitlines() if line.strip()), "")
-        cause = self.region.key if self.region.known else f"new: {self.region.text()}"
+        cause = _cause(self.region)
         out = {**self.region.as_dict(), "key": cause, "name": self.region.key, "check": first[:300],
                "call": self.call.describe(), "count": self.count}  # fmt: skip
         return {**out, "region_search": "cut by the time limit"} if self.cut else out
@@ -274,6 +278,10 @@ class SearchRun:
         self.drawn: list[dict[str, Any]] = []
         self.ends: dict[str, Counter[str]] = {}
         self.spent: Counter[str] = Counter()
+        #: Draws not made because they lie in a region, per cause (a known region's key, ``new: <region>``
+        #: for one found in this run, as :meth:`Discrepancy.as_dict` names it): where
+        #: ``spent["not-made-in-region"]`` went.
+        self.in_regions: Counter[str] = Counter()
         self.found: list[Discrepancy] = []
         self.failed = False
         self._confirm_left = {r.key: regions.CONFIRM_CALLS if confirm else 0 for r in self.known}
@@ -342,7 +350,7 @@ class SearchRun:
         if confirming and self._phase != "region-search":
             self.built_region = region
             return
-        raise InRegion(call.describe())
+        raise InRegion(call.describe(), _cause(region))
 
     @staticmethod
     def _shape(inputs: Any) -> tuple[Any, ...] | None:
@@ -360,6 +368,12 @@ class SearchRun:
         from pytest_sparse_mla import search_speed
 
         return key in search_speed.WARMED
+
+    def _not_made(self, exc: NotMade) -> None:
+        """Count a call not made (``spent[exc.counter]``; per region for :class:`InRegion`)."""
+        self.spent[exc.counter] += 1
+        if isinstance(exc, InRegion):
+            self.in_regions[exc.key] += 1
 
     def _warm_budget_spent(self) -> bool:
         return self.warm_seconds is not None and self.warm_spent >= self.warm_seconds
@@ -388,14 +402,16 @@ class SearchRun:
         recording.begin_test()  # the warm-up is not a call of the test: no reproducer replays it
 
     def summary(self) -> dict[str, Any]:
-        """``{"calls", "failed", "seed", "dims", "ends", "spent", "seconds", "discrepancies"}``
-        (``seconds``: whole seconds spent warming, outside the time limit; a dict of counts, so
-        ``shards.merge_summaries`` sums it)."""
+        """``{"calls", "failed", "seed", "dims", "ends", "spent", "in_regions", "seconds",
+        "discrepancies"}`` (``in_regions``: draws not made per region key; ``seconds``: whole seconds
+        spent warming, outside the time limit; dicts of counts, so ``shards.merge_summaries`` sums
+        them)."""
         return {
             "calls": len(self.drawn), "failed": int(self.failed), "seed": self.seed,
             "dims": coverage.merge_dims(self.drawn),
             "ends": {dim: dict(c) for dim, c in sorted(self.ends.items())},
-            "spent": dict(self.spent), "seconds": {"warm-up": round(self.warm_spent)},
+            "spent": dict(self.spent), "in_regions": dict(self.in_regions),
+            "seconds": {"warm-up": round(self.warm_spent)},
             "discrepancies": [d.as_dict() for d in self.found],
         }  # fmt: skip
 
@@ -619,6 +635,7 @@ class SearchRun:
         confirming = region is not None and region.known and self._confirm_left.get(region.key, 0) > 0
         if region is not None and not confirming:
             self.spent["not-made-in-region"] += 1
+            self.in_regions[_cause(region)] += 1
             for d in self.found:
                 if d.region is region:
                     d.count += 1
@@ -627,7 +644,7 @@ class SearchRun:
         try:
             exc = self._judge(prop, call, twin=not confirming)
         except NotMade as not_made:
-            self.spent[not_made.counter] += 1
+            self._not_made(not_made)
             return None
         finally:
             self.hints = hints
@@ -651,7 +668,7 @@ class SearchRun:
             try:
                 exc = self._judge(prop, call) or exc
             except NotMade as not_made:
-                self.spent[not_made.counter] += 1
+                self._not_made(not_made)
             finally:
                 self.hints = False
         self._confirm_left[region.key] = 0
@@ -680,7 +697,7 @@ class SearchRun:
             try:
                 exc = self._judge(prop, call, twin=True)
             except NotMade as not_made:
-                self.spent[not_made.counter] += 1
+                self._not_made(not_made)
                 reject()
             if self.built_region is not None:  # inside a known region once built: it confirms it, never fails
                 self._confirmed(prop, self.built_region, exc)
@@ -732,7 +749,7 @@ class SearchRun:
                 try:
                     verdict = self._judge(prop, alt, timed=True)
                 except NotMade as not_made:  # not made: neither keeps nor loses the failure
-                    self.spent[not_made.counter] += 1
+                    self._not_made(not_made)
                     if isinstance(not_made, OutOfTime) and dim is not None:
                         unmoved.add(dim)
                     continue
@@ -754,13 +771,13 @@ class SearchRun:
         try:
             final = self._judge(prop, current, timed=False)
         except NotMade as not_made:
-            self.spent[not_made.counter] += 1
+            self._not_made(not_made)
             final = None
         if final is None:  # the moves' merge lost the failure (or is a shape not warm): keep the call as found
             try:
                 current, final = call, self._judge(prop, call, timed=False) or exc
             except NotMade as not_made:
-                self.spent[not_made.counter] += 1
+                self._not_made(not_made)
                 current, final = call, exc
         self.hints = False
         self._phase = phase
@@ -803,6 +820,12 @@ class SearchRun:
                 f"in {len(self.drawn)} calls{f'; {unjudged}' if short else ''}{stopped}:")  # fmt: skip
         text = "\n".join([head, *(d.text() for d in self.found)])
         raise (NewDiscrepancy if new else KnownDiscrepancy)(text)
+
+
+def _cause(region: regions.Region) -> str:
+    """A region's cause, the same in every test and shard: a known region's key, ``new: <region>``
+    for one found in this run."""
+    return region.key if region.known else f"new: {region.text()}"
 
 
 def _slots(inputs: Any) -> Any:

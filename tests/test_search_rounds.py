@@ -247,6 +247,20 @@ def test_the_search_table_says_which_draws_were_not_made() -> None:
                         "(region moves, shrinking phases) 2"), lines
 
 
+def test_the_search_table_says_which_regions_took_the_draws_not_made() -> None:
+    """Draws not made inside regions are counted per cause (``in_regions`` of the summary, summed over
+    shards): a search whose known regions hold most of the input space says which ones, most first."""
+    from pytest_sparse_mla import coverage
+
+    cov = coverage.Coverage()
+    for in_regions in ({"masked-lane-scored": 700, "new: topk=1-63": 3}, {"masked-lane-scored": 100, "empty-batch": 5}):
+        cov.search.append({"calls": 5, "failed": 1, "seed": None, "dims": {}, "ends": {}, "discrepancies": [],
+                           "spent": {"random": 2, "not-made-in-region": sum(in_regions.values())},
+                           "in_regions": in_regions})  # fmt: skip
+    assert cov.search_lines()[1] == ("calls not made: inside a region (found or known) 808 ([masked-lane-scored] 800, "
+                                     "[empty-batch] 5, [new: topk=1-63] 3)"), cov.search_lines()
+
+
 def test_a_known_region_of_a_built_dimension_is_confirmed_and_the_search_goes_past_it() -> None:
     """A known region may name a dimension only a built call has (``regions.BUILT``: ``query_peak``,
     the largest ``|q|`` against E4M3's 448, which ``search.build`` derives from the drawn keys and
@@ -289,6 +303,7 @@ def test_a_known_region_of_a_built_dimension_is_confirmed_and_the_search_goes_pa
     assert any(d.region.conditions.get("query_layout") == {"strided"} for d in new), [d.region.text() for d in new]
     assert sum(beyond_made) <= 2, beyond_made  # the confirming call, then once more with its diagnosis
     assert run.spent["not-made-in-region"] >= 1, run.spent
+    assert run.summary()["in_regions"].get("e4m3-query", 0) >= 1, run.summary()["in_regions"]  # built, not made
 
 
 @pytest.mark.parametrize(
@@ -342,12 +357,12 @@ def test_the_lane_order_property_s_padding_lies_in_a_known_region_of_minus_one_l
         return regions.permuted_and_padded(classes, main_padded=padded(call), extra_padded=False)
 
     known = [regions.parse_region("masked-lane-scored", "masked_lanes=-1,other-negative,all")]
-    outcomes = {}
+    outcomes, outcomes_in = {}, {}
     for name, how in (("drawn", None), ("judged", judged_as)):
         run = search_run.SearchRun(4, None, 0, lambda *a: None, known=known, confirm=True)
         with pytest.raises((NewDiscrepancy, KnownDiscrepancy)):
             run.check(prop, ReferenceImplementation.envelope, "cpu", covering=False, judged_as=how)
-        outcomes[name] = run.found
+        outcomes[name], outcomes_in[name] = run.found, run.summary()["in_regions"]
     assert any(not d.region.known and "-1 lane scored" in d.message for d in outcomes["drawn"]), \
         [(d.region.text(), d.message[:60]) for d in outcomes["drawn"]]  # fmt: skip
     found = outcomes["judged"]
@@ -356,3 +371,4 @@ def test_the_lane_order_property_s_padding_lies_in_a_known_region_of_minus_one_l
     new = [d for d in found if not d.region.known]
     assert new and all("-1 lane scored" not in d.message for d in new), [d.message[:60] for d in new]
     assert any(d.region.conditions.get("query_layout") == {"strided"} for d in new), [d.region.text() for d in new]
+    assert outcomes_in["judged"].get("masked-lane-scored", 0) >= 1, outcomes_in  # drawn there, not made
