@@ -74,6 +74,9 @@ FEATURES: dict[str, tuple[str, ...]] = {
     "value_exponent": ("below-2**-20", "2**-20..2**20", "above-2**20"),
     "rope_exponent": ("below-2**-20", "2**-20..2**20", "above-2**20"),
     "value_spread": ("none", "wide"),
+    "extra_value_exponent": ("none", "below-2**-20", "2**-20..2**20", "above-2**20"),
+    "extra_rope_exponent": ("none", "below-2**-20", "2**-20..2**20", "above-2**20"),
+    "extra_value_spread": ("none", "wide"),
     "scale_end": ("none", "smallest", "largest"),
     "extra_scale_end": ("none", "smallest", "largest"),
     "score_spread": ("0", "small", "large"),
@@ -145,8 +148,9 @@ def _exponent(e: int) -> str:
 
 def features(call: Any) -> dict[str, str]:
     """The class of each dimension of ``call`` (a ``search.DrawnCall``): ``{name: class}`` with the
-    names and classes of :data:`FEATURES` (the main cache's for per-cache dimensions), but for the
-    :data:`BUILT` ones, which only :func:`built_features` of the built call has.
+    names and classes of :data:`FEATURES` (the main cache's for per-cache dimensions; the ``extra_``
+    ones the extra cache's, ``"none"`` without one), but for the :data:`BUILT` ones, which only
+    :func:`built_features` of the built call has.
 
     Token counts: ``"decode"`` is 2..64, ``"prefill"`` 65..256, ``"prefill-large"`` above 256
     (FlashInfer's decode cutoff, ``envelope.DECODE_MAX_TOKENS``). Score offsets: ``"near-zero"`` is
@@ -179,6 +183,9 @@ def features(call: Any) -> dict[str, str]:
         "value_exponent": _exponent(m.value_exponent),
         "rope_exponent": _exponent(m.rope_exponent),
         "value_spread": "wide" if m.wide else "none",
+        "extra_value_exponent": "none" if call.extra is None else _exponent(call.extra.value_exponent),
+        "extra_rope_exponent": "none" if call.extra is None else _exponent(call.extra.rope_exponent),
+        "extra_value_spread": "wide" if call.extra is not None and call.extra.wide else "none",
         "scale_end": getattr(m, "scale_end", "none"),
         "extra_scale_end": "none" if call.extra is None else getattr(call.extra, "scale_end", "none"),
         "score_spread": "0" if call.score_spread == 0 else ("small" if call.score_spread <= 2 else "large"),

@@ -235,6 +235,9 @@ def moves(call: Any, envelope: Envelope) -> list[tuple[str | None, list[Any]]]:
         add("extra_stale_lanes", [rep(call, extra=dataclasses.replace(call.extra, stale=s))
                                   for s in ("-1", "1<<30", "poisoned-slot")])  # fmt: skip
         add("extra_scale_end", [rep(call, extra=dataclasses.replace(call.extra, scale_end="none"))])
+        add("extra_value_exponent", [rep(call, extra=dataclasses.replace(call.extra, value_exponent=0))])
+        add("extra_rope_exponent", [rep(call, extra=dataclasses.replace(call.extra, rope_exponent=0))])
+        add("extra_value_spread", [rep(call, extra=dataclasses.replace(call.extra, wide=False))])
         unmasked = dataclasses.replace(call.extra, masked_fraction=0.0)
         add("extra_masked_lanes", [rep(call, extra=unmasked),
                                    rep(call, extra=dataclasses.replace(unmasked, masked_fraction=0.5, mask_value=-1))])
