@@ -17,6 +17,10 @@ from pathlib import Path
 
 import pytest
 
+# Imported up front: this module's inner sessions (``_run``) restore sys.modules afterwards, so a
+# torch first imported inside one would be unloaded and imported again by a later test (a crash).
+import torch
+
 pytest.importorskip("hypothesis")
 
 from pytest_sparse_mla import covering, regions  # noqa: E402
@@ -324,8 +328,6 @@ def test_top_slot_weight_is_the_heaviest_slots_share_of_its_row(scores, slots, e
     """``regions.built_features``'s ``top_slot_weight`` against shares computed by hand (softmax over a
     row's valid lanes, ``-inf`` where a lane does not attend, lanes naming one slot summed; threshold
     ``regions.TOP_SLOT_WEIGHT``)."""
-    import torch
-
     s = torch.tensor(scores, dtype=torch.float64).unsqueeze(1)  # [T, H=1, N]
     q = torch.zeros(s.shape[0], 1, 8, dtype=torch.bfloat16)
     got = regions.built_features(q, s, torch.tensor(slots, dtype=torch.int64))
@@ -372,3 +374,24 @@ def test_the_lane_order_property_s_padding_lies_in_a_known_region_of_minus_one_l
     assert new and all("-1 lane scored" not in d.message for d in new), [d.message[:60] for d in new]
     assert any(d.region.conditions.get("query_layout") == {"strided"} for d in new), [d.region.text() for d in new]
     assert outcomes_in["judged"].get("masked-lane-scored", 0) >= 1, outcomes_in  # drawn there, not made
+
+
+@pytest.mark.parametrize("extra", [False, True], ids=["main", "with-extra"])
+@pytest.mark.parametrize("num_tokens", [0, 3])
+def test_a_built_call_of_any_token_count_is_classed_by_its_built_dimensions(num_tokens, extra) -> None:
+    """A known region naming a built dimension classes every built call, one of zero tokens included
+    (no row: ``top_slot_weight`` is ``below-0.99``): the classification never fails a call the kernel
+    has not been given yet. The slots of both caches line up with the lanes of ``scores``."""
+    import dataclasses
+
+    from pytest_sparse_mla import search, search_run
+
+    calls = covering.schedule(ReferenceImplementation.envelope)
+    call = next(c for c in calls if c.fmt == "dsv4" and (c.extra is not None) == extra)
+    inputs = search.build(dataclasses.replace(call, num_tokens=num_tokens, empty_fraction=0.0), "cpu")
+    slots = search_run._slots(inputs)
+    assert tuple(slots.shape) == (num_tokens, inputs.scores.shape[-1])
+    feats = regions.built_features(inputs.q, inputs.scores, slots)
+    assert set(feats) == set(regions.BUILT)
+    if num_tokens == 0:
+        assert feats == {"query_peak": "e4m3-range", "top_slot_weight": "below-0.99"}
