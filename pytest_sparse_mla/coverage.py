@@ -156,11 +156,10 @@ class Coverage:
         lines = [f"{report['tests']} search tests, {report['calls']} calls drawn (shrinking included), "
                  f"{report['failed']} failed"]  # fmt: skip
         spent = report.get("spent", {})
-        not_made = [f"{NOT_MADE[k]} {spent[k]}" for k in NOT_MADE if spent.get(k)]
         by_region = sorted(report.get("in_regions", {}).items(), key=lambda kv: (-kv[1], kv[0]))
-        if by_region and spent.get("not-made-in-region"):  # which regions took them: [KEY] count, most first
-            i = [k for k in NOT_MADE if spent.get(k)].index("not-made-in-region")
-            not_made[i] += f" ({', '.join(f'[{k}] {n}' for k, n in by_region)})"
+        held = f" ({', '.join(f'[{k}] {n}' for k, n in by_region)})" if by_region else ""  # most first
+        not_made = [f"{NOT_MADE[k]} {spent[k]}{held if k == 'not-made-in-region' else ''}"
+                    for k in NOT_MADE if spent.get(k)]  # fmt: skip
         if not_made:
             lines.append(f"calls not made: {', '.join(not_made)}")
         names = [d.name for d in input_space.DIMENSIONS]

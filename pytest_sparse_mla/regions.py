@@ -33,7 +33,8 @@ outside it.
   row and pads it with ``-1`` lanes) gives the search the derived call's classes
   (:func:`permuted_and_padded`), so a known region of ``-1`` lanes holds its padded calls.
 
-Pure data and text: imports neither torch, pytest nor hypothesis.
+Pure data and text: imports neither torch, pytest nor hypothesis (:func:`built_features`, given
+tensors, imports torch when called).
 """
 
 from __future__ import annotations
@@ -212,7 +213,8 @@ def built_features(q: Any, scores: Any, slots: Any) -> dict[str, str]:
     ``[num_tokens, num_heads, topk + extra_topk]``, ``-inf`` on lanes that do not attend:
     ``search.SearchInputs.scores``) and whose lanes name the cache slots ``slots`` (int64
     ``[num_tokens, topk + extra_topk]``, one number per distinct slot of either cache, any value on
-    a lane that does not attend); any device, no torch import here.
+    a lane that does not attend; lanes naming one slot have one logit per head, as in every built
+    call); any device.
 
     ``query_peak``: ``"e4m3-range"`` when every ``|q|`` element is at most :data:`E4M3_MAX` (448),
     else ``"beyond-e4m3"``: a query a kernel casts to E4M3 without a scale loses it (saturates, or
@@ -225,6 +227,8 @@ def built_features(q: Any, scores: Any, slots: Any) -> dict[str, str]:
     row a kernel loses (an FP8 cast that flushes it to 0) shows in the output as itself, where many
     slots of comparable weight average it away.
     """
+    import torch  # called with tensors: torch is loaded already
+
     peak = float(q.detach().float().abs().amax()) if q.numel() else 0.0
     top = 0.0
     if scores.numel():
@@ -232,17 +236,13 @@ def built_features(q: Any, scores: Any, slots: Any) -> dict[str, str]:
         live = s.amax(-1, keepdim=True)
         finite = live.isfinite()
         w = (s - live.where(finite, live.new_zeros(()))).exp()  # [T, H, N]; 0 where a lane does not attend
-        ids, order = slots.to(s.device).sort(dim=-1)  # each token's lanes by slot: a slot's lanes adjacent
-        cum = w.gather(-1, order.unsqueeze(1).expand_as(w)).cumsum(-1)
-        last = ids.new_ones(ids.shape, dtype=bool)  # lane j is the last of its slot
-        last[:, :-1] = ids[:, 1:] != ids[:, :-1]
-        pos = ids.new_tensor(list(range(ids.shape[-1]))).expand_as(ids)
-        ends = pos.where(last, pos.new_full((), -1)).cummax(-1).values  # the last end at or before lane j
-        before = ends.roll(1, -1)  # the last lane of the slot before lane j's: -1 for the first slot
-        before[:, 0] = -1
-        prev = cum.gather(-1, before.clamp_min(0).unsqueeze(1).expand_as(cum)) * (before >= 0).unsqueeze(1)
-        per_slot = (cum - prev) * last.unsqueeze(1)  # the slot's summed weight at its last lane, 0 elsewhere
-        share = per_slot.amax(-1) / w.sum(-1).clamp_min(1e-300)
+        # Lanes naming one slot share its logit (per head), so a slot's weight is a lane's times the
+        # valid lanes naming it; a lane that does not attend gets a slot of its own (negative).
+        pos = torch.arange(slots.shape[-1], device=s.device)
+        ids = slots.to(s.device).where(s.isfinite().any(1), -1 - pos)
+        srt = ids.sort(dim=-1).values
+        lanes = torch.searchsorted(srt, ids, right=True) - torch.searchsorted(srt, ids)  # [T, N]: lanes per slot
+        share = (w * lanes.unsqueeze(1)).amax(-1) / w.sum(-1).clamp_min(1e-300)
         top = float(share.where(finite.squeeze(-1), share.new_zeros(())).amax())
     return {"query_peak": "e4m3-range" if peak <= E4M3_MAX else "beyond-e4m3",
             "top_slot_weight": "0.99+" if top >= TOP_SLOT_WEIGHT else "below-0.99"}

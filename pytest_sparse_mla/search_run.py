@@ -128,9 +128,10 @@ class OutOfTime(NotMade):
 
 
 class InRegion(NotMade):
-    """A call that, once built, lies in a region by a dimension only a built call has
-    (``regions.BUILT``): a known region already confirmed (or not to be confirmed in this test), a
-    found one, or any known one during a region search: not made. ``key``: the region's."""
+    """A call that lies in a region: a found one, a known one already confirmed (or not to be
+    confirmed in this test), or, for a call that lies there by a dimension only a built call has
+    (``regions.BUILT``), any known one during a region search: not made. ``key``: the region's
+    cause."""
 
     counter = "not-made-in-region"
 
@@ -637,8 +638,7 @@ class SearchRun:
         region = self._inside(call)
         confirming = region is not None and region.known and self._confirm_left.get(region.key, 0) > 0
         if region is not None and not confirming:
-            self.spent["not-made-in-region"] += 1
-            self.in_regions[_cause(region)] += 1
+            self._not_made(InRegion(call.describe(), _cause(region)))
             for d in self.found:
                 if d.region is region:
                     d.count += 1

@@ -103,17 +103,17 @@ def _reorder(indices: torch.Tensor, lengths: torch.Tensor | None, generator: tor
     return indices.gather(1, keys.argsort(dim=1).to(indices.device))
 
 
-def _pads(width: int, widths: Any) -> bool:
-    """Whether :func:`_padded` adds ``-1`` lanes to a row of ``width`` lanes (``widths``: the
-    envelope's ``topk`` or ``extra_topk``)."""
-    return widths.fit(width + 1)[1] > width
+def _wider(width: int, widths: Any) -> int:
+    """The next width after ``width`` that ``widths`` (the envelope's ``topk`` or ``extra_topk``)
+    takes, or ``width`` itself when it takes none: what :func:`_padded` pads a row to."""
+    return max(width, widths.fit(width + 1)[1])
 
 
 def _padded(indices: torch.Tensor, widths: Any) -> torch.Tensor:
     """``indices`` with ``-1`` lanes up to the next width ``widths`` takes (itself when none)."""
     width = indices.shape[1]
-    wider = widths.fit(width + 1)[1]
-    if not _pads(width, widths):
+    wider = _wider(width, widths)
+    if wider == width:
         return indices
     pad = torch.full((indices.shape[0], wider - width), -1, dtype=indices.dtype, device=indices.device)
     return torch.cat([indices, pad], dim=1)
@@ -137,8 +137,9 @@ def test_a_drawn_call_does_not_depend_on_lane_order_or_padding(
 
     def judged_as(call: search.DrawnCall, classes: dict[str, str]) -> dict[str, str]:
         """The classes of the permuted, padded call (a known region of -1 lanes holds it)."""
-        extra = call.extra is not None and _pads(call.extra.width, env.extra_topk)
-        return regions.permuted_and_padded(classes, main_padded=_pads(call.main.width, env.topk), extra_padded=extra)
+        main = _wider(call.main.width, env.topk) > call.main.width
+        extra = call.extra is not None and _wider(call.extra.width, env.extra_topk) > call.extra.width
+        return regions.permuted_and_padded(classes, main_padded=main, extra_padded=extra)
 
     sparse_mla_search.check(drawn, env, sparse_mla_device.type, covering=False, judged_as=judged_as)
 
