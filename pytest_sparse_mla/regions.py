@@ -24,8 +24,9 @@ outside it.
   (:data:`CONFIRM_CALLS` calls at most), reports a failure inside it under its key
   (:class:`~pytest_sparse_mla.errors.KnownDiscrepancy`) and one outside every known region as new.
 * A few dimensions exist only once a call is built (:data:`BUILT`, :func:`built_features`: the
-  largest query element and the heaviest cache slot's share of a row's softmax weight, which
-  ``search.build`` derives from the drawn keys and logit regime). A drawn call has no class in
+  largest query element, the heaviest cache slot's share of a row's softmax weight, and the share
+  its masked lanes would take if scored as logit 0, which ``search.build`` derives from the drawn
+  keys and logit regime). A drawn call has no class in
   them, so a region naming one holds no call until it is built: the search builds such a call, then
   skips it or confirms the known discrepancy with it (``search_run.SearchRun.note``). Only known
   regions name them; a region the search finds moves the drawn values only.
@@ -48,7 +49,8 @@ from typing import Any
 
 from pytest_sparse_mla.envelope import ALL_FORMATS
 
-__all__ = ["BUILT", "CONFIRM_CALLS", "E4M3_MAX", "FEATURES", "Region", "TOP_SLOT_WEIGHT", "built_features", "features",
+__all__ = ["BUILT", "CONFIRM_CALLS", "E4M3_MAX", "FEATURES", "MASKED_LANE_WEIGHT", "Region",
+           "TOP_SLOT_WEIGHT", "built_features", "features",
            "parse_region", "permuted_and_padded", "read_regions"]
 
 #: Calls the search makes inside a known region per test to confirm the discrepancy still shows
@@ -93,15 +95,24 @@ FEATURES: dict[str, tuple[str, ...]] = {
     "query_layout": ("contiguous", "strided"),
     "query_peak": ("e4m3-range", "beyond-e4m3"),
     "top_slot_weight": ("below-0.99", "0.99+"),
+    "masked_lane_weight": ("none", "below-2**-12", "2**-12+"),
 }
 
 #: The dimensions of :data:`FEATURES` only a built call has (:func:`built_features`).
-BUILT = ("query_peak", "top_slot_weight")
+BUILT = ("query_peak", "top_slot_weight", "masked_lane_weight")
 
 #: The share of a row's softmax weight (its lanes', the sink left out) on its heaviest cache slot from
 #: which ``top_slot_weight`` is ``"0.99+"``: the row's output is then that slot's value row to within
 #: 1%, so an error in a single value element is no longer averaged away by the other slots.
 TOP_SLOT_WEIGHT = 0.99
+
+#: The share of a row's softmax weight its masked lanes would take if each were scored as a lane of
+#: logit 0 from which ``masked_lane_weight`` is ``"2**-12+"``: a kernel (or its caller) that gathers a
+#: zero row for a masked lane moves such a row's LSE by ``-ln(1 - share)``, about the share, and
+#: scales its output by at most ``1 - share``; below ``2**-12`` (a quarter of the LSE bound
+#: ``2**-10`` of the ``kernel`` and ``kernel-fp8`` profiles, ``pytest_sparse_mla.tolerances``) that
+#: cannot show under those profiles (it can under ``tight``'s ``1e-6``).
+MASKED_LANE_WEIGHT = 2.0**-12
 
 #: E4M3's largest finite magnitude (OCP 8-bit Floating Point Specification (OFP8) v1.0, 2023:
 #: S.1111.110 = 448; ``torch.finfo(torch.float8_e4m3fn).max``).
@@ -207,14 +218,15 @@ def features(call: Any) -> dict[str, str]:
     }
 
 
-def built_features(q: Any, scores: Any, slots: Any) -> dict[str, str]:
+def built_features(q: Any, scores: Any, slots: Any, masked: Any = None) -> dict[str, str]:
     """The classes of the :data:`BUILT` dimensions of a built call whose query is ``q`` (a tensor
     ``[num_tokens, num_heads, d_qk]``, any float dtype), whose logits are ``scores`` (float64
     ``[num_tokens, num_heads, topk + extra_topk]``, ``-inf`` on lanes that do not attend:
     ``search.SearchInputs.scores``) and whose lanes name the cache slots ``slots`` (int64
     ``[num_tokens, topk + extra_topk]``, one number per distinct slot of either cache, any value on
     a lane that does not attend; lanes naming one slot have one logit per head, as in every built
-    call); any device.
+    call) and whose rows hold ``masked`` masked lanes (int ``[num_tokens]``: lanes inside the row's
+    length, either cache, whose index is negative; ``None``: none); any device.
 
     ``query_peak``: ``"e4m3-range"`` when every ``|q|`` element is at most :data:`E4M3_MAX` (448),
     else ``"beyond-e4m3"``: a query a kernel casts to E4M3 without a scale loses it (saturates, or
@@ -226,6 +238,15 @@ def built_features(q: Any, scores: Any, slots: Any) -> dict[str, str]:
     weights summed), else ``"below-0.99"``: where one slot carries the row, an element of its value
     row a kernel loses (an FP8 cast that flushes it to 0) shows in the output as itself, where many
     slots of comparable weight average it away.
+
+    ``masked_lane_weight``: ``"none"`` when no row has a masked lane; else the largest share, over
+    the (token, head) rows, of the row's softmax weight (the sink left out) its ``m`` masked lanes
+    would take if each were scored as a lane of logit 0 with a zero value, ``m / (m + sum_j
+    exp(s_j))`` (1 for a row of masked lanes only), is ``"2**-12+"`` from
+    :data:`MASKED_LANE_WEIGHT`, else ``"below-2**-12"``: a kernel or caller that gathers a zero row
+    for a masked lane (SGLang's ``_forward_prefill_sparse_q8kv8``, ``deepseek_v4_backend.py``,
+    replaces every ``-1`` with the index of a zero workspace row) is wrong by about that share,
+    which next to far larger logits (a far-positive offset, a peaked row) is below every bound.
     """
     import torch  # called with tensors: torch is loaded already
 
@@ -244,8 +265,18 @@ def built_features(q: Any, scores: Any, slots: Any) -> dict[str, str]:
         lanes = torch.searchsorted(srt, ids, right=True) - torch.searchsorted(srt, ids)  # [T, N]: lanes per slot
         share = (w * lanes.unsqueeze(1)).amax(-1) / w.sum(-1).clamp_min(1e-300)
         top = float(share.where(finite.squeeze(-1), share.new_zeros(())).amax())
+    zero = "none"
+    if masked is not None and bool((masked > 0).any()):
+        s = scores.detach()
+        m = masked.to(device=s.device, dtype=s.dtype).unsqueeze(1)  # [T, 1]
+        high = s.amax(-1).clamp_min(0.0)  # [T, H]: max(0, the row's largest logit); -inf rows give 0
+        rest = (s - high.unsqueeze(-1)).exp().sum(-1)  # sum_j exp(s_j - high); 0 for a row of no valid lane
+        held = m * (-high).exp()
+        share = held / (held + rest).clamp_min(1e-300)
+        zero = "2**-12+" if float(share.amax()) >= MASKED_LANE_WEIGHT else "below-2**-12"
     return {"query_peak": "e4m3-range" if peak <= E4M3_MAX else "beyond-e4m3",
-            "top_slot_weight": "0.99+" if top >= TOP_SLOT_WEIGHT else "below-0.99"}
+            "top_slot_weight": "0.99+" if top >= TOP_SLOT_WEIGHT else "below-0.99",
+            "masked_lane_weight": zero}
 
 
 def permuted_and_padded(feats: Mapping[str, str], *, main_padded: bool, extra_padded: bool) -> dict[str, str]:

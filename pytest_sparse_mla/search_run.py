@@ -93,7 +93,7 @@ from pytest_sparse_mla.envelope import Envelope
 from pytest_sparse_mla.errors import KnownDiscrepancy, NewDiscrepancy
 
 __all__ = [
-    "ColdShape", "NotMade", "OutOfMemory", "OutOfTime", "Discrepancy", "MAX_DISCREPANCIES", "TIME_SHARE",
+    "ColdShape", "NotMade", "OutOfMemory", "OutOfTime", "Discrepancy", "MAX_DISCREPANCIES", "SearchError", "TIME_SHARE",
     "SearchRun", "moves",
 ]  # fmt: skip
 
@@ -138,6 +138,12 @@ class InRegion(NotMade):
     def __init__(self, text: str, key: str) -> None:
         super().__init__(text)
         self.key = key
+
+
+class SearchError(BaseException):
+    """An error of the search's own code while it notes a call (classing, recording it), raised
+    inside the property: a ``BaseException``, as pytest's outcomes are, so neither the run nor
+    Hypothesis takes it for a failure of the kernel; the test fails with it and its cause."""
 
 
 class OutOfMemory(NotMade):
@@ -325,13 +331,20 @@ class SearchRun:
         Raises:
             ColdShape: on CUDA, the judged inputs have a shape not yet warmed and the warm-up budget
                 is spent (the call is not recorded and must not be made).
+            InRegion: the built call lies in a region by its :data:`regions.BUILT` dimensions.
+            SearchError: classing the built call failed (a fault of the search, not the kernel's).
         """
         key = self._shape(judged if judged is not None else inputs)
         if key is not None and not self._is_warm(key) and self._warm_budget_spent():
             raise ColdShape(call.describe())
         if self._built_open and inputs is not None:  # the judged call's own build (not a derived call's)
             self._built_open = False
-            self._classify_built(call, inputs)
+            try:
+                self._classify_built(call, inputs, judged if judged is not None else inputs)
+            except NotMade:
+                raise
+            except Exception as exc:
+                raise SearchError(f"classing the built call failed: {exc!r}; call: {call.describe()}") from exc
         if key is not None and self._is_warm(key):
             self._warm_calls.setdefault(key, call)
         self._noted = (key, call)
@@ -339,15 +352,17 @@ class SearchRun:
         for dim, labels in covering.ends_of(call).items():
             self.ends.setdefault(dim, Counter()).update(labels)
 
-    def _classify_built(self, call: Any, inputs: Any) -> None:
-        """The region ``call`` lies in by its :data:`regions.BUILT` dimensions (``inputs.q``), where its
+    def _classify_built(self, call: Any, inputs: Any, judged: Any) -> None:
+        """The region ``call`` lies in by its :data:`regions.BUILT` dimensions (of its built
+        ``inputs``; the masked lanes those of ``judged``, the tensors the kernel gets, whose rows a
+        property may permute, which moves no row's sums, and pad with ``-1`` lanes, which count), where its
         drawn values alone put it in none: a known region still to be confirmed is kept in
         :attr:`built_region` (the call is made and confirms it, as a drawn call inside it would);
         any other region raises :class:`InRegion`, and so does every region during a region search
         (which never moves into a known region)."""
         if self._inside(call) is not None or not any(set(r.conditions) & set(regions.BUILT) for r in self.known):
             return
-        region = self._inside(call, regions.built_features(inputs.q, inputs.scores, _slots(inputs)))
+        region = self._inside(call, regions.built_features(inputs.q, inputs.scores, _slots(inputs), _masked(judged)))
         if region is None:
             return
         confirming = region.known and self._confirm_left.get(region.key, 0) > 0
@@ -843,6 +858,28 @@ def _slots(inputs: Any) -> Any:
     both[:, : main.shape[1]] = main
     both[:, main.shape[1] :] = extra + (1 << 40)
     return both
+
+
+def _masked(inputs: Any) -> Any:
+    """``[T]`` int64: the masked lanes of each row of a built call, either cache: lanes inside the
+    row's length (``topk_length`` / ``extra_topk_length`` clamped to ``[0, topk]``; the whole row
+    without one) whose index is negative (``regions.built_features``'s ``masked``)."""
+    import torch
+
+    count = None
+    for idx_name, len_name in (("indices", "topk_length"), ("extra_indices", "extra_topk_length")):
+        idx = inputs.indices if idx_name == "indices" else inputs.kwargs.get(idx_name)
+        if idx is None:
+            continue
+        idx = idx.flatten(1)  # [T, topk] (a [T, 1, topk] view too; T may be 0)
+        length = inputs.kwargs.get(len_name)
+        masked = idx < 0
+        if length is not None:
+            lane = torch.arange(idx.shape[1], device=idx.device)
+            masked &= lane < length.to(idx.device).long().reshape(-1, 1)
+        rows = masked.sum(1)
+        count = rows if count is None else count + rows
+    return count
 
 
 def _failed_call(exc: BaseException) -> bool:

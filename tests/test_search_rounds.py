@@ -310,6 +310,30 @@ def test_a_known_region_of_a_built_dimension_is_confirmed_and_the_search_goes_pa
     assert run.summary()["in_regions"].get("e4m3-query", 0) >= 1, run.summary()["in_regions"]  # built, not made
 
 
+def test_a_fault_of_the_search_while_classing_a_call_is_not_reported_as_the_kernels(monkeypatch) -> None:
+    """Classing a built call is the search's own code, run inside the property: where it raises (here
+    a stand-in of a shape mismatch, as judged inputs padded past their logits gave), the test fails
+    with ``search_run.SearchError`` naming the cause, never with a discrepancy of a kernel that was
+    not even called."""
+    from pytest_sparse_mla import search, search_run
+
+    def broken(inputs):
+        raise RuntimeError("The size of tensor a (128) must match the size of tensor b (129)")
+
+    monkeypatch.setattr(search_run, "_slots", broken)
+    known = [regions.parse_region("e4m3-query", "query_peak=beyond-e4m3")]
+    run = search_run.SearchRun(4, None, 0, lambda *a: None, known=known, confirm=True)
+    called = []
+
+    def prop(call) -> None:
+        run.note(call, search.build(call, "cpu"))
+        called.append(call)
+
+    with pytest.raises(search_run.SearchError, match=r"classing the built call failed: RuntimeError\('The size"):
+        run.check(prop, ReferenceImplementation.envelope, "cpu", covering=False)
+    assert not called and not run.found
+
+
 @pytest.mark.parametrize(
     ("scores", "slots", "expected"),
     [
@@ -331,7 +355,59 @@ def test_top_slot_weight_is_the_heaviest_slots_share_of_its_row(scores, slots, e
     s = torch.tensor(scores, dtype=torch.float64).unsqueeze(1)  # [T, H=1, N]
     q = torch.zeros(s.shape[0], 1, 8, dtype=torch.bfloat16)
     got = regions.built_features(q, s, torch.tensor(slots, dtype=torch.int64))
-    assert got == {"query_peak": "e4m3-range", "top_slot_weight": expected}
+    assert got == {"query_peak": "e4m3-range", "top_slot_weight": expected, "masked_lane_weight": "none"}
+
+
+_NO = float("-inf")
+
+
+@pytest.mark.parametrize(
+    ("scores", "masked", "expected"),
+    [
+        ([[0.0, 0.0]], [0], "none"),  # no masked lane
+        ([[0.0, _NO]], [1], "2**-12+"),  # 1 / (1 + 1) = 1/2
+        ([[_NO, _NO]], [2], "2**-12+"),  # a row of masked lanes only: all of it
+        ([[_NO, _NO]], [0], "none"),  # an empty row by its length: nothing scored
+        ([[8.0, _NO]], [1], "2**-12+"),  # e**-8 / (1 + e**-8) = 3.35e-4 >= 2**-12 = 2.44e-4
+        ([[9.0, _NO]], [1], "below-2**-12"),  # e**-9 / (1 + e**-9) = 1.23e-4
+        ([[9.0, _NO]], [2], "2**-12+"),  # 2 e**-9 / (1 + 2 e**-9) = 2.47e-4
+        ([[1000.0, _NO]], [1], "below-2**-12"),  # e**-1000: no overflow, no NaN
+        ([[-1000.0, _NO]], [1], "2**-12+"),  # far-negative logits: the zero lane takes all
+        ([[9.0, _NO], [0.0, 0.0]], [1, 0], "below-2**-12"),  # the second row has no masked lane
+        ([[9.0, _NO], [0.0, 0.0]], [1, 1], "2**-12+"),  # its 1 / (1 + 2) decides
+        ([[0.0] * 4095], [1], "2**-12+"),  # 1 / 4096 = 2**-12 exactly
+        ([[0.0] * 4096], [1], "below-2**-12"),  # 1 / 4097
+    ],
+)
+def test_masked_lane_weight_is_the_share_zero_logit_lanes_would_take(scores, masked, expected) -> None:
+    """``regions.built_features``'s ``masked_lane_weight`` against shares computed by hand: a row's
+    ``m`` masked lanes scored as logit 0 take ``m / (m + sum_j exp(s_j))`` of its weight (``-inf``
+    where a lane does not attend); the largest over the rows against ``regions.MASKED_LANE_WEIGHT``."""
+    s = torch.tensor(scores, dtype=torch.float64).unsqueeze(1)  # [T, H=1, N]
+    q = torch.zeros(s.shape[0], 1, 8, dtype=torch.bfloat16)
+    slots = torch.arange(s.shape[-1]).expand(s.shape[0], -1)
+    got = regions.built_features(q, s, slots, torch.tensor(masked))
+    assert got["masked_lane_weight"] == expected, got
+
+
+def test_a_built_calls_masked_lanes_are_the_negative_lanes_inside_each_rows_length() -> None:
+    """``search_run._masked`` on hand-made rows: a negative lane counts inside its row's length (the
+    whole row without one; a negative length holds none, a length past the row all), in either cache,
+    a ``[T, 1, topk]`` view too."""
+    from types import SimpleNamespace
+
+    from pytest_sparse_mla import search_run
+
+    idx = torch.tensor([[-1, 5, -1, 7], [-1, -2, 3, 4], [-1, -1, -1, -1]], dtype=torch.int32)
+    plain = SimpleNamespace(indices=idx, kwargs={})
+    assert search_run._masked(plain).tolist() == [2, 2, 4]
+    main_len = torch.tensor([2, -3, 9], dtype=torch.int32)
+    lengths = SimpleNamespace(indices=idx.unsqueeze(1), kwargs={"topk_length": main_len})
+    assert search_run._masked(lengths).tolist() == [1, 0, 4]
+    extra = torch.tensor([[-1, 0], [2, -1], [-1, -1]], dtype=torch.int32)
+    both = SimpleNamespace(indices=idx, kwargs={"topk_length": main_len,
+                                                "extra_indices": extra, "extra_topk_length": torch.tensor([1, 2, 0])})
+    assert search_run._masked(both).tolist() == [2, 1, 4]
 
 
 def test_the_lane_order_property_s_padding_lies_in_a_known_region_of_minus_one_lanes() -> None:
@@ -391,7 +467,7 @@ def test_a_built_call_of_any_token_count_is_classed_by_its_built_dimensions(num_
     inputs = search.build(dataclasses.replace(call, num_tokens=num_tokens, empty_fraction=0.0), "cpu")
     slots = search_run._slots(inputs)
     assert tuple(slots.shape) == (num_tokens, inputs.scores.shape[-1])
-    feats = regions.built_features(inputs.q, inputs.scores, slots)
+    feats = regions.built_features(inputs.q, inputs.scores, slots, search_run._masked(inputs))
     assert set(feats) == set(regions.BUILT)
     if num_tokens == 0:
-        assert feats == {"query_peak": "e4m3-range", "top_slot_weight": "below-0.99"}
+        assert feats == {"query_peak": "e4m3-range", "top_slot_weight": "below-0.99", "masked_lane_weight": "none"}
