@@ -26,7 +26,8 @@ property (a function that judges one ``search.DrawnCall`` and raises on a discre
    calls inside one are not made, except, in a test the xfail file lists, up to
    ``regions.CONFIRM_CALLS`` until one fails, which confirms the discrepancy under its key. The
    region search never moves a call into a known region. A region that names a dimension only a
-   built call has (``regions.BUILT``: the largest query element, the heaviest slot's weight) is
+   built call has (``regions.BUILT``: the largest query element, the heaviest slot's weight, the
+   weight masked lanes scored at logit 0 would take) is
    decided once the call is built (:meth:`SearchRun.note`): a call built inside it is not made, or
    made to confirm it, the same way. A property that judges a derived call (rows padded with ``-1``
    lanes) gives its classes (``judged_as`` of :meth:`SearchRun.check`); every region is decided on
