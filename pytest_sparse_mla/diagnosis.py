@@ -30,8 +30,9 @@ MATCHED = "the output matches that call's oracle"
 #: Causes about which lanes a kernel reads (indices, their masking, ``topk_length``): a failure
 #: with one of them shows the call's index values (``search.describe_call``).
 LANE_KEYS: frozenset[str] = frozenset(
-    {"index-0-treated-as-invalid", "topk_length-ignored", "masked-or-stale-lane-read", "empty-row-not-zero"}
-)
+    {"index-0-treated-as-invalid", "topk_length-ignored", "masked-or-stale-lane-read", "empty-row-not-zero",
+     "masked-lane-scored"}
+)  # fmt: skip
 
 _CAUSE = re.compile(r"^\s*(?:E\s+)?likely cause(?: \[(?P<key>[A-Za-z0-9_.=-]+)\])?: (?P<text>.*\S)\s*$")
 _FAIL = re.compile(r"^\s*(?:E\s+)?FAIL (?P<text>.*\S)\s*$")

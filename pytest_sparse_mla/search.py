@@ -782,6 +782,48 @@ def pool_class(call: DrawnCall) -> str:
     return "past-2**31" if (m.num_pages - 1) * m.num_layers * stride >= 2**31 else "small"
 
 
+def masked_lanes(inputs: SearchInputs) -> torch.Tensor:
+    """``[T]`` int64: the masked lanes of each row of a built call, either cache: lanes inside the
+    row's length (``topk_length`` / ``extra_topk_length`` clamped to ``[0, topk]``; the whole row
+    without one) whose index is negative (``regions.built_features``'s ``masked``); on the
+    indices' device. ``inputs`` may be a call a property derived (rows permuted and padded)."""
+    count = None
+    for idx, length in ((inputs.indices, inputs.kwargs.get("topk_length")),
+                        (inputs.kwargs.get("extra_indices"), inputs.kwargs.get("extra_topk_length"))):  # fmt: skip
+        if idx is None:
+            continue
+        idx = idx.flatten(1)  # [T, topk] (a [T, 1, topk] view too; T may be 0)
+        masked = idx < 0
+        if length is not None:
+            masked &= torch.arange(idx.shape[1], device=idx.device) < length.to(idx.device).long().reshape(-1, 1)
+        rows = masked.sum(1)
+        count = rows if count is None else count + rows.to(count.device)
+    assert count is not None  # the main cache's indices are always there
+    return count
+
+
+def _zero_lanes_scored(inputs: SearchInputs, oracle: Any) -> Any:
+    """The oracle's result as a kernel gives it that scores each masked lane (:func:`masked_lanes`) as
+    a lane of logit 0 and value 0 (it gathers a zero row for ``-1``): each (token, head) row's output
+    times ``Z / (Z + m)``, ``Z`` the row's ``sum_j exp(s_j)`` plus the sink's ``exp(attn_sink)``,
+    ``m`` its masked lanes (``oracle``: an ``attention.oracle.OracleOutput``, its scales kept); ``None``
+    when no row has a masked lane."""
+    m = masked_lanes(inputs).to(inputs.scores.device, torch.float64)  # [T]
+    if not bool((m > 0).any()):
+        return None
+    s = inputs.scores  # [T, H, N], natural-log logits, -inf where a lane does not attend
+    sink = inputs.kwargs.get("attn_sink")
+    parts = [s]
+    if isinstance(sink, torch.Tensor):
+        parts.append(sink.to(s.device, torch.float64).reshape(1, -1, 1).expand(s.shape[0], -1, 1))
+    every = torch.cat(parts, -1)
+    high = every.amax(-1).clamp_min(0.0)  # [T, H]: max(0, the largest logit or sink)
+    z = (every - high.unsqueeze(-1)).exp().sum(-1)
+    held = m.unsqueeze(1) * (-high).exp()
+    factor = (z / (z + held).clamp_min(1e-300)).cpu()
+    return dataclasses.replace(oracle, output=oracle.output.double().cpu() * factor.unsqueeze(-1))
+
+
 def _errors(a: torch.Tensor, b: Any) -> torch.Tensor:
     """``[T, H, D]``: the elementwise error of output ``a`` against an oracle result ``b``, in units of
     the oracle's ``sum_j w_j |V_j|`` (the scale of the suites' elementwise bound; at least ``2**-126``,
@@ -809,7 +851,9 @@ def diagnose(
 
     Counterfactuals: the oracle of the same call with one rule broken (``sm_scale`` of ``d_qk **
     -0.5`` or ``512 ** -0.5``, squared, or times ``log2(e)``; no sink, the sink in log2 units; no
-    extra cache; no ``topk_length``); a counterfactual whose output the kernel's matches (median
+    extra cache; no ``topk_length``; masked lanes scored as lanes of logit 0 and value 0, as SGLang's
+    ``_forward_prefill_sparse_q8kv8`` makes its kernel do by gathering a zero row for ``-1``,
+    ``deepseek_v4_backend.py``); a counterfactual whose output the kernel's matches (median
     elementwise error below ``tolerance`` in units of ``sum_j w_j |V_j|``, and four times closer
     than the true oracle) is named. Then where the wrong rows are (non-finite values, empty rows,
     the prefill route, a subset of heads, rows whose sink dominates).
@@ -871,6 +915,14 @@ def diagnose(
         if err < tolerance and err < truth / 4:
             lines.append(cause_line(key, f"{words} ({MATCHED}: relative error {err:.2e}, {truth:.2e} against "
                                          "the true oracle)"))  # fmt: skip
+    zero_lanes = _zero_lanes_scored(inputs, oracle)
+    if zero_lanes is not None:
+        err = _relative(output, zero_lanes, wrong_rows)
+        if err < tolerance and err < truth / 4:
+            lines.append(cause_line("masked-lane-scored", (
+                "masked lanes (negative indices inside the length) scored as lanes of logit 0 and value 0, as "
+                f"where a zero row is gathered for -1 ({MATCHED}: relative error {err:.2e}, {truth:.2e} against "
+                "the true oracle)")))  # fmt: skip
     lines += _where(output, inputs, oracle)
     return lines
 

@@ -363,7 +363,8 @@ class SearchRun:
         (which never moves into a known region)."""
         if self._inside(call) is not None or not any(set(r.conditions) & set(regions.BUILT) for r in self.known):
             return
-        region = self._inside(call, regions.built_features(inputs.q, inputs.scores, _slots(inputs), _masked(judged)))
+        built = regions.built_features(inputs.q, inputs.scores, _slots(inputs), search.masked_lanes(judged))
+        region = self._inside(call, built)
         if region is None:
             return
         confirming = region.known and self._confirm_left.get(region.key, 0) > 0
@@ -859,28 +860,6 @@ def _slots(inputs: Any) -> Any:
     both[:, : main.shape[1]] = main
     both[:, main.shape[1] :] = extra + (1 << 40)
     return both
-
-
-def _masked(inputs: Any) -> Any:
-    """``[T]`` int64: the masked lanes of each row of a built call, either cache: lanes inside the
-    row's length (``topk_length`` / ``extra_topk_length`` clamped to ``[0, topk]``; the whole row
-    without one) whose index is negative (``regions.built_features``'s ``masked``)."""
-    import torch
-
-    count = None
-    for idx_name, len_name in (("indices", "topk_length"), ("extra_indices", "extra_topk_length")):
-        idx = inputs.indices if idx_name == "indices" else inputs.kwargs.get(idx_name)
-        if idx is None:
-            continue
-        idx = idx.flatten(1)  # [T, topk] (a [T, 1, topk] view too; T may be 0)
-        length = inputs.kwargs.get(len_name)
-        masked = idx < 0
-        if length is not None:
-            lane = torch.arange(idx.shape[1], device=idx.device)
-            masked &= lane < length.to(idx.device).long().reshape(-1, 1)
-        rows = masked.sum(1)
-        count = rows if count is None else count + rows
-    return count
 
 
 def _failed_call(exc: BaseException) -> bool:

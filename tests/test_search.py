@@ -302,3 +302,31 @@ def test_the_hint_names_index_0_taken_for_the_mask_and_shows_the_index_values() 
     row = ", ".join(str(int(v)) for v in inputs.indices[first, :16].tolist())
     assert f"indices=[t{first}:[{row}, ...]" in line, line
     assert "indices=" not in search.describe_call(inputs, "likely cause [sm_scale-ignored]: x")
+
+
+def test_the_hint_names_masked_lanes_scored_as_lanes_of_a_zero_row() -> None:
+    """A kernel fed by a caller that gathers a zero row for every masked lane inside a row's length
+    (SGLang's ``_forward_prefill_sparse_q8kv8``; here the bundled reference over the cache with one
+    all-zero page appended, each such ``-1`` lane sent to its first slot): the search's
+    counterfactual (each row's oracle output times ``Z / (Z + m)``, the sink in ``Z``) names it.
+    The same call judged on a kernel of another bug (index value 0 masked) is not given that hint."""
+    from kernel_catalogue import index0_masked
+
+    main = dataclasses.replace(_call().main, form="2d", stride="tight", layer=0, num_layers=1, lengths=(30, 64))
+    call = _call(main=main, strided_query=False, score_offset=0.0, score_spread=1.0, sink=(1.0,))
+    inputs = search.build(call)
+    lanes = torch.arange(inputs.indices.shape[1])
+    inside = lanes < inputs.kwargs["topk_length"].long().unsqueeze(1)
+    scored = (inputs.indices < 0) & inside
+    assert bool(scored.any())
+    cache = inputs.kv_cache
+    zero_slot = cache.shape[0] * main.page_block_size
+    padded = torch.cat([cache, torch.zeros(1, cache.shape[1], dtype=cache.dtype)])
+    rows = torch.where(scored, zero_slot, inputs.indices)
+    wrong = sparse_mla_forward(inputs.q, padded, rows, **inputs.kwargs)
+    oracle = oracle_forward(inputs.q, inputs.kv_cache, inputs.indices, **inputs.kwargs)
+    hints = search.diagnose(wrong.output, inputs, oracle, oracle_forward)
+    named = "likely cause [masked-lane-scored]: masked lanes (negative indices inside the length) scored"
+    assert any(h.startswith(named) for h in hints), hints
+    other = index0_masked.sparse_mla_forward(inputs.q, inputs.kv_cache, inputs.indices, **inputs.kwargs)
+    assert not any("[masked-lane-scored]" in h for h in search.diagnose(other.output, inputs, oracle, oracle_forward))

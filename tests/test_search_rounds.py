@@ -391,23 +391,23 @@ def test_masked_lane_weight_is_the_share_zero_logit_lanes_would_take(scores, mas
 
 
 def test_a_built_calls_masked_lanes_are_the_negative_lanes_inside_each_rows_length() -> None:
-    """``search_run._masked`` on hand-made rows: a negative lane counts inside its row's length (the
+    """``search.masked_lanes`` on hand-made rows: a negative lane counts inside its row's length (the
     whole row without one; a negative length holds none, a length past the row all), in either cache,
     a ``[T, 1, topk]`` view too."""
     from types import SimpleNamespace
 
-    from pytest_sparse_mla import search_run
+    from pytest_sparse_mla import search
 
     idx = torch.tensor([[-1, 5, -1, 7], [-1, -2, 3, 4], [-1, -1, -1, -1]], dtype=torch.int32)
     plain = SimpleNamespace(indices=idx, kwargs={})
-    assert search_run._masked(plain).tolist() == [2, 2, 4]
+    assert search.masked_lanes(plain).tolist() == [2, 2, 4]
     main_len = torch.tensor([2, -3, 9], dtype=torch.int32)
     lengths = SimpleNamespace(indices=idx.unsqueeze(1), kwargs={"topk_length": main_len})
-    assert search_run._masked(lengths).tolist() == [1, 0, 4]
+    assert search.masked_lanes(lengths).tolist() == [1, 0, 4]
     extra = torch.tensor([[-1, 0], [2, -1], [-1, -1]], dtype=torch.int32)
     both = SimpleNamespace(indices=idx, kwargs={"topk_length": main_len,
                                                 "extra_indices": extra, "extra_topk_length": torch.tensor([1, 2, 0])})
-    assert search_run._masked(both).tolist() == [2, 1, 4]
+    assert search.masked_lanes(both).tolist() == [2, 1, 4]
 
 
 def test_the_lane_order_property_s_padding_lies_in_a_known_region_of_minus_one_lanes() -> None:
@@ -467,7 +467,7 @@ def test_a_built_call_of_any_token_count_is_classed_by_its_built_dimensions(num_
     inputs = search.build(dataclasses.replace(call, num_tokens=num_tokens, empty_fraction=0.0), "cpu")
     slots = search_run._slots(inputs)
     assert tuple(slots.shape) == (num_tokens, inputs.scores.shape[-1])
-    feats = regions.built_features(inputs.q, inputs.scores, slots, search_run._masked(inputs))
+    feats = regions.built_features(inputs.q, inputs.scores, slots, search.masked_lanes(inputs))
     assert set(feats) == set(regions.BUILT)
     if num_tokens == 0:
         assert feats == {"query_peak": "e4m3-range", "top_slot_weight": "below-0.99", "masked_lane_weight": "none"}
