@@ -51,7 +51,7 @@ from pytest_sparse_mla.envelope import ALL_FORMATS
 
 __all__ = ["BUILT", "CONFIRM_CALLS", "E4M3_MAX", "FEATURES", "MASKED_LANE_WEIGHT", "Region",
            "TOP_SLOT_WEIGHT", "built_features", "features",
-           "parse_region", "permuted_and_padded", "read_regions"]
+           "parse_region", "permuted_and_padded", "read_regions", "zero_lane_share"]
 
 #: Calls the search makes inside a known region per test to confirm the discrepancy still shows
 #: (a strict xfail then reports a fix); every later call drawn inside it is not made.
@@ -267,16 +267,35 @@ def built_features(q: Any, scores: Any, slots: Any, masked: Any = None) -> dict[
         top = float(share.where(finite.squeeze(-1), share.new_zeros(())).amax())
     zero = "none"
     if masked is not None and bool((masked > 0).any()):
-        s = scores.detach()
-        m = masked.to(device=s.device, dtype=s.dtype).unsqueeze(1)  # [T, 1]
-        high = s.amax(-1).clamp_min(0.0)  # [T, H]: max(0, the row's largest logit); -inf rows give 0
-        rest = (s - high.unsqueeze(-1)).exp().sum(-1)  # sum_j exp(s_j - high); 0 for a row of no valid lane
-        held = m * (-high).exp()
-        share = held / (held + rest).clamp_min(1e-300)
+        share = zero_lane_share(scores, masked)
         zero = "2**-12+" if float(share.amax()) >= MASKED_LANE_WEIGHT else "below-2**-12"
     return {"query_peak": "e4m3-range" if peak <= E4M3_MAX else "beyond-e4m3",
             "top_slot_weight": "0.99+" if top >= TOP_SLOT_WEIGHT else "below-0.99",
             "masked_lane_weight": zero}
+
+
+def zero_lane_share(scores: Any, masked: Any, sink: Any = None) -> Any:
+    """``[T, H]`` float64: the share of each (token, head) row's softmax weight its masked lanes
+    would take if each were scored as a lane of logit 0 (as where a zero row is gathered for a
+    ``-1`` lane), ``m / (m + Z)``: ``scores`` ``[T, H, N]`` float64 natural-log logits (``-inf`` on
+    lanes that do not attend), ``masked`` ``[T]`` the masked lanes per row (``m``; any integer
+    dtype), ``sink`` ``[H]`` natural-log logits added to ``Z = sum_j exp(s_j)`` when given (a
+    ``-inf`` one adds nothing). 1 for a row of masked lanes only, 0 for a row with none; computed
+    against ``max(0, the row's largest logit)``, so no logit overflows. On ``scores``' device."""
+    s = scores.detach() if sink is None else _with_sink(scores.detach(), sink)
+    m = masked.to(device=s.device, dtype=s.dtype).unsqueeze(1)  # [T, 1]
+    high = s.amax(-1).clamp_min(0.0)  # [T, H]
+    rest = (s - high.unsqueeze(-1)).exp().sum(-1)  # sum_j exp(s_j - high); 0 for a row of no valid lane
+    held = m * (-high).exp()
+    return held / (held + rest).clamp_min(1e-300)
+
+
+def _with_sink(scores: Any, sink: Any) -> Any:
+    """``scores`` ``[T, H, N]`` with each head's ``sink`` (``[H]``) as one more lane."""
+    import torch
+
+    column = sink.to(scores.device, scores.dtype).reshape(1, -1, 1).expand(scores.shape[0], -1, 1)
+    return torch.cat([scores, column], -1)
 
 
 def permuted_and_padded(feats: Mapping[str, str], *, main_padded: bool, extra_padded: bool) -> dict[str, str]:

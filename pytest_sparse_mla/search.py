@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from hypothesis import strategies as st
 
-from pytest_sparse_mla import formats, input_space
+from pytest_sparse_mla import formats, input_space, regions
 from pytest_sparse_mla.diagnosis import LANE_KEYS, MATCHED, cause_keys, cause_line
 from pytest_sparse_mla.envelope import Envelope
 
@@ -808,19 +808,12 @@ def _zero_lanes_scored(inputs: SearchInputs, oracle: Any) -> Any:
     times ``Z / (Z + m)``, ``Z`` the row's ``sum_j exp(s_j)`` plus the sink's ``exp(attn_sink)``,
     ``m`` its masked lanes (``oracle``: an ``attention.oracle.OracleOutput``, its scales kept); ``None``
     when no row has a masked lane."""
-    m = masked_lanes(inputs).to(inputs.scores.device, torch.float64)  # [T]
+    m = masked_lanes(inputs)
     if not bool((m > 0).any()):
         return None
-    s = inputs.scores  # [T, H, N], natural-log logits, -inf where a lane does not attend
     sink = inputs.kwargs.get("attn_sink")
-    parts = [s]
-    if isinstance(sink, torch.Tensor):
-        parts.append(sink.to(s.device, torch.float64).reshape(1, -1, 1).expand(s.shape[0], -1, 1))
-    every = torch.cat(parts, -1)
-    high = every.amax(-1).clamp_min(0.0)  # [T, H]: max(0, the largest logit or sink)
-    z = (every - high.unsqueeze(-1)).exp().sum(-1)
-    held = m.unsqueeze(1) * (-high).exp()
-    factor = (z / (z + held).clamp_min(1e-300)).cpu()
+    share = regions.zero_lane_share(inputs.scores, m, sink if isinstance(sink, torch.Tensor) else None)
+    factor = (1.0 - share).cpu()  # Z / (Z + m)
     return dataclasses.replace(oracle, output=oracle.output.double().cpu() * factor.unsqueeze(-1))
 
 
