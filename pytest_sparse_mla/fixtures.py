@@ -439,7 +439,7 @@ def sparse_mla_search(
     known = regions.read_regions(sparse_mla_options.xfail_file) if sparse_mla_options.xfail_file else []
     limit = request.node.get_closest_marker("timeout")
     seconds = float(limit.args[0]) if limit is not None and limit.args and limit.args[0] else None
-    return search_run.SearchRun(
+    run = search_run.SearchRun(
         sparse_mla_options.search_examples, sparse_mla_options.search_seed, sparse_mla_search_shard, keep,
         shrink=not _expected_to_fail(request), known=known, confirm=_expected_to_fail(request),
         shards=sparse_mla_options.search_shards * (g.count if (g := sparse_mla_options.search_shard_group) else 1),
@@ -447,6 +447,8 @@ def sparse_mla_search(
         warm_seconds=seconds,
         judged_seconds=seconds * search_run.TIME_SHARE if seconds is not None else None,
     )  # fmt: skip
+    run.last_kernel_call = device_health.last_call  # a failure before the kernel is called is the search's
+    return run
 
 
 def _expected_to_fail(request: pytest.FixtureRequest) -> bool:

@@ -142,9 +142,10 @@ class InRegion(NotMade):
 
 
 class SearchError(BaseException):
-    """An error of the search's own code while it notes a call (classing, recording it), raised
-    inside the property: a ``BaseException``, as pytest's outcomes are, so neither the run nor
-    Hypothesis takes it for a failure of the kernel; the test fails with it and its cause."""
+    """An error of the search's own code inside the property: classing or recording a call, or any
+    exception raised before the property called the kernel (:attr:`SearchRun.last_kernel_call`).
+    A ``BaseException``, as pytest's outcomes are, so neither the run nor Hypothesis takes it for a
+    failure of the kernel; the test fails with it and its cause."""
 
 
 class OutOfMemory(NotMade):
@@ -320,6 +321,11 @@ class SearchRun:
         #: calls): only for the call a discrepancy is reported with, not for each call Hypothesis
         #: shrinks through or the region search moves.
         self.hints = True
+        #: The guard's last kernel call of the test (``device_health.last_call``; the fixture sets it):
+        #: a property that raises before the kernel is called again fails on the search's own fault
+        #: (:class:`SearchError`), never as a discrepancy. ``None``: every failure is the kernel's
+        #: (a self-test's property that stands in for a kernel).
+        self.last_kernel_call: Callable[[], Any] | None = None
 
     # --- what the property reports ---------------------------------------------------------------
 
@@ -633,6 +639,7 @@ class SearchRun:
         from pytest_sparse_mla import device_health
 
         self.built_region, self._built_open = None, True
+        seen = self.last_kernel_call() if self.last_kernel_call is not None else None
 
         try:
             prop(call)
@@ -642,6 +649,9 @@ class SearchRun:
             if device_health.is_out_of_memory(exc):
                 device_health.release_device_memory()
                 raise OutOfMemory(str(exc)) from exc
+            if isinstance(exc, Exception) and self.last_kernel_call is not None and self.last_kernel_call() is seen:
+                raise SearchError(f"the property failed before it called the kernel: {exc!r}; "
+                                  f"call: {call.describe()}") from exc  # fmt: skip
             if isinstance(exc, Exception):  # a failure of the kernel
                 return exc
             if _failed_call(exc):  # pytest's outcomes: a refusal of the guard (pytest.fail) is a failure

@@ -310,6 +310,38 @@ def test_a_known_region_of_a_built_dimension_is_confirmed_and_the_search_goes_pa
     assert run.summary()["in_regions"].get("e4m3-query", 0) >= 1, run.summary()["in_regions"]  # built, not made
 
 
+def test_a_property_that_fails_before_it_calls_the_kernel_fails_on_the_search_not_the_kernel() -> None:
+    """With the guard's last kernel call to go by (``SearchRun.last_kernel_call``, which the fixture
+    sets to ``device_health.last_call``), an exception the property raises before the kernel is
+    called (here a ``TypeError`` of the property's own code, as a wrapper of ``note`` with an old
+    signature raised on an H100) fails the test as ``SearchError``; one raised once the kernel was
+    called is the kernel's discrepancy."""
+    from pytest_sparse_mla import search_run
+    from pytest_sparse_mla.errors import NewDiscrepancy
+
+    calls: list[object] = []
+
+    def kernel() -> None:  # stands in for the guard's call: a new KernelCall each time
+        calls.append(object())
+        raise AssertionError("output: 512 of 512 elements exceed their bound")
+
+    def harness_fault(call) -> None:
+        raise TypeError("note() got an unexpected keyword argument 'judged'")
+
+    outcomes = {}
+    for name, prop in (("before", harness_fault), ("after", lambda call: kernel())):
+        run = search_run.SearchRun(4, None, 0, lambda *a: None, shrink=False)  # the verdict is the test
+        run.last_kernel_call = lambda: calls[-1] if calls else None
+        try:
+            run.check(prop, ReferenceImplementation.envelope, "cpu", covering=False)
+        except BaseException as exc:  # noqa: BLE001 - the outcome is what is tested
+            outcomes[name] = exc
+    assert isinstance(outcomes["before"], search_run.SearchError), outcomes
+    assert "before it called the kernel: TypeError" in str(outcomes["before"]), outcomes
+    assert isinstance(outcomes["after"], (NewDiscrepancy, AssertionError)), outcomes
+    assert "exceed their bound" in str(outcomes["after"]), outcomes
+
+
 def test_a_fault_of_the_search_while_classing_a_call_is_not_reported_as_the_kernels(monkeypatch) -> None:
     """Classing a built call is the search's own code, run inside the property: where it raises (here
     a stand-in of a shape mismatch, as judged inputs padded past their logits gave), the test fails
