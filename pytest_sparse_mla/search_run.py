@@ -649,7 +649,9 @@ class SearchRun:
             if device_health.is_out_of_memory(exc):
                 device_health.release_device_memory()
                 raise OutOfMemory(str(exc)) from exc
-            if isinstance(exc, Exception) and self.last_kernel_call is not None and self.last_kernel_call() is seen:
+            before_kernel = self.last_kernel_call is not None and self.last_kernel_call() is seen
+            # a dead CUDA context met before the call is an earlier kernel's fault, not the search's
+            if before_kernel and isinstance(exc, Exception) and not device_health.is_context_error(f"{exc!r}"):
                 raise SearchError(f"the property failed before it called the kernel: {exc!r}; "
                                   f"call: {call.describe()}") from exc  # fmt: skip
             if isinstance(exc, Exception):  # a failure of the kernel

@@ -315,7 +315,8 @@ def test_a_property_that_fails_before_it_calls_the_kernel_fails_on_the_search_no
     sets to ``device_health.last_call``), an exception the property raises before the kernel is
     called (here a ``TypeError`` of the property's own code, as a wrapper of ``note`` with an old
     signature raised on an H100) fails the test as ``SearchError``; one raised once the kernel was
-    called is the kernel's discrepancy."""
+    called is the kernel's discrepancy, and so is a dead CUDA context met before the call (an earlier
+    kernel's fault)."""
     from pytest_sparse_mla import search_run
     from pytest_sparse_mla.errors import NewDiscrepancy
 
@@ -328,8 +329,11 @@ def test_a_property_that_fails_before_it_calls_the_kernel_fails_on_the_search_no
     def harness_fault(call) -> None:
         raise TypeError("note() got an unexpected keyword argument 'judged'")
 
+    def dead_context(call) -> None:  # an earlier kernel's illegal access, met at the next allocation
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
     outcomes = {}
-    for name, prop in (("before", harness_fault), ("after", lambda call: kernel())):
+    for name, prop in (("before", harness_fault), ("after", lambda call: kernel()), ("dead", dead_context)):
         run = search_run.SearchRun(4, None, 0, lambda *a: None, shrink=False)  # the verdict is the test
         run.last_kernel_call = lambda: calls[-1] if calls else None
         try:
@@ -340,6 +344,7 @@ def test_a_property_that_fails_before_it_calls_the_kernel_fails_on_the_search_no
     assert "before it called the kernel: TypeError" in str(outcomes["before"]), outcomes
     assert isinstance(outcomes["after"], (NewDiscrepancy, AssertionError)), outcomes
     assert "exceed their bound" in str(outcomes["after"]), outcomes
+    assert not isinstance(outcomes["dead"], search_run.SearchError) and "illegal memory access" in str(outcomes["dead"])
 
 
 def test_a_fault_of_the_search_while_classing_a_call_is_not_reported_as_the_kernels(monkeypatch) -> None:
