@@ -863,15 +863,11 @@ def _cause(region: regions.Region) -> str:
 def _slots(inputs: Any) -> Any:
     """``[T, topk + extra_topk]`` int64: the cache slot each lane of a built call names, the extra
     cache's offset by ``2**40`` (``regions.built_features``'s ``slots``)."""
+    import torch
+
     main = inputs.indices.long().flatten(1)  # [T, topk] (a [T, 1, topk] view too; T may be 0)
     extra = inputs.kwargs.get("extra_indices")
-    if extra is None:
-        return main
-    extra = extra.long().flatten(1)
-    both = main.new_empty((main.shape[0], main.shape[1] + extra.shape[1]))
-    both[:, : main.shape[1]] = main
-    both[:, main.shape[1] :] = extra + (1 << 40)
-    return both
+    return main if extra is None else torch.cat([main, extra.long().flatten(1) + (1 << 40)], 1)
 
 
 def _failed_call(exc: BaseException) -> bool:

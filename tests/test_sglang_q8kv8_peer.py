@@ -231,54 +231,39 @@ def test_index_rows_on_another_device_are_refused_by_the_adapter_not_moved(monke
                                                 lse_convention="flashmla")  # fmt: skip
 
 
-#: A plugin that installs the stand-ins in a fresh pytest process (module docstring's checks, then the
-#: search's run below): the wheel's helpers and kernel are :class:`FakeWheel`'s, and nothing is missing.
-_STAND_IN_PLUGIN = """
-import pytest
-import test_sglang_q8kv8_peer as stand_in
-
-
-def pytest_configure(config):
-    patch = pytest.MonkeyPatch()
-    stand_in._install(patch)
-    patch.setattr(stand_in.sglang_q8kv8.SglangQ8Kv8Implementation, "skip_reason", lambda self, capability, device: None)
-"""
-
-
 @pytest.mark.full_tier
 @pytest.mark.sparse_mla_selftest_long(seconds=25)
-def test_the_search_finds_the_stand_ins_masked_lane_bug_only_inside_its_region(tmp_path: Path) -> None:
+def test_the_search_finds_the_stand_ins_masked_lane_bug_only_inside_its_region(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     """The search suite against the adapter's whole pipeline on the CPU (the caller's casts at scale 1
     and its ``-1`` -> zero-row substitution, the kernel exact in float64: :class:`FakeWheel`) with the
     shipped xfail file: the stand-in shares the real kernel's ``[masked-lane-scored]`` (from the
-    adapter's own rows), which the search confirms under its key, and no discrepancy it reports as
-    new is that bug (the search's counterfactual names it, ``search.diagnose``): the region
+    adapter's own rows), which the search meets, and no discrepancy it reports as new is that bug
+    (the search's counterfactual names it, ``search.diagnose``): the region
     ``masked_lane_weight=2**-12+`` holds every call it shows in. Other new discrepancies are not this
     test's claim: in some draws the stand-in's E4M3 casts move an LSE outside the file's regions
     (the draws depend on the modules a process has loaded: Hypothesis draws constants from them)."""
-    import os
     import re
-    import subprocess
 
+    import inner_session
+
+    _install(monkeypatch)  # the stand-ins need no wheel, no build and no GPU
+    monkeypatch.setattr(sglang_q8kv8.SglangQ8Kv8Implementation, "skip_reason", lambda self, capability, device: None)
     root = Path(__file__).resolve().parents[1]
-    (tmp_path / "q8kv8_stand_in.py").write_text(_STAND_IN_PLUGIN)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_XDIST", "PYTEST_ADDOPTS"))}
-    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(Path(__file__).parent), env.get("PYTHONPATH", "")])
     xfail = root / "pytest_sparse_mla" / "xfail" / f"{NAME}.txt"
     args = [
-        sys.executable, "-m", "pytest", "-p", "q8kv8_stand_in", "-p", "sparse_mla",
-        str(root / "suites" / "test_attention_search.py"), "--sparse-mla-impl", NAME,
+        "-p", "sparse_mla", str(root / "suites" / "test_attention_search.py"), "--sparse-mla-impl", NAME,
         "--sparse-mla-device", "cpu", "--sparse-mla-xfail-file", str(xfail),
         "-o", "xfail_strict=true", "-p", "no:xdist", "-p", "no:cacheprovider", "-q", "-rfEX", "--tb=short",
         "--basetemp", str(tmp_path / "base"),
     ]  # fmt: skip
-    proc = subprocess.run(args, cwd=root, env=env, capture_output=True, text=True, timeout=600)
-    output = proc.stdout + proc.stderr
+    returncode, output = inner_session.run(args, cwd=root, monkeypatch=monkeypatch, capsys=capsys)
     tail = "\n".join(output.splitlines()[-60:])
     failures = output.partition("= FAILURES =")[2].partition("warnings summary")[0]
-    assert proc.returncode in (0, 1) and "3 search tests" in output, f"{failures[:8000]}\n...\n{tail}"
+    assert returncode in (0, 1) and "3 search tests" in output, f"{failures[:8000]}\n...\n{tail}"
     assert "[masked-lane-scored]" in output, tail  # met: its region held draws, or a call confirmed it
-    new = re.split(r"\n(?=\S*\s*\[(?:new-\d+|[a-z0-9-]+)\] \()", failures)
-    named = [block[:3000] for block in new if "[new-" in block.split("\n", 1)[0]
+    blocks = re.split(r"\n(?=\S*\s*\[(?:new-\d+|[a-z0-9-]+)\] \()", failures)
+    named = [block[:3000] for block in blocks if "[new-" in block.split("\n", 1)[0]
              and "likely cause [masked-lane-scored]" in block]  # fmt: skip
     assert not named, "\n\n".join(named)
